@@ -1,0 +1,63 @@
+"""Per-request view of the block pool: prefix-cache lookup, slot allocation, block registration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvyard.engine.block_pool import BlockPool
+from kvyard.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix; the last token is always left to compute,
+        since its logits are needed to sample."""
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for key in request.block_keys[:max_blocks]:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens after its computed (and newly
+        cached) ones. Returns False, changing nothing, when the pool cannot supply them."""
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, blocks_needed - len(request.block_table) - len(cached_blocks))
+        num_revived = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.block_table.extend(cached_blocks)
+            request.num_registered_blocks = len(request.block_table)
+        request.block_table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Enter every full, computed block of `request` into the prefix cache."""
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        for index in range(request.num_registered_blocks, num_full):
+            self.pool.register(request.block_table[index], request.block_keys[index])
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        # Tail blocks first, so they are evicted before the shared-prefix blocks.
+        self.pool.free(reversed(request.block_table))
+        request.block_table = []
+        request.num_registered_blocks = 0

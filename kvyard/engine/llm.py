@@ -1,0 +1,97 @@
+"""Offline batch inference: `LLM(model_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvyard.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvyard.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs a model over a whole batch of prompts with continuous batching.
+
+    Keyword options are those of `EngineConfig`: block_size, num_kv_blocks, kv_cache_memory_gb,
+    max_num_batched_tokens, max_num_seqs, max_model_len, enable_prefix_caching, dtype, device.
+    """
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        token_lists = [self._tokenize(p, index) for index, p in enumerate(prompt_list)]
+        request_ids: list[str] = []
+        for index, (tokens, params) in enumerate(zip(token_lists, params_list)):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            try:
+                self.engine.add_request(request_id, tokens, params, cache_salt=cache_salt)
+            except ValueError as error:
+                for added in request_ids:
+                    self.engine.abort_request(added)
+                raise ValueError(f"prompt {index}: {error}") from error
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this model directory has none")
+            tokens: list[int] = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            if not tokens:
+                raise ValueError(f"prompt {index} is empty: at least one token is required")
+            return tokens
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError(f"prompt {index} must be a string or a list of token ids")
+        return prompt
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)

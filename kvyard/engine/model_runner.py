@@ -1,0 +1,71 @@
+"""Owns the model and its paged KV cache; turns a scheduled batch into logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.models.attention import build_attention_metadata
+from kvyard.models.config import ModelConfig
+from kvyard.models.decoder import CausalLM
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+
+
+@dataclass(slots=True)
+class BatchLogits:
+    """Logits for the scheduled requests that sample this step, in `sampling` order."""
+
+    logits: torch.Tensor
+    sampling: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        config = model.config
+        shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
+        """Run one forward pass. `scheduled` must list single-token queries first."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for item in scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            input_ids.extend(request.all_token_ids[start : start + item.num_new_tokens])
+            positions.extend(range(start, start + item.num_new_tokens))
+            if item.completes_sequence:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(item)
+        meta = build_attention_metadata(
+            block_tables=[item.request.block_table for item in scheduled],
+            context_lens=[item.request.num_computed_tokens + item.num_new_tokens for item in scheduled],
+            query_lens=[item.num_new_tokens for item in scheduled],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        if not sample_rows:
+            return BatchLogits(torch.empty(0, device=self.device), [])
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return BatchLogits(logits, sampling)

@@ -1,0 +1,96 @@
+"""A request as the engine tracks it: tokens, progress, blocks, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.block_key import chain_block_keys
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_root_key: bytes
+    block_size: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks of block_table entered into the prefix cache
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.update_block_keys()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self.update_block_keys()
+
+    def update_block_keys(self) -> None:
+        """Extend `block_keys` to cover every full block of `all_token_ids`."""
+        start = len(self.block_keys) * self.block_size
+        parent = self.block_keys[-1] if self.block_keys else self.cache_root_key
+        self.block_keys.extend(chain_block_keys(parent, self.all_token_ids[start:], self.block_size))
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; every token (prompt and output so far) is recomputed."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_registered_blocks = 0
+        self.num_preemptions += 1

@@ -1,0 +1,94 @@
+"""Turn a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.engine.request import TokenLogprobs
+from kvyard.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [len(rows), vocab] float32. Returns the sampled ids and, per row, logprobs if asked."""
+    for index, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[index, list(row.banned_token_ids)] = float("-inf")
+    token_ids = _choose_tokens(logits, rows)
+    return token_ids.tolist(), _logprobs(logits, token_ids, rows)
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        probs = _processed_probs(logits[index], [rows[i].params for i in random_rows])
+        token_ids[index] = _draw(probs, [rows[i].generator for i in random_rows])
+    return token_ids
+
+
+def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperatures[:, None]
+    top_ks = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    if min(top_ks) < logits.shape[-1]:
+        logits = _apply_top_k(logits, top_ks)
+    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+    if bool((top_ps < 1).any()):
+        logits = _apply_top_p(logits, top_ps)
+    return logits.softmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    ks = torch.tensor(top_ks, device=logits.device)
+    top_values = logits.topk(max(top_ks), dim=-1).values
+    thresholds = top_values.gather(1, (ks - 1).clamp(max=top_values.shape[1] - 1)[:, None])
+    return logits.masked_fill(logits < thresholds, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the probability mass strictly before it already reaches top_p;
+    # the most likely token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_ps[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample by the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p."""
+    noise = torch.empty_like(probs)
+    for index, generator in enumerate(generators):
+        noise[index].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    log_probs = logits[wanted].log_softmax(dim=-1)
+    for position, index in enumerate(wanted):
+        token_id = int(token_ids[index])
+        num_top = rows[index].params.logprobs or 0
+        top = log_probs[position].topk(num_top) if num_top else None
+        result[index] = TokenLogprobs(
+            token_id=token_id,
+            logprob=float(log_probs[position, token_id]),
+            top=dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
+        )
+    return result

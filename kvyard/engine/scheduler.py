@@ -1,0 +1,134 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and recompute preemption.
+
+Every step has a budget of `max_num_batched_tokens`. Running requests are served first, oldest
+first: one token for a decode, the rest of (or a chunk of) the prompt for a prefill. Then waiting
+requests are admitted, oldest first, while the budget, `max_num_seqs` and free blocks allow. When a
+running request cannot get a block, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed (much of it usually from the prefix
+cache). Serving and admitting strictly by age means no request starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvyard.engine.kv_cache_manager import KVCacheManager
+from kvyard.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so the next token can be sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.reset_for_recompute()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(request.num_tokens, num_cached)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of scheduling and release its blocks."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)

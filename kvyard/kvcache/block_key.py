@@ -1,0 +1,57 @@
+"""Block keys: the content address of one full block of KV (DESIGN.md, contract 1).
+
+`key = SHA-256(parent_key || len || token_ids as little-endian uint32 || extra)[:16]`, chained
+from a root derived from the namespace. Everything that changes the bytes of the KV (model
+identity, dtype, block size, layout version) or must isolate tenants (cache salt) is in the
+namespace, so equal keys mean interchangeable blocks in every process on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KEY_BYTES = 16
+KV_LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    model_name: str
+    model_digest: str
+    dtype: str
+    block_size: int
+    layout_version: int = KV_LAYOUT_VERSION
+    cache_salt: str = ""
+
+    def with_salt(self, cache_salt: str | None) -> KeyNamespace:
+        return KeyNamespace(
+            self.model_name, self.model_digest, self.dtype, self.block_size, self.layout_version,
+            cache_salt or "",
+        )
+
+    def root_key(self) -> bytes:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(b"kvyard-namespace\x00" + canonical).digest()[:KEY_BYTES]
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    tokens = np.asarray(token_ids, dtype="<u4").tobytes()
+    digest = hashlib.sha256(parent_key)
+    digest.update(len(token_ids).to_bytes(4, "little"))
+    digest.update(tokens)
+    digest.update(extra)
+    return digest.digest()[:KEY_BYTES]
+
+
+def chain_block_keys(parent_key: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Keys of every full block of `token_ids`, chained from `parent_key` (a root or a block key)."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_key = block_key(parent_key, token_ids[start : start + block_size])
+        keys.append(parent_key)
+    return keys

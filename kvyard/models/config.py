@@ -1,0 +1,141 @@
+"""Model configuration read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> kvyard family. All three share one decoder implementation;
+# the family only switches on QKV bias (Qwen2) or per-head Q/K RMSNorm (Qwen3).
+ARCHITECTURE_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model directory describes an architecture or feature kvyard cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    raw = json.loads(path.read_text())
+    generation_path = Path(model_dir) / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    return parse_model_config(raw, generation)
+
+
+def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    architecture, family = _resolve_family(raw)
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+    return ModelConfig(
+        architecture=architecture,
+        family=family,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        eos_token_ids=_as_id_tuple(eos),
+        bos_token_id=raw.get("bos_token_id"),
+        raw=raw,
+    )
+
+
+def _resolve_family(raw: dict[str, Any]) -> tuple[str, str]:
+    architectures = raw.get("architectures") or []
+    for name in architectures:
+        if name in ARCHITECTURE_FAMILIES:
+            return name, ARCHITECTURE_FAMILIES[name]
+    model_type = raw.get("model_type")
+    if not architectures and model_type in MODEL_TYPE_FAMILIES:
+        return str(model_type), MODEL_TYPE_FAMILIES[str(model_type)]
+    supported = ", ".join(sorted(ARCHITECTURE_FAMILIES))
+    raise UnsupportedModelError(
+        f"config.json 'architectures' {architectures or model_type!r} is not supported; supported: {supported}"
+    )
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config.json rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,106 @@
+"""Dense decoder-only transformer covering the Llama, Qwen2 and Qwen3 families.
+
+Parameter names follow the Hugging Face checkpoints, except that Q/K/V and gate/up projections
+are fused (`qkv_proj`, `gate_up_proj`) so each layer runs three large matmuls instead of six;
+`kvyard.models.loader` maps the checkpoint's separate tensors into the fused ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvyard.models.attention import AttentionMetadata, paged_attention
+from kvyard.models.config import ModelConfig
+from kvyard.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Forward pass over a flat batch of tokens from many sequences, reading/writing paged KV."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.model = DecoderBody(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final hidden states [num_tokens, hidden_size]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,96 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvyard.models.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before scaling, as the reference implementation does,
+        # so bf16 models round at the same points.
+        input_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(input_dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: slow down low frequencies, keep high ones, blend between."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.cos_table = torch.empty(0)
+        self.sin_table = torch.empty(0)
+
+    def build(self, device: torch.device) -> None:
+        inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = angles.cos()
+        self.sin_table = angles.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
+        cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)

@@ -1,0 +1,145 @@
+"""Load a Hugging Face checkpoint directory (`config.json` + `*.safetensors`) into a `CausalLM`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvyard.models.config import ModelConfig, load_model_config
+from kvyard.models.decoder import CausalLM
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# checkpoint tensor suffix -> (fused parameter suffix, shard index)
+_FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FULL_HASH_LIMIT = 256 << 20
+_SAMPLE_BYTES = 1 << 20
+_NUM_SAMPLES = 64
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = config.torch_dtype if dtype in (None, "auto") else str(dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {sorted(set(DTYPES))}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    config: ModelConfig | None = None,
+) -> CausalLM:
+    config = config or load_model_config(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    _load_weights(model, _safetensors_files(model_dir), config)
+    model.rotary.build(device)
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
+    return files
+
+
+def _load_weights(model: CausalLM, files: list[Path], config: ModelConfig) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                target = _load_tensor(params, name, reader.get_tensor(name), config)
+                if target is not None:
+                    loaded.add(target)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _load_tensor(
+    params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, config: ModelConfig
+) -> str | None:
+    """Copy one checkpoint tensor into its (possibly fused) parameter; return the parameter name."""
+    if "rotary_emb" in name:
+        return None
+    prefix, _, leaf = name.rpartition(".")
+    module_prefix, _, module = prefix.rpartition(".")
+    if module in _FUSED_SHARDS:
+        fused, shard = _FUSED_SHARDS[module]
+        target = f"{module_prefix}.{fused}.{leaf}"
+        _fused_slice(params[target], shard, fused, config).copy_(tensor)
+        return target
+    if name not in params:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            return None
+        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+    params[name].data.copy_(tensor)
+    return name
+
+
+def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfig) -> torch.Tensor:
+    if fused == "qkv_proj":
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        starts = (0, q_size, q_size + kv_size)
+        sizes = (q_size, kv_size, kv_size)
+    else:
+        starts = (0, config.intermediate_size)
+        sizes = (config.intermediate_size, config.intermediate_size)
+    return param.data.narrow(0, starts[shard], sizes[shard])
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """A stable digest of the model's config and weights, used in the KV cache namespace.
+
+    Small files are hashed whole; large ones by their safetensors header plus evenly spaced
+    samples, which tells apart checkpoints that share a config but not weights without reading
+    gigabytes at start-up.
+    """
+    digest = hashlib.sha256()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for path in _safetensors_files(model_dir):
+        digest.update(path.name.encode())
+        digest.update(_file_fingerprint(path))
+    return digest.hexdigest()[:32]
+
+
+def _file_fingerprint(path: Path) -> bytes:
+    size = path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with path.open("rb") as f:
+        if size <= _FULL_HASH_LIMIT:
+            digest.update(f.read())
+            return digest.digest()
+        for i in range(_NUM_SAMPLES):
+            f.seek(i * (size - _SAMPLE_BYTES) // (_NUM_SAMPLES - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.digest()
