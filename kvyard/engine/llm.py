@@ -85,9 +85,7 @@ def _as_prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
     return list(prompts)  # type: ignore[arg-type]
 
 
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):

@@ -78,9 +78,7 @@ class LLMEngine:
         self.kv_events = KVEventLog() if config.record_kv_events else None
         self.block_pool = BlockPool(self.num_kv_blocks, config.enable_prefix_caching, self.kv_events)
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_manager
-        )
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_manager)
         self.runner = ModelRunner(model, self.num_kv_blocks, config.block_size, self.dtype, self.device)
         self.model_name = config.served_model_name or Path(config.model).name
         self.namespace = KeyNamespace(
@@ -141,9 +139,7 @@ class LLMEngine:
             )
         needed = -(-min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size)
         if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {needed} KV blocks but the pool has {self.num_kv_blocks}"
-            )
+            raise ValueError(f"prompt plus max_tokens needs {needed} KV blocks but the pool has {self.num_kv_blocks}")
 
     def _make_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -237,9 +233,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(
-        self, request: Request, tracked: _Tracked, new_token_ids: list[int], new_text: str
-    ) -> RequestOutput:
+    def _output(self, request: Request, tracked: _Tracked, new_token_ids: list[int], new_text: str) -> RequestOutput:
         finished = request.is_finished
         return RequestOutput(
             request_id=request.request_id,

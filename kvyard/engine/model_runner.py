@@ -57,6 +57,7 @@ class ModelRunner:
             context_lens=[item.request.num_computed_tokens + item.num_new_tokens for item in scheduled],
             query_lens=[item.num_new_tokens for item in scheduled],
             block_size=self.block_size,
+            dtype=self.kv_caches[0].dtype,
             device=self.device,
         )
         hidden = self.model(

@@ -74,9 +74,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
-) -> list[TokenLogprobs | None]:
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:

@@ -30,7 +30,11 @@ class KeyNamespace:
 
     def with_salt(self, cache_salt: str | None) -> KeyNamespace:
         return KeyNamespace(
-            self.model_name, self.model_digest, self.dtype, self.block_size, self.layout_version,
+            self.model_name,
+            self.model_digest,
+            self.dtype,
+            self.block_size,
+            self.layout_version,
             cache_salt or "",
         )
 

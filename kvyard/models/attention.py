@@ -21,18 +21,20 @@ class PrefillSpan:
     query_start: int
     query_len: int
     context_len: int
-    # Slots of the whole context (cached prefix + this chunk); None when the chunk is the whole
-    # context, so keys come straight from this step's projections.
-    context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend
+    # Blocks of the whole context (cached prefix + this chunk) and the additive causal mask
+    # [query_len, context_len]; both None when the chunk is the whole context, so keys come
+    # straight from this step's projections.
+    block_table: torch.Tensor | None
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot written by each new token
+    block_size: int
     num_decode_tokens: int
-    decode_slots: torch.Tensor  # [num_decodes, max_context] slots to read (padded)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_context] bool, True = attend
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (padded with block 0)
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], 0 or -inf
     prefills: list[PrefillSpan]
 
 
@@ -41,62 +43,84 @@ def build_attention_metadata(
     context_lens: list[int],
     query_lens: list[int],
     block_size: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> AttentionMetadata:
     """Describe one step. Sequences with query_len == 1 must come first."""
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-    slot_mapping: list[torch.Tensor] = []
-    decode_rows: list[torch.Tensor] = []
     prefills: list[PrefillSpan] = []
-    query_start = 0
-    for i, (table, context_len, query_len) in enumerate(zip(block_tables, context_lens, query_lens)):
-        slots = _context_slots(table, context_len, block_size)
-        slot_mapping.append(slots[context_len - query_len :])
-        if i < num_decodes:
-            decode_rows.append(slots)
-        else:
-            prefills.append(_prefill_span(query_start, query_len, context_len, slots))
+    query_start = num_decodes
+    for table, context_len, query_len in zip(
+        block_tables[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:]
+    ):
+        prefills.append(_prefill_span(query_start, query_len, context_len, table, block_size, dtype, device))
         query_start += query_len
-    decode_slots, decode_mask = _pad_decode_rows(decode_rows)
+    decode_tables, decode_mask = _decode_tables(
+        block_tables[:num_decodes], context_lens[:num_decodes], block_size, dtype
+    )
     return AttentionMetadata(
-        slot_mapping=torch.cat(slot_mapping).to(device),
+        slot_mapping=_slot_mapping(block_tables, context_lens, query_lens, block_size).to(device),
+        block_size=block_size,
         num_decode_tokens=num_decodes,
-        decode_slots=decode_slots.to(device),
+        decode_block_tables=decode_tables.to(device),
         decode_mask=decode_mask.to(device),
-        prefills=[_to_device(span, device) for span in prefills],
+        prefills=prefills,
     )
 
 
-def _context_slots(block_table: list[int], context_len: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(block_table[: (context_len + block_size - 1) // block_size], dtype=torch.long)
-    offsets = torch.arange(block_size, dtype=torch.long)
-    return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:context_len]
+def _slot_mapping(
+    block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
+) -> torch.Tensor:
+    positions: list[int] = []
+    blocks: list[int] = []
+    for table, context_len, query_len in zip(block_tables, context_lens, query_lens):
+        span = range(context_len - query_len, context_len)
+        positions.extend(span)
+        blocks.extend(table[p // block_size] for p in span)
+    pos = torch.tensor(positions, dtype=torch.long)
+    return torch.tensor(blocks, dtype=torch.long) * block_size + pos % block_size
 
 
-def _prefill_span(query_start: int, query_len: int, context_len: int, slots: torch.Tensor) -> PrefillSpan:
+def _prefill_span(
+    query_start: int,
+    query_len: int,
+    context_len: int,
+    block_table: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PrefillSpan:
     if context_len == query_len:
         return PrefillSpan(query_start, query_len, context_len, None, None)
-    first_query_pos = context_len - query_len
-    query_pos = torch.arange(first_query_pos, context_len)[:, None]
+    num_blocks = -(-context_len // block_size)
+    query_pos = torch.arange(context_len - query_len, context_len)[:, None]
     key_pos = torch.arange(context_len)[None, :]
-    return PrefillSpan(query_start, query_len, context_len, slots, key_pos <= query_pos)
+    mask = torch.zeros(query_len, context_len, dtype=dtype).masked_fill(key_pos > query_pos, float("-inf"))
+    table = torch.tensor(block_table[:num_blocks], dtype=torch.long)
+    return PrefillSpan(query_start, query_len, context_len, table.to(device), mask.to(device))
 
 
-def _pad_decode_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    if not rows:
-        return torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 1, 1, 0, dtype=torch.bool)
-    lengths = torch.tensor([len(r) for r in rows])
-    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
-    mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
-    return padded, mask[:, None, None, :]
+def _decode_tables(
+    block_tables: list[list[int]], context_lens: list[int], block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    max_blocks = max((-(-n // block_size) for n in context_lens), default=0)
+    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
+    for row, (table, context_len) in enumerate(zip(block_tables, context_lens)):
+        used = -(-context_len // block_size)
+        tables[row, :used] = torch.tensor(table[:used], dtype=torch.long)
+    key_pos = torch.arange(max_blocks * block_size)[None, :]
+    lengths = torch.tensor(context_lens, dtype=torch.long)[:, None]
+    mask = torch.zeros(len(block_tables), max_blocks * block_size, dtype=dtype)
+    mask = mask.masked_fill(key_pos >= lengths, float("-inf"))
+    return tables, mask[:, None, None, :]
 
 
-def _to_device(span: PrefillSpan, device: torch.device) -> PrefillSpan:
-    if span.context_slots is None or span.mask is None:
-        return span
-    span.context_slots = span.context_slots.to(device)
-    span.mask = span.mask.to(device)
-    return span
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows of `cache` ([num_slots, Hkv, D]) for whole blocks: [*block_ids.shape[:-1], n*block_size, Hkv, D]."""
+    num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
+    per_block = cache.view(-1, block_size * num_kv_heads * head_dim)
+    rows = per_block.index_select(0, block_ids.flatten())
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
 
 
 def paged_attention(
@@ -116,19 +140,20 @@ def paged_attention(
         out[:num_decodes] = _decode_attention(q[:num_decodes], kv_cache, meta, scale)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, meta.block_size, scale)
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    keys = kv_cache[0][meta.decode_slots].transpose(1, 2)  # [B, Hkv, S, D]
-    values = kv_cache[1][meta.decode_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # The query heads of one KV group share its keys, so they ride along as extra query rows
+    # ([B, Hkv, group, D]) instead of expanding K and V to every query head.
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2]
+    keys = _gather_blocks(kv_cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    values = _gather_blocks(kv_cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -137,17 +162,18 @@ def _prefill_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     span: PrefillSpan,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    if span.context_slots is None:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(0, 1)
-    keys = kv_cache[0][span.context_slots].transpose(0, 1)  # [Hkv, S, D]
-    values = kv_cache[1][span.context_slots].transpose(0, 1)
+    if span.block_table is None:
+        keys, values, mask = k, v, None
+    else:
+        keys = _gather_blocks(kv_cache[0], span.block_table, block_size)[: span.context_len]
+        values = _gather_blocks(kv_cache[1], span.block_table, block_size)[: span.context_len]
+        mask = span.mask
+    # SDPA takes its fused CPU kernel only for 4-D inputs, hence the leading batch dim of 1.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=span.mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)

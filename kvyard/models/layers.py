@@ -77,20 +77,18 @@ class RotaryEmbedding(nn.Module):
     def build(self, device: torch.device) -> None:
         inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = torch.outer(positions, inv_freq)  # the table covers half a head: both halves share it
         self.cos_table = angles.cos()
         self.sin_table = angles.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
         cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding, `x * cos + rotate_half(x) * sin`, without building rotate_half."""
     first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

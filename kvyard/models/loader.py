@@ -105,6 +105,8 @@ def _load_tensor(
 
 
 def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfig) -> torch.Tensor:
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
     if fused == "qkv_proj":
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim

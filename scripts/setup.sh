@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Create .venv with kvyard and its test tools. Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+# torch first and pinned: 2.13.0 is the CPU build available here; an unpinned torch would pull CUDA.
+.venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
