@@ -171,6 +171,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that produced a token."""
         schedule = self.scheduler.schedule()

@@ -37,9 +37,8 @@ class ModelRunner:
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
-        """Run one forward pass. `scheduled` must list single-token queries first."""
+        """Run one forward pass (the caller holds torch.inference_mode). `scheduled` must list single-token queries first."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
