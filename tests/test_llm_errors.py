@@ -25,7 +25,7 @@ def _still_works(llm: LLM) -> None:
 
 
 def test_empty_prompt(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="prompt 1.*empty"):
+    with pytest.raises(ValueError, match=r"prompt 1.*empty"):
         llm.generate([[5, 6], []], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], GREEDY)
@@ -80,7 +80,7 @@ def test_missing_weights(llama_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(llama_dir, model_dir)
     for path in model_dir.glob("*.safetensors"):
         path.unlink()
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         LLM(str(model_dir))
 
 

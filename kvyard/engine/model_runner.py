@@ -38,7 +38,9 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
-        """Run one forward pass (the caller holds torch.inference_mode). `scheduled` must list single-token queries first."""
+        """Run one forward pass; `scheduled` lists single-token queries first.
+
+        The caller holds torch.inference_mode (the sampler then edits logits in place)."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
