@@ -57,7 +57,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this model directory has none")
-            tokens: list[int] = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            tokens: list[int] = self.engine.tokenizer.encode(prompt)
             if not tokens:
                 raise ValueError(f"prompt {index} is empty: at least one token is required")
             return tokens

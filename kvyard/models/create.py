@@ -1,0 +1,206 @@
+"""Create deterministic random-weight models with a locally trained tokenizer, in Hugging Face format.
+
+Tests and demos use these instead of downloading a checkpoint::
+
+    python -m kvyard.models.create --arch qwen3 --preset tiny --out /tmp/qwen3-tiny
+
+The same (arch, preset, seed, dtype) gives byte-identical files for a given Python, torch and
+transformers version (the tokenizer is trained on this Python's standard-library sources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from kvyard.models.tokenizer_build import (
+    CHATML,
+    LLAMA3,
+    ChatFormat,
+    special_token_id,
+    train_tokenizer,
+    write_tokenizer,
+)
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PRESETS = ("tiny", "small", "bench")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The default model: big enough to be a meaningful benchmark, still created in well under a minute.
+DEFAULT_ARCH = "llama"
+DEFAULT_PRESET = "bench"
+FORMAT_VERSION = 1  # bump when create_model's output changes, so cached default models are rebuilt
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # total tokenizer size, special tokens included
+    max_position_embeddings: int
+    rope_theta: float
+    # Std of the N(0, std) weight init. HF's usual 0.02 leaves a random model's logits almost flat
+    # (std ~ sqrt(hidden) * range ~ 0.2 for tiny), so greedy decoding flips on rounding noise and
+    # soon repeats one token. Each preset uses ~1.2 / sqrt(hidden), giving logits of std ~1.2:
+    # larger values made the deeper presets chaotic (bf16 and fp32 greedy paths diverge sooner),
+    # smaller ones gave tiny/small models long single-token loops.
+    initializer_range: float
+
+
+_PRESETS = MappingProxyType(
+    {
+        "tiny": Preset(64, 2, 4, 2, 16, 128, 1024, 2048, 10_000.0, 0.15),
+        "small": Preset(256, 4, 4, 2, 64, 704, 8000, 4096, 10_000.0, 0.08),
+        "bench": Preset(512, 8, 8, 4, 64, 1408, 32000, 8192, 1_000_000.0, 0.05),
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Arch:
+    config_class: Callable[..., PretrainedConfig]
+    model_class: Callable[..., PreTrainedModel]
+    chat: ChatFormat
+
+
+_ARCHS = MappingProxyType(
+    {
+        "llama": _Arch(LlamaConfig, LlamaForCausalLM, LLAMA3),
+        "qwen2": _Arch(Qwen2Config, Qwen2ForCausalLM, CHATML),
+        "qwen3": _Arch(Qwen3Config, Qwen3ForCausalLM, CHATML),
+    }
+)
+
+
+def create_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write config, generation config, random weights and tokenizer to `out_dir`; return it.
+
+    Weights are drawn from torch's global RNG seeded with `seed` (its state is restored afterwards),
+    so do not create models from several threads at once. A `dtype` other than float32 rounds the
+    float32 weights, so all dtypes of one seed hold the same model.
+    """
+    spec, preset_spec = _lookup(arch, preset)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chat = spec.chat
+    tokenizer = train_tokenizer(preset_spec.vocab_size, chat)
+    bos_id = special_token_id(tokenizer, chat.bos_token or chat.text_end_token)
+    eos_id = special_token_id(tokenizer, chat.eos_token)
+    text_end_id = special_token_id(tokenizer, chat.text_end_token)
+    config = _model_config(spec, preset_spec, tokenizer.get_vocab_size(), bos_id, eos_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = spec.model_class(config)
+    model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=[eos_id, text_end_id], pad_token_id=text_end_id
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(tokenizer, chat, out, preset_spec.max_position_embeddings)
+    return out
+
+
+def _lookup(arch: str, preset: str) -> tuple[_Arch, Preset]:
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    if preset not in _PRESETS:
+        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
+    return _ARCHS[arch], _PRESETS[preset]
+
+
+def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> PretrainedConfig:
+    return spec.config_class(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        head_dim=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        rope_theta=p.rope_theta,
+        rms_norm_eps=1e-6,
+        initializer_range=p.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def cache_root() -> Path:
+    """kvyard's cache: $KVYARD_CACHE_DIR, else $XDG_CACHE_HOME/kvyard, else ~/.cache/kvyard."""
+    if env := os.environ.get("KVYARD_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvyard"
+
+
+def default_model_dir(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
+    """Where ensure_default_model keeps a model, e.g. ~/.cache/kvyard/models/llama-bench-v1."""
+    _lookup(arch, preset)
+    return cache_root() / "models" / f"{arch}-{preset}-v{FORMAT_VERSION}"
+
+
+def ensure_default_model(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
+    """Return the cached model directory, creating it (seed 0, float32) on first use.
+
+    The model is written to a temporary sibling directory and renamed into place, so a reader
+    never sees a half-written model; when processes race, the first rename wins and the others
+    discard their copies.
+    """
+    target = default_model_dir(arch, preset)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        create_model(arch, preset, tmp)
+        tmp.rename(target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--arch", choices=ARCHITECTURES, default=DEFAULT_ARCH)
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    args = parser.parse_args(argv)
+    out = create_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
