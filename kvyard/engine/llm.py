@@ -57,9 +57,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this model directory has none")
-            tokens: list[int] = self.engine.tokenizer.encode(prompt)
-            if not tokens:
+            if not prompt:
                 raise ValueError(f"prompt {index} is empty: at least one token is required")
+            tokens: list[int] = self.engine.tokenizer.encode(prompt)
             return tokens
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise TypeError(f"prompt {index} must be a string or a list of token ids")

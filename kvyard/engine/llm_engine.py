@@ -239,7 +239,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
+            token_ids=list(request.output_token_ids),
             text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
             finished=finished,
             finish_reason=request.status.value if finished else None,
