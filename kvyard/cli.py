@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate."""
+"""`kvyard` command line: create-model, generate, serve."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_create_model(commands)
     _add_generate(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -171,6 +172,41 @@ def _write_results(path: Path | None, records: list[dict[str, Any]], outputs: li
         sys.stdout.write(text)
     else:
         path.write_text(text)
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+def _add_serve(commands: Any) -> None:
+    parser = commands.add_parser("serve", help="OpenAI-compatible HTTP server for one replica")
+    parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: embedded model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
+    parser.add_argument("--max-queued-requests", type=int, default=512,
+                        help="requests accepted beyond --max-num-seqs before answering 429")  # fmt: skip
+    parser.add_argument("--cache-salt-per-api-key", action="store_true",
+                        help="isolate prefix caches by the request's bearer token")  # fmt: skip
+    parser.add_argument("--log-level", default="info")
+    _add_engine_arguments(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvyard.engine.llm_engine import EngineConfig
+    from kvyard.server.app import ServerConfig, create_app
+
+    engine = EngineConfig(
+        model=resolve_model_dir(args.model),
+        served_model_name=args.served_model_name,
+        record_kv_events=True,
+        **engine_options(args),
+    )
+    config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,43 +23,50 @@ class IncrementalDetokenizer:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the output text so far (cut at a matched stop string)
+    emitted: int = 0  # characters of `text` already handed out as deltas
     prefix_offset: int = 0
     read_offset: int = 0
 
+    @property
+    def _holdback(self) -> int:
+        """Characters kept back until they can no longer be the start of a stop string."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
     def push(self, token_id: int) -> tuple[str, str | None]:
-        """Add a token. Returns (new text, matched stop string or None)."""
+        """Add a token. Returns (text safe to emit now, matched stop string or None)."""
         self.token_ids.append(token_id)
-        window_start = self.prefix_offset
-        before = self.decoder.decode(self.token_ids[window_start : self.read_offset], skip_special_tokens=True)
-        after = self.decoder.decode(self.token_ids[window_start:], skip_special_tokens=True)
+        before = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        after = self.decoder.decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return "", None
-        delta = after[len(before) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        return self._append_checking_stop(delta)
-
-    def _append_checking_stop(self, delta: str) -> tuple[str, str | None]:
-        old_len = len(self.text)
-        self.text += delta
-        if not self.stop:
-            return delta, None
-        longest = max(len(s) for s in self.stop)
-        search_from = max(0, old_len - longest + 1)
-        for stop in self.stop:
-            found = self.text.find(stop, search_from)
-            if found >= 0:
-                end = found + len(stop) if self.include_stop_str_in_output else found
-                self.text = self.text[:end]
-                return self.text[old_len:], stop
-        return delta, None
+        stop = self._append_checking_stop(after[len(before) :])
+        return self._emit(final=stop is not None), stop
 
     def finish(self) -> str:
-        """Flush held-back text (an incomplete character at the very end) once generation ends."""
+        """Flush everything held back (stop-string look-ahead, an incomplete last character)."""
         full = self.decoder.decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
         before = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        tail = full[len(before) :]
-        self.text += tail
         self.read_offset = len(self.token_ids)
-        return tail
+        self._append_checking_stop(full[len(before) :])
+        return self._emit(final=True)
+
+    def _append_checking_stop(self, delta: str) -> str | None:
+        """Append `delta`; if a stop string now appears, cut the text there and return it."""
+        old_len = len(self.text)
+        self.text += delta
+        search_from = max(0, old_len - self._holdback)
+        matches = [(found, stop) for stop in self.stop if (found := self.text.find(stop, search_from)) >= 0]
+        if not matches:
+            return None
+        found, stop = min(matches, key=lambda match: (match[0], -len(match[1])))
+        self.text = self.text[: found + len(stop) if self.include_stop_str_in_output else found]
+        return stop
+
+    def _emit(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self._holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

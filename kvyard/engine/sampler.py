@@ -39,8 +39,9 @@ def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperatures[:, None]
-    top_ks = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
-    if min(top_ks) < logits.shape[-1]:
+    vocab_size = logits.shape[-1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if min(top_ks) < vocab_size:
         logits = _apply_top_k(logits, top_ks)
     top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
     if bool((top_ps < 1).any()):

@@ -1,0 +1,174 @@
+"""Run the engine loop on its own thread and hand results to asyncio coroutines.
+
+The HTTP layer never touches `LLMEngine` directly: it sends commands (add, abort, snapshot) through a
+queue, and the engine thread delivers each step's outputs to per-request asyncio queues with one
+`call_soon_threadsafe` per step. The event loop therefore stays free while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.engine.llm_engine import LLMEngine, RequestOutput
+from kvyard.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; the server must be restarted."""
+
+
+@dataclass(slots=True)
+class _Command:
+    run: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any] | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters read by the HTTP layer without entering the engine thread."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_in_flight: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class AsyncEngine:
+    engine: LLMEngine
+    loop: asyncio.AbstractEventLoop
+    stats: EngineStats = field(default_factory=EngineStats)
+    error: BaseException | None = None
+    _commands: queue.Queue[_Command | None] = field(default_factory=queue.Queue)
+    _streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+    _wake: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="kvyard-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------- API for coroutines
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; closing the iterator early aborts the request."""
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, cache_salt))
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._streams.pop(request_id, None) is not None:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(_Command(lambda engine: engine.abort_request(request_id)))
+
+    async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
+        """Run `function(engine)` on the engine thread between steps and return its result."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error}")
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self._submit(_Command(function, future))
+        return await future
+
+    def _submit(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ----------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while self._drain_commands():
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._publish_stats()
+                    if outputs:
+                        self.loop.call_soon_threadsafe(self._deliver, outputs)
+                else:
+                    self._publish_stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as error:
+            self.error = error
+            self.loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _drain_commands(self) -> bool:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            self._execute(command)
+
+    def _execute(self, command: _Command) -> None:
+        try:
+            result = command.run(self.engine)
+        except Exception as error:
+            if command.future is not None:
+                self.loop.call_soon_threadsafe(_set_exception, command.future, error)
+            return
+        if command.future is not None:
+            self.loop.call_soon_threadsafe(_set_result, command.future, result)
+
+    def _publish_stats(self) -> None:
+        engine = self.engine
+        scheduler = engine.scheduler
+        self.stats = EngineStats(
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+            kv_blocks_used=engine.block_pool.num_used_blocks,
+            kv_blocks_total=engine.num_kv_blocks,
+            tokens_in_flight=sum(r.num_tokens for r in scheduler.running),
+            prefix_cache_queried_tokens=engine.kv_manager.num_queried_tokens,
+            prefix_cache_hit_tokens=engine.kv_manager.num_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    # ----------------------------------------------------------------- event loop side
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"engine stopped: {error}"))
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

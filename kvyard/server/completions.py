@@ -1,0 +1,290 @@
+"""`/v1/completions` and `/v1/chat/completions`: prompts in, choices (streamed or not) out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.engine.llm_engine import RequestOutput
+from kvyard.engine.request import TokenLogprobs
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.server.async_engine import AsyncEngine
+from kvyard.server.errors import APIError, bad_request
+from kvyard.server.metrics import ServerMetrics
+from kvyard.server.protocol import SamplingFields
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated API request: token prompts and one SamplingParams per choice."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice within a prompt (n entries)
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * len(self.params)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What has been produced (and, when streaming, sent) for one choice."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    sent_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None
+
+
+def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the n choices differ."""
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    result = []
+    for choice in range(body.n):
+        try:
+            result.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    seed=None if body.seed is None else body.seed + choice,
+                    stop=stops,
+                    stop_token_ids=list(body.stop_token_ids or []),
+                    ignore_eos=body.ignore_eos,
+                    include_stop_str_in_output=body.include_stop_str_in_output,
+                    logprobs=logprobs,
+                    min_tokens=min(body.min_tokens, max_tokens),
+                )
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+    return result
+
+
+def new_request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@dataclass(slots=True)
+class CompletionRunner:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    tokenizer: Any
+
+    async def stream_outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+        """Run every choice concurrently; yield (choice, output) as outputs arrive."""
+        choices = [
+            ChoiceState(index=p * len(prepared.params) + i, prompt_index=p)
+            for p in range(len(prepared.prompts))
+            for i in range(len(prepared.params))
+        ]
+        merged: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(prepared, choice, merged)) for choice in choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(
+        self,
+        prepared: PreparedRequest,
+        choice: ChoiceState,
+        merged: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None],
+    ) -> None:
+        prompt = prepared.prompts[choice.prompt_index]
+        params = prepared.params[choice.index % len(prepared.params)]
+        request_id = f"{prepared.request_id}-{choice.index}"
+        try:
+            async for output in self.engine.generate(request_id, prompt, params, prepared.cache_salt):
+                self._record(choice, output)
+                merged.put_nowait((choice, output))
+        except Exception as error:
+            merged.put_nowait(error)
+        finally:
+            merged.put_nowait(None)
+
+    def _record(self, choice: ChoiceState, output: RequestOutput) -> None:
+        now = time.monotonic()
+        if choice.last_token_time is None:
+            self.metrics.ttft.observe(now - choice.started)
+        else:
+            self.metrics.inter_token.observe(now - choice.last_token_time)
+        choice.last_token_time = now
+        choice.text = output.text
+        choice.token_ids = output.token_ids
+        choice.num_cached_tokens = output.num_cached_tokens
+        if output.logprobs is not None:
+            choice.logprobs = output.logprobs
+        if output.finished:
+            choice.finish_reason = "stop" if output.finish_reason == "stop" else "length"
+            choice.stop_reason = output.stop_reason
+            self.metrics.e2e.observe(now - choice.started)
+            self.metrics.requests.labels(outcome=choice.finish_reason).inc()
+            self.metrics.generation_tokens.inc(len(output.token_ids))
+
+    def usage(self, prepared: PreparedRequest, choices: list[ChoiceState]) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in prepared.prompts)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices if c.index % len(prepared.params) == 0)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def count_prompt(self, prepared: PreparedRequest, choices: list[ChoiceState]) -> None:
+        usage = self.usage(prepared, choices)
+        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+        self.metrics.cached_prompt_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
+        choices: dict[int, ChoiceState] = {}
+        async for choice, _ in self.stream_outputs(prepared):
+            choices[choice.index] = choice
+        ordered = [choices[i] for i in sorted(choices)]
+        self.count_prompt(prepared, ordered)
+        return {
+            "id": prepared.request_id,
+            "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": [self._full_choice(prepared, c) for c in ordered],
+            "usage": self.usage(prepared, ordered),
+        }
+
+    def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
+        base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
+                                "stop_reason": choice.stop_reason}  # fmt: skip
+        logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
+        if prepared.kind == "chat":
+            return {**base, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
+        return {**base, "text": choice.text, "logprobs": logprobs}
+
+    # ------------------------------------------------------------------ streaming
+
+    async def sse_events(self, prepared: PreparedRequest, stop_holdback: int) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of text, then usage (if asked) and [DONE]."""
+        choices: dict[int, ChoiceState] = {}
+        if prepared.kind == "chat":
+            for index in range(prepared.num_choices):
+                yield _sse(self._chunk(prepared, index, {"role": "assistant", "content": ""}, None, None))
+        try:
+            async for choice, output in self.stream_outputs(prepared):
+                choices[choice.index] = choice
+                chunk = self._delta_chunk(prepared, choice, output, stop_holdback)
+                if chunk is not None:
+                    yield _sse(chunk)
+        except APIError as error:
+            yield _sse({"error": {"message": error.message, "type": "invalid_request_error", "param": error.param}})
+            return
+        ordered = [choices[i] for i in sorted(choices)]
+        self.count_prompt(prepared, ordered)
+        if prepared.include_usage:
+            yield _sse({**self._envelope(prepared), "choices": [], "usage": self.usage(prepared, ordered)})
+        yield "data: [DONE]\n\n"
+
+    def _delta_chunk(
+        self, prepared: PreparedRequest, choice: ChoiceState, output: RequestOutput, stop_holdback: int
+    ) -> dict[str, Any] | None:
+        # Hold back the last few characters until they cannot start a stop string, so a client never
+        # sees text that a later stop match removes.
+        limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - stop_holdback)
+        delta = choice.text[choice.sent_chars : limit]
+        choice.sent_chars = limit
+        new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
+        if not delta and not output.finished and not new_logprobs:
+            return None
+        logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
+        if prepared.kind == "chat":
+            return self._chunk(prepared, choice.index, {"content": delta}, choice.finish_reason, logprobs)
+        return self._chunk(prepared, choice.index, delta, choice.finish_reason, logprobs)
+
+    def _envelope(self, prepared: PreparedRequest) -> dict[str, Any]:
+        return {
+            "id": prepared.request_id,
+            "object": "chat.completion.chunk" if prepared.kind == "chat" else "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+        }
+
+    def _chunk(
+        self, prepared: PreparedRequest, index: int, delta: Any, finish_reason: str | None, logprobs: Any
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
+        if prepared.kind == "chat":
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {**self._envelope(prepared), "choices": [choice]}
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _logprobs(self, prepared: PreparedRequest, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        decode = self._token_text
+        if prepared.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": decode(e.token_id),
+                        "logprob": e.logprob,
+                        "bytes": list(decode(e.token_id).encode()),
+                        "top_logprobs": [
+                            {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+                            for t, lp in e.top.items()
+                        ],
+                    }
+                    for e in entries
+                ]
+            }
+        return {
+            "tokens": [decode(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e.top.items()} for e in entries],
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text: str = self.tokenizer.decode([token_id])
+        return text
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,51 @@
+"""Prometheus metrics of one replica, in a registry owned by the app (no global state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    ttft: Histogram = field(init=False)
+    inter_token: Histogram = field(init=False)
+    e2e: Histogram = field(init=False)
+    requests: Counter = field(init=False)
+    prompt_tokens: Counter = field(init=False)
+    generation_tokens: Counter = field(init=False)
+    cached_prompt_tokens: Counter = field(init=False)
+    waiting: Gauge = field(init=False)
+    running: Gauge = field(init=False)
+    kv_blocks_used: Gauge = field(init=False)
+    kv_blocks_total: Gauge = field(init=False)
+    prefix_queried: Gauge = field(init=False)
+    prefix_hits: Gauge = field(init=False)
+    preemptions: Gauge = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.ttft = Histogram("kvyard_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.inter_token = Histogram("kvyard_inter_token_latency_seconds", "Time between output tokens",
+                                     registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = Histogram("kvyard_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.requests = Counter("kvyard_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("kvyard_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvyard_generation_tokens", "Generated tokens", registry=r)
+        self.cached_prompt_tokens = Counter("kvyard_cached_prompt_tokens", "Prompt tokens served from the prefix "
+                                            "cache, as reported in usage", registry=r)  # fmt: skip
+        self.waiting = Gauge("kvyard_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.running = Gauge("kvyard_num_requests_running", "Requests being processed", registry=r)
+        self.kv_blocks_used = Gauge("kvyard_kv_blocks_used", "KV blocks referenced by requests", registry=r)
+        self.kv_blocks_total = Gauge("kvyard_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_queried = Gauge("kvyard_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache "
+                                    "(total since start)", registry=r)  # fmt: skip
+        self.prefix_hits = Gauge("kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache (total since "
+                                 "start)", registry=r)  # fmt: skip
+        self.preemptions = Gauge("kvyard_num_preemptions", "Requests preempted (total since start)", registry=r)
