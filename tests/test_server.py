@@ -116,7 +116,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
