@@ -9,6 +9,7 @@ import torch
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.models.attention import build_attention_metadata
 from kvyard.models.config import ModelConfig
+from kvyard.models.cpu_kernels import load_paged_decode_kernel
 from kvyard.models.decoder import CausalLM
 
 
@@ -36,6 +37,8 @@ class ModelRunner:
         shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        use_native = device.type == "cpu" and dtype == torch.float32
+        self.decode_kernel = load_paged_decode_kernel() if use_native else None
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.
@@ -60,6 +63,7 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.kv_caches[0].dtype,
             device=self.device,
+            decode_kernel=self.decode_kernel,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),

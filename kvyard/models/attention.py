@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvyard.models.cpu_kernels import PagedDecodeKernel
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -35,7 +37,9 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (padded with block 0)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], 0 or -inf
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
     prefills: list[PrefillSpan]
+    decode_kernel: PagedDecodeKernel | None = None
 
 
 def build_attention_metadata(
@@ -45,6 +49,7 @@ def build_attention_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> AttentionMetadata:
     """Describe one step. Sequences with query_len == 1 must come first."""
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
@@ -64,7 +69,9 @@ def build_attention_metadata(
         num_decode_tokens=num_decodes,
         decode_block_tables=decode_tables.to(device),
         decode_mask=decode_mask.to(device),
+        decode_context_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.long, device=device),
         prefills=prefills,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -147,6 +154,12 @@ def paged_attention(
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # The query heads of one KV group share its keys, so they ride along as extra query rows
     # ([B, Hkv, group, D]) instead of expanding K and V to every query head.
+    if meta.decode_kernel is not None:
+        max_context = int(meta.decode_block_tables.shape[1]) * meta.block_size
+        return meta.decode_kernel(
+            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, max_context,
+            meta.block_size, scale,
+        )  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     keys = _gather_blocks(kv_cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)

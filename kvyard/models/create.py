@@ -11,7 +11,6 @@ transformers version (the tokenizer is trained on this Python's standard-library
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from kvyard.models.tokenizer_build import (
     train_tokenizer,
     write_tokenizer,
 )
+from kvyard.paths import cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PRESETS = ("tiny", "small", "bench")
@@ -150,14 +150,6 @@ def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: 
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
-
-
-def cache_root() -> Path:
-    """kvyard's cache: $KVYARD_CACHE_DIR, else $XDG_CACHE_HOME/kvyard, else ~/.cache/kvyard."""
-    if env := os.environ.get("KVYARD_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvyard"
 
 
 def default_model_dir(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
