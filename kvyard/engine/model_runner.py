@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from kvyard.models.attention import build_attention_metadata
 from kvyard.models.config import ModelConfig
 from kvyard.models.cpu_kernels import load_paged_decode_kernel
 from kvyard.models.decoder import CausalLM
+from kvyard.models.layers import enable_onednn
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -37,8 +39,9 @@ class ModelRunner:
         shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        use_native = device.type == "cpu" and dtype == torch.float32
-        self.decode_kernel = load_paged_decode_kernel() if use_native else None
+        native = device.type == "cpu" and dtype == torch.float32 and os.environ.get("KVYARD_CPU_KERNELS") != "0"
+        self.decode_kernel = load_paged_decode_kernel() if native else None
+        self.uses_onednn = enable_onednn(model) if native else False
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.

@@ -8,12 +8,11 @@ are fused (`qkv_proj`, `gate_up_proj`) so each layer runs three large matmuls in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
-from kvyard.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvyard.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -25,8 +24,8 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -85,7 +84,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.model = DecoderBody(config, self.rotary)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -101,4 +100,4 @@ class CausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

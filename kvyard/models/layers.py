@@ -11,6 +11,34 @@ from torch import nn
 from kvyard.models.config import RopeConfig
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can run batched matmuls through oneDNN.
+
+    On CPUs where MKL does not take its best code path (AMD), oneDNN's fp32 GEMM is up to twice as
+    fast for a batch of tokens; for a handful of rows MKL's GEMV is faster, so those stay on it.
+    Off unless `enable_onednn` turns it on.
+    """
+
+    onednn = False
+    min_onednn_rows = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn and x.shape[0] >= self.min_onednn_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def enable_onednn(model: nn.Module) -> bool:
+    """Route fp32 CPU linears through oneDNN where this PyTorch build has it; returns whether it did."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    usable = bool(linears) and torch.backends.mkldnn.is_available() and all(
+        m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears
+    )
+    for module in linears:
+        module.onednn = usable
+    return usable
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -32,8 +60,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

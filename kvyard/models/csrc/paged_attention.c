@@ -55,7 +55,11 @@ void kvyard_paged_decode_attention(const float *q, const float *k_cache, const f
                                    int head_dim, int block_size, int max_blocks, int64_t max_context,
                                    float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
+    int64_t total_keys = 0;
+    for (int b = 0; b < num_seqs; b++) total_keys += context_lens[b];
+    /* Waking a thread pool costs more than a few thousand dot products. */
+    const int parallel = total_keys * num_kv_heads >= 16384;
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads) if (parallel)
     for (int b = 0; b < num_seqs; b++) {
         for (int h = 0; h < num_kv_heads; h++) {
             float *scores = workspace + (int64_t)omp_get_thread_num() * group * max_context;
