@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -29,8 +28,10 @@ from server_utils import ServerProcess, start_server  # noqa: E402
 
 from kvyard.models.create import ensure_default_model  # noqa: E402
 
-WORDS = ("cache", "block", "token", "prefix", "replica", "router", "decode", "prefill", "latency", "batch",
-         "memory", "tensor", "kernel", "stream", "request", "session", "history", "model", "serve", "queue")  # fmt: skip
+WORDS = (
+    "cache", "block", "token", "prefix", "replica", "router", "decode", "prefill", "latency", "batch",
+    "memory", "tensor", "kernel", "stream", "request", "session", "history", "model", "serve", "queue",
+)  # fmt: skip
 
 
 def user_message(rng: random.Random, num_words: int) -> str:
