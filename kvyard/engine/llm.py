@@ -28,6 +28,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. between benchmark runs); call between generate calls."""
+        self.engine.block_pool.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Sequence[Prompt] | Prompt,
