@@ -38,9 +38,11 @@ def user_message(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def run_session(server: ServerProcess, turns: int, words_per_turn: int, max_tokens: int, seed: int) -> list[dict]:
+def run_session(
+    server: ServerProcess, turns: int, system_words: int, words_per_turn: int, max_tokens: int, seed: int
+) -> list[dict]:
     rng = random.Random(seed)
-    messages: list[dict[str, str]] = [{"role": "system", "content": user_message(rng, 200)}]
+    messages: list[dict[str, str]] = [{"role": "system", "content": user_message(rng, system_words)}]
     results = []
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
@@ -79,7 +81,8 @@ def run_session(server: ServerProcess, turns: int, words_per_turn: int, max_toke
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--words-per-turn", type=int, default=300)
+    parser.add_argument("--system-words", type=int, default=200, help="words in the system prompt")
+    parser.add_argument("--words-per-turn", type=int, default=300, help="words in each new user message")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="model dir (default: the embedded bench model)")
@@ -93,7 +96,9 @@ def main() -> None:
         print(f"{label}:")
         server = start_server(model, log_dir, "--max-model-len", "8192", *flags, timeout=300)
         try:
-            runs[label] = run_session(server, args.turns, args.words_per_turn, args.max_tokens, args.seed)
+            runs[label] = run_session(
+                server, args.turns, args.system_words, args.words_per_turn, args.max_tokens, args.seed
+            )
         finally:
             server.stop()
     per_turn = [
@@ -106,7 +111,7 @@ def main() -> None:
             "model": str(model), "model_config": json.loads((model / "config.json").read_text()),
             "dtype": "float32", "device": "cpu", "cpu": _cpu_name(), "cores": _cores(),
             "speculative_decoding": False, "concurrency": 1, "turns": args.turns,
-            "words_per_user_turn": args.words_per_turn, "system_prompt_words": 200,
+            "words_per_user_turn": args.words_per_turn, "system_prompt_words": args.system_words,
             "max_tokens_per_turn": args.max_tokens, "seed": args.seed, "kvyard_commit": _commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         },
