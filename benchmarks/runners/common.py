@@ -168,3 +168,21 @@ def write_result(path: str | Path, engine: str, info: dict[str, Any], scenarios:
     payload = {"engine": engine, **info, "python": sys.version.split()[0], "scenarios": scenarios}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def run_all_at_once(
+    generate: Callable[[list[list[int]], list[int]], list[list[int]]], scenario: Scenario
+) -> dict[str, Any]:
+    """Time one scenario for an engine that takes all prompts in one call (kvyard, vLLM).
+
+    Decode TTFT comes from a separate max_tokens=1 run of the same prompt."""
+    if scenario.name == "decode":
+        t0 = now()
+        generate(scenario.prompts, [1])
+        ttft = now() - t0
+        t0 = now()
+        outputs = generate(scenario.prompts, scenario.output_lens)
+        return decode_result(scenario, ttft, now() - t0, outputs, "separate max_tokens=1 run")
+    t0 = now()
+    outputs = generate(scenario.prompts, scenario.output_lens)
+    return throughput_result(scenario, now() - t0, outputs, batch_size=len(scenario.prompts))

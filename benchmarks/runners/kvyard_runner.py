@@ -15,14 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    Scenario,
-    decode_result,
     load_workload,
-    now,
     parse_args,
+    run_all_at_once,
     run_scenarios,
     set_thread_env,
-    throughput_result,
     write_result,
 )
 
@@ -53,20 +50,6 @@ class KvyardEngine:
         return [list(o.token_ids) for o in self.llm.generate(prompts, params)]
 
 
-def run_one(engine: KvyardEngine, scenario: Scenario) -> dict[str, Any]:
-    if scenario.name == "decode":
-        t0 = now()
-        engine.generate(scenario.prompts, [1])
-        ttft = now() - t0
-        t0 = now()
-        outputs = engine.generate(scenario.prompts, scenario.output_lens)
-        return decode_result(scenario, ttft, now() - t0, outputs, "separate max_tokens=1 run")
-    t0 = now()
-    outputs = engine.generate(scenario.prompts, scenario.output_lens)
-    wall = now() - t0
-    return throughput_result(scenario, wall, outputs, batch_size=len(scenario.prompts))
-
-
 def git_commit() -> str:
     repo = Path(__file__).resolve().parents[2]
     try:
@@ -82,7 +65,7 @@ def main() -> None:
     set_thread_env(workload.threads)
     engine = KvyardEngine(workload.model_dir, workload.threads, workload.options("kvyard"))
     engine.generate(workload.warmup.prompts, workload.warmup.output_lens)
-    results = run_scenarios(workload, args.scenarios, lambda s: run_one(engine, s))
+    results = run_scenarios(workload, args.scenarios, lambda s: run_all_at_once(engine.generate, s))
 
     import torch
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from common import (
-    Scenario,
-    decode_result,
     load_workload,
     now,
     parse_args,
+    run_all_at_once,
     run_scenarios,
     set_thread_env,
-    throughput_result,
     write_result,
 )
 
@@ -71,20 +69,6 @@ class VLLMEngine:
             return {}
 
 
-def run_one(engine: VLLMEngine, scenario: Scenario) -> dict[str, Any]:
-    if scenario.name == "decode":
-        t0 = now()
-        engine.generate(scenario.prompts, [1])
-        ttft = now() - t0
-        t0 = now()
-        outputs = engine.generate(scenario.prompts, scenario.output_lens)
-        return decode_result(scenario, ttft, now() - t0, outputs, "separate max_tokens=1 run")
-    t0 = now()
-    outputs = engine.generate(scenario.prompts, scenario.output_lens)
-    wall = now() - t0
-    return throughput_result(scenario, wall, outputs, batch_size=len(scenario.prompts))
-
-
 def main() -> None:
     args = parse_args(__doc__ or "")
     workload = load_workload(args.workload)
@@ -93,7 +77,7 @@ def main() -> None:
     engine = VLLMEngine(workload.model_dir, workload.options("vllm"))
     startup = now() - t0
     engine.generate(workload.warmup.prompts, workload.warmup.output_lens)
-    results = run_scenarios(workload, args.scenarios, lambda s: run_one(engine, s))
+    results = run_scenarios(workload, args.scenarios, lambda s: run_all_at_once(engine.generate, s))
 
     import torch
     import vllm
