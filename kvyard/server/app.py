@@ -238,9 +238,7 @@ async def _serve(replica: Replica, request: Request, prepared: PreparedRequest) 
     _admit(replica)
     if prepared.stream:
         holdback = max((len(s) for s in prepared.params[0].stop), default=1) - 1
-        return StreamingResponse(
-            _counted(replica, runner.sse_events(prepared, holdback)), media_type="text/event-stream"
-        )
+        return _CountedStream(replica, runner.sse_events(prepared, holdback))
     try:
         result = await _cancel_on_disconnect(request, runner.complete(prepared))
     finally:
@@ -259,12 +257,18 @@ def _admit(replica: Replica) -> None:
     replica.in_flight += 1
 
 
-async def _counted(replica: Replica, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        replica.in_flight -= 1
+class _CountedStream(StreamingResponse):
+    """An SSE response that leaves the in-flight count however it ends, even if never iterated."""
+
+    def __init__(self, replica: Replica, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.replica = replica
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.replica.in_flight -= 1
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:

@@ -71,17 +71,18 @@ class AsyncEngine:
         """Add a request and yield its outputs; closing the iterator early aborts the request."""
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
+        finished = False
         try:
             await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, cache_salt))
-            while True:
+            while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    return
         finally:
-            if self._streams.pop(request_id, None) is not None:
+            self._streams.pop(request_id, None)
+            if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
