@@ -31,8 +31,10 @@ class Linear(nn.Linear):
 def enable_onednn(model: nn.Module) -> bool:
     """Route fp32 CPU linears through oneDNN where this PyTorch build has it; returns whether it did."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    usable = bool(linears) and torch.backends.mkldnn.is_available() and all(
-        m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears
+    usable = (
+        bool(linears)
+        and torch.backends.mkldnn.is_available()
+        and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
     )
     for module in linears:
         module.onednn = usable
