@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -425,5 +425,3 @@ def _add_token_routes(app: FastAPI, replica: Replica) -> None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
-
-RouteHandler = Callable[..., Awaitable[Any]]
