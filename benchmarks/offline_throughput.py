@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fcntl
 import json
 import os
 import platform
@@ -551,9 +552,21 @@ def print_table(results: dict[str, dict[str, Any]], ratio: dict[str, dict[str, A
 # ---------------------------------------------------------------- main
 
 
+def hold_work_dir(work_dir: Path) -> Any:
+    """Lock the work dir for this run: a second driver waits, so engines never run two at once."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    lock = (work_dir / ".lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another offline_throughput run holds {work_dir / '.lock'}; waiting for it ...", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
 def main() -> None:
     args = parse_args()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_work_dir(args.work_dir)  # held until the process exits
     shape = QUICK if args.quick else FULL
     num_prompts = args.num_prompts or shape.num_prompts
     model_dir = ensure_model(args, kvyard_engine(args).python)
@@ -578,6 +591,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(results, ratio)
     print(f"\nwrote {args.out}")
+    lock.close()
 
 
 if __name__ == "__main__":
