@@ -24,6 +24,12 @@ def test_text_prompts_decode_to_output_tokens(llm: LLM) -> None:
         assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
+def test_outputs_carry_request_times(llm: LLM) -> None:
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert out.times is not None and out.times.first_token is not None and out.times.finished is not None
+    assert out.times.arrival <= out.times.first_token <= out.times.finished
+
+
 def test_stop_string_truncates_output(llm: LLM) -> None:
     prompt = "import os\nimport sys\n"
     full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]

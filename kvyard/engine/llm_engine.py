@@ -39,6 +39,15 @@ class EngineConfig:
     record_kv_events: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """time.monotonic() stamps of a request's life, for latency metrics (TTFT = first_token - arrival)."""
+
+    arrival: float
+    first_token: float | None
+    finished: float | None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -52,6 +61,7 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
+    times: RequestTimes | None = None
 
 
 @dataclass(slots=True)
@@ -248,6 +258,7 @@ class LLMEngine:
             new_text=new_text,
             logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,
             stop_reason=request.stop_reason,
+            times=RequestTimes(request.arrival_time, request.first_token_time, time.monotonic() if finished else None),
         )
 
     # ----------------------------------------------------------------- stats

@@ -424,4 +424,3 @@ def _add_token_routes(app: FastAPI, replica: Replica) -> None:
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens)}
-
