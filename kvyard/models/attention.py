@@ -36,7 +36,7 @@ class AttentionMetadata:
     block_size: int
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], 0 or -inf
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; None with a native kernel
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     prefills: list[PrefillSpan]
     decode_kernel: PagedDecodeKernel | None = None
@@ -60,15 +60,19 @@ def build_attention_metadata(
     ):
         prefills.append(_prefill_span(query_start, query_len, context_len, table, block_size, dtype, device))
         query_start += query_len
-    decode_tables, decode_mask = _decode_tables(
-        block_tables[:num_decodes], context_lens[:num_decodes], block_size, dtype
+    decode_tables = _decode_tables(block_tables[:num_decodes], context_lens[:num_decodes], block_size)
+    # The native kernel reads exactly context_len keys per row, so only the PyTorch path needs a mask.
+    decode_mask = (
+        None
+        if decode_kernel is not None
+        else _decode_mask(context_lens[:num_decodes], decode_tables, block_size, dtype)
     )
     return AttentionMetadata(
         slot_mapping=_slot_mapping(block_tables, context_lens, query_lens, block_size).to(device),
         block_size=block_size,
         num_decode_tokens=num_decodes,
         decode_block_tables=decode_tables.to(device),
-        decode_mask=decode_mask.to(device),
+        decode_mask=decode_mask.to(device) if decode_mask is not None else None,
         decode_context_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.long, device=device),
         prefills=prefills,
         decode_kernel=decode_kernel,
@@ -107,19 +111,21 @@ def _prefill_span(
     return PrefillSpan(query_start, query_len, context_len, table.to(device), mask.to(device))
 
 
-def _decode_tables(
-    block_tables: list[list[int]], context_lens: list[int], block_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> torch.Tensor:
     max_blocks = max((-(-n // block_size) for n in context_lens), default=0)
     tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
     for row, (table, context_len) in enumerate(zip(block_tables, context_lens)):
         used = -(-context_len // block_size)
         tables[row, :used] = torch.tensor(table[:used], dtype=torch.long)
-    key_pos = torch.arange(max_blocks * block_size)[None, :]
+    return tables
+
+
+def _decode_mask(context_lens: list[int], tables: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_decodes, 1, 1, max_blocks * block_size]: 0 for real keys, -inf for padding."""
+    key_pos = torch.arange(tables.shape[1] * block_size)[None, :]
     lengths = torch.tensor(context_lens, dtype=torch.long)[:, None]
-    mask = torch.zeros(len(block_tables), max_blocks * block_size, dtype=dtype)
-    mask = mask.masked_fill(key_pos >= lengths, float("-inf"))
-    return tables, mask[:, None, None, :]
+    mask = torch.zeros(len(context_lens), key_pos.shape[1], dtype=dtype).masked_fill(key_pos >= lengths, float("-inf"))
+    return mask[:, None, None, :]
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
