@@ -10,9 +10,9 @@ import torch
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.models.attention import build_attention_metadata
 from kvyard.models.config import ModelConfig
-from kvyard.models.cpu_kernels import load_paged_decode_kernel
+from kvyard.models.cpu_kernels import load_native_kernels
 from kvyard.models.decoder import CausalLM
-from kvyard.models.layers import enable_onednn
+from kvyard.models.layers import enable_cpu_fast_paths
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -40,8 +40,9 @@ class ModelRunner:
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         native = device.type == "cpu" and dtype == torch.float32 and os.environ.get("KVYARD_CPU_KERNELS") != "0"
-        self.decode_kernel = load_paged_decode_kernel() if native else None
-        self.uses_onednn = enable_onednn(model) if native else False
+        kernels = load_native_kernels() if native else None
+        self.decode_kernel = kernels.paged_decode if kernels is not None else None
+        self.uses_cpu_fast_paths = enable_cpu_fast_paths(model, kernels)
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.

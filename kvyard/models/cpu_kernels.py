@@ -1,8 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached per machine.
 
-Only what PyTorch lacks: decode attention that reads the paged KV cache in place instead of
-gathering it into a temporary first. Without a compiler (or with KVYARD_CPU_KERNELS=0) callers
-use the pure PyTorch path, which computes the same thing.
+Only what PyTorch lacks or does slowly here: decode attention that reads the paged KV cache in
+place instead of gathering it into a temporary first, and the few-row matmul of a decode step,
+which must stream the weights at memory speed. Without a compiler (or with KVYARD_CPU_KERNELS=0)
+callers use the pure PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvyard.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SOURCES = ("paged_attention.c", "small_linear.c", "elementwise.c")
+_SOURCE_DIR = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -58,35 +60,109 @@ class PagedDecodeKernel:
         return out
 
 
-def load_paged_decode_kernel() -> PagedDecodeKernel | None:
-    """Compile (once per machine) and load the kernel; None if that is not possible here."""
+@dataclass(frozen=True, slots=True)
+class SmallLinearKernel:
+    """`F.linear` for fp32 inputs of a few rows; weights [n, k] contiguous."""
+
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    num_threads: int
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self.function(
+            _ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out), x.shape[0], weight.shape[0],
+            weight.shape[1], self.num_threads,
+        )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ElementwiseKernels:
+    """Fused residual-add + RMSNorm and in-place rotary embedding, fp32 with contiguous rows."""
+
+    add_rms_norm_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rotary_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Adds x into `residual` in place (unless x is None) and returns the normalised residual."""
+        out = torch.empty_like(residual)
+        x = None if x is None else x.contiguous()  # bound to a name: the buffer must outlive the call
+        rows, dim = residual.shape
+        self.add_rms_norm_function(
+            None if x is None else _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, ctypes.c_float(eps)
+        )
+        return out
+
+    def rotary(
+        self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """x: [T, H, D] with contiguous heads (rows may be strided), rotated in place."""
+        num_tokens, num_heads, head_dim = x.shape
+        self.rotary_function(
+            _ptr(x), x.stride(0), num_tokens, num_heads, head_dim, _ptr(cos_table), _ptr(sin_table), _ptr(positions)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    paged_decode: PagedDecodeKernel
+    small_linear: SmallLinearKernel
+    elementwise: ElementwiseKernels
+
+
+def load_native_kernels() -> NativeKernels | None:
+    """Compile (once per machine) and load the kernels; None if that is not possible here."""
     if os.environ.get("KVYARD_CPU_KERNELS", "1") == "0":
         return None
     try:
         library = ctypes.CDLL(str(_compiled_library()))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
+    except subprocess.CalledProcessError as error:
+        logger.warning("native CPU kernels failed to compile; using the PyTorch path:\n%s", error.stderr.decode())
+        return None
+    except (OSError, FileNotFoundError) as error:
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", error)
         return None
-    function = library.kvyard_paged_decode_attention
-    function.restype = None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    function.argtypes = [pointer] * 7 + [integer] * 6 + [ctypes.c_int64, ctypes.c_float, integer]
-    return PagedDecodeKernel(function, torch.get_num_threads())
+    pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    decode = library.kvyard_paged_decode_attention
+    decode.restype = None
+    decode.argtypes = [pointer] * 7 + [integer] * 6 + [int64, ctypes.c_float, integer]
+    linear = library.kvyard_small_linear
+    linear.restype = None
+    linear.argtypes = [pointer] * 4 + [int64] * 3 + [integer]
+    add_rms_norm = library.kvyard_add_rms_norm
+    add_rms_norm.restype = None
+    add_rms_norm.argtypes = [pointer] * 4 + [int64] * 2 + [ctypes.c_float]
+    rotary = library.kvyard_rotary
+    rotary.restype = None
+    rotary.argtypes = [pointer] + [int64] * 4 + [pointer] * 3
+    threads = torch.get_num_threads()
+    return NativeKernels(
+        PagedDecodeKernel(decode, threads), SmallLinearKernel(linear, threads), ElementwiseKernels(add_rms_norm, rotary)
+    )
+
+
+def find_compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
 def _compiled_library() -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    source = _SOURCE.read_bytes()
+    sources = [_SOURCE_DIR / name for name in _SOURCES]
+    source = b"".join(path.read_bytes() for path in sources)
     fingerprint = hashlib.sha256(source + " ".join(_FLAGS).encode() + _machine_fingerprint()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{fingerprint}.so"
+    target = cache_root() / "kernels" / f"kvyard-cpu-{fingerprint}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True)
+        command = [compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"]
+        subprocess.run(command, check=True, capture_output=True)
         built.replace(target)  # atomic: concurrent builders each install a complete file
     return target
 

@@ -38,10 +38,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -61,11 +61,21 @@ class DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it).
+
+        Each residual add is fused with the norm that follows it; the next layer (or the final norm)
+        adds the returned output."""
+        if residual is None:
+            normed, residual = self.input_layernorm.add_and_norm(None, hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(positions, normed, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderBody(nn.Module):
@@ -95,9 +105,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size]."""
         hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.model.norm.add_and_norm(hidden, residual)[0] if residual is not None else self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

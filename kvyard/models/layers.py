@@ -9,39 +9,46 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvyard.models.config import RopeConfig
+from kvyard.models.cpu_kernels import ElementwiseKernels, NativeKernels, SmallLinearKernel
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run batched matmuls through oneDNN.
+    """nn.Linear with faster fp32 CPU paths, off unless `enable_cpu_fast_paths` turns them on.
 
     On CPUs where MKL does not take its best code path (AMD), oneDNN's fp32 GEMM is up to twice as
-    fast for a batch of tokens; for a handful of rows MKL's GEMV is faster, so those stay on it.
-    Off unless `enable_onednn` turns it on.
+    fast for a batch of tokens; a handful of rows (decode) goes to a native kernel that streams the
+    weights once at memory speed.
     """
 
     onednn = False
+    small_kernel: SmallLinearKernel | None = None
     min_onednn_rows = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn and x.shape[0] >= self.min_onednn_rows:
+        if x.shape[0] < self.min_onednn_rows:
+            if self.small_kernel is not None:
+                return self.small_kernel(x, self.weight, self.bias)
+        elif self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def enable_onednn(model: nn.Module) -> bool:
-    """Route fp32 CPU linears through oneDNN where this PyTorch build has it; returns whether it did."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    usable = (
-        bool(linears)
-        and torch.backends.mkldnn.is_available()
-        and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
-    )
-    for module in linears:
-        module.onednn = usable
+def enable_cpu_fast_paths(model: nn.Module, kernels: NativeKernels | None) -> bool:
+    """Route an fp32 CPU model's linears through oneDNN and the native kernels; returns whether it did."""
+    params = list(model.parameters())
+    usable = bool(params) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.onednn = usable and torch.backends.mkldnn.is_available()
+            module.small_kernel = kernels.small_linear if usable and kernels is not None else None
+        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.native = kernels.elementwise if usable and kernels is not None else None
     return usable
 
 
 class RMSNorm(nn.Module):
+    native: ElementwiseKernels | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -54,6 +61,16 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(input_dtype)
+
+    def add_and_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); x None means just norm(residual).
+
+        The native path adds in place into `residual`, which callers own (the residual stream)."""
+        if self.native is not None:
+            return self.native.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if x is not None:
+            residual = x + residual
+        return self(residual), residual
 
 
 class GatedMLP(nn.Module):
@@ -96,6 +113,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
 
+    native: ElementwiseKernels | None = None
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope = rope
@@ -112,7 +131,11 @@ class RotaryEmbedding(nn.Module):
         self.sin_table = angles.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]. The native path rotates q and k in place."""
+        if self.native is not None:
+            self.native.rotary(q, self.cos_table, self.sin_table, positions)
+            self.native.rotary(k, self.cos_table, self.sin_table, positions)
+            return q, k
         cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
