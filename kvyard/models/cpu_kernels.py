@@ -51,7 +51,7 @@ class PagedDecodeKernel:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         out = torch.empty_like(q)
-        workspace = torch.empty(self.num_threads * (num_heads // num_kv_heads) * max(1, max_context))
+        workspace = torch.empty(self.num_threads * num_heads * max(1, max_context))
         self.function(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), _ptr(out),
             _ptr(workspace), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],

@@ -11,44 +11,93 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
-static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                       int64_t context_len, float *out, int kv_head, int num_kv_heads, int group,
-                       int head_dim, int block_size, float scale, float *scores) {
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+static inline void score_row(const float *q, const float *k, int group, int head_dim, float scale, float *scores,
+                             int64_t scores_stride) {
     for (int g = 0; g < group; g++) {
-        float *s = scores + (int64_t)g * context_len;
         const float *qg = q + (int64_t)g * head_dim;
-        float max_score = -INFINITY;
-        for (int64_t t = 0; t < context_len; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const float *k = k_cache + slot * row_stride + (int64_t)kv_head * head_dim;
-            float dot = 0.0f;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head_dim; d++) dot += qg[d] * k[d];
-            s[t] = dot * scale;
-            if (s[t] > max_score) max_score = s[t];
-        }
-        float total = 0.0f;
-        for (int64_t t = 0; t < context_len; t++) {
-            s[t] = expf(s[t] - max_score);
-            total += s[t];
-        }
-        const float inv_total = 1.0f / total;
+        for (int d = 0; d < head_dim; d++) dot += qg[d] * k[d];
+        scores[g * scores_stride] = dot * scale;
+    }
+}
+
+static inline void accumulate_row(const float *v, const float *probs, int64_t probs_stride, int group,
+                                  int head_dim, float *out) {
+    for (int g = 0; g < group; g++) {
+        const float p = probs[g * probs_stride];
         float *o = out + (int64_t)g * head_dim;
-        memset(o, 0, sizeof(float) * head_dim);
-        for (int64_t t = 0; t < context_len; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const float *v = v_cache + slot * row_stride + (int64_t)kv_head * head_dim;
-            const float p = s[t] * inv_total;
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
+        for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
+    }
+}
+
+/* Blocks sit at random places in the cache, which defeats the hardware prefetcher at every block
+ * boundary; so while one block is read, the same row of the next block is requested. */
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+}
+
+static void softmax_in_place(float *s, int64_t n) {
+    float max_score = -INFINITY;
+    for (int64_t t = 0; t < n; t++) max_score = s[t] > max_score ? s[t] : max_score;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = expf(s[t] - max_score);
+        total += s[t];
+    }
+    const float inv_total = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) s[t] *= inv_total;
+}
+
+/*
+ * Query heads of KV heads [first_kv_head, last_kv_head) of one sequence against their keys. Rows are
+ * visited block by block (no division in the inner loop), and with every KV head in the range at each
+ * row, so a whole range reads the cache as contiguous runs the prefetcher can stream.
+ * q, out: this sequence's [num_heads, head_dim]; scores: num_heads * context_len floats.
+ */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                   int64_t context_len, float *out, int first_kv_head, int last_kv_head, int num_kv_heads,
+                   int group, int head_dim, int block_size, float scale, float *scores) {
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t group_size = (int64_t)group * head_dim;
+    const int num_heads = (last_kv_head - first_kv_head) * group;
+    const int64_t span = (int64_t)(last_kv_head - first_kv_head) * head_dim;
+    q += first_kv_head * group_size;
+    out += first_kv_head * group_size;
+    for (int64_t t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
+        const int64_t rows = context_len - t0 < block_size ? context_len - t0 : block_size;
+        const float *k = k_cache + table[b] * block_size * row_stride;
+        const float *next_k = t0 + block_size < context_len ? k_cache + table[b + 1] * block_size * row_stride : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            if (next_k != NULL) prefetch_row(next_k + r * row_stride + first_kv_head * head_dim, span);
+            for (int h = first_kv_head; h < last_kv_head; h++)
+                score_row(q + (h - first_kv_head) * group_size, k + r * row_stride + (int64_t)h * head_dim, group,
+                          head_dim, scale, scores + (h - first_kv_head) * group * context_len + t0 + r, context_len);
+        }
+    }
+    for (int i = 0; i < num_heads; i++) softmax_in_place(scores + (int64_t)i * context_len, context_len);
+    memset(out, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
+        const int64_t rows = context_len - t0 < block_size ? context_len - t0 : block_size;
+        const float *v = v_cache + table[b] * block_size * row_stride;
+        const float *next_v = t0 + block_size < context_len ? v_cache + table[b + 1] * block_size * row_stride : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            if (next_v != NULL) prefetch_row(next_v + r * row_stride + first_kv_head * head_dim, span);
+            for (int h = first_kv_head; h < last_kv_head; h++)
+                accumulate_row(v + r * row_stride + (int64_t)h * head_dim,
+                               scores + (h - first_kv_head) * group * context_len + t0 + r, context_len, group,
+                               head_dim, out + (h - first_kv_head) * group_size);
         }
     }
 }
 
-/* `workspace` holds num_threads * (num_heads / num_kv_heads) * max(context_lens) floats. */
+/* `workspace` holds num_threads * num_heads * max(context_lens) floats. */
 void kvyard_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                    const int64_t *block_tables, const int64_t *context_lens, float *out,
                                    float *workspace, int num_seqs, int num_heads, int num_kv_heads,
@@ -59,13 +108,15 @@ void kvyard_paged_decode_attention(const float *q, const float *k_cache, const f
     for (int b = 0; b < num_seqs; b++) total_keys += context_lens[b];
     /* Waking a thread pool costs more than a few thousand dot products. */
     const int parallel = total_keys * num_kv_heads >= 16384;
-#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads) if (parallel)
-    for (int b = 0; b < num_seqs; b++) {
-        for (int h = 0; h < num_kv_heads; h++) {
-            float *scores = workspace + (int64_t)omp_get_thread_num() * group * max_context;
-            const int64_t offset = ((int64_t)b * num_heads + (int64_t)h * group) * head_dim;
-            attend_one(q + offset, k_cache, v_cache, block_tables + (int64_t)b * max_blocks, context_lens[b],
-                       out + offset, h, num_kv_heads, group, head_dim, block_size, scale, scores);
-        }
+    /* Whole sequences per task when there are enough of them to share out; else one KV head each. */
+    const int heads_per_task = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
+    const int tasks_per_seq = num_kv_heads / heads_per_task;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (parallel)
+    for (int task = 0; task < num_seqs * tasks_per_seq; task++) {
+        const int b = task / tasks_per_seq, first = (task % tasks_per_seq) * heads_per_task;
+        float *scores = workspace + (int64_t)omp_get_thread_num() * num_heads * max_context;
+        const int64_t offset = (int64_t)b * num_heads * head_dim;
+        attend(q + offset, k_cache, v_cache, block_tables + (int64_t)b * max_blocks, context_lens[b], out + offset,
+               first, first + heads_per_task, num_kv_heads, group, head_dim, block_size, scale, scores);
     }
 }
