@@ -112,12 +112,10 @@ def _prefill_span(
 
 
 def _decode_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> torch.Tensor:
-    max_blocks = max((-(-n // block_size) for n in context_lens), default=0)
-    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
-    for row, (table, context_len) in enumerate(zip(block_tables, context_lens)):
-        used = -(-context_len // block_size)
-        tables[row, :used] = torch.tensor(table[:used], dtype=torch.long)
-    return tables
+    used = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(used, default=0)
+    rows = [table[:n] + [0] * (max_blocks - n) for table, n in zip(block_tables, used)]
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), max_blocks)
 
 
 def _decode_mask(context_lens: list[int], tables: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
