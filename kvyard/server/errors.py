@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -25,7 +26,13 @@ class APIError(Exception):
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None
 ) -> JSONResponse:
-    body = {
+    body = error_body(status, message, param, code)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
@@ -33,8 +40,6 @@ def error_response(
             "code": code,
         }
     }
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
