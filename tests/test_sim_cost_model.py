@@ -106,7 +106,7 @@ def test_calibration_names_a_missing_field(tmp_path: Path) -> None:
     del broken["engines"]["kvyard"]["scenarios"]["decode"]
     with pytest.raises(CalibrationError, match="decode"):
         calibrate(broken)
-    with pytest.raises(CalibrationError, match="engines.nope"):
+    with pytest.raises(CalibrationError, match=r"engines\.nope"):
         calibrate(report, engine="nope")
     path = tmp_path / "bad.json"
     path.write_text("{not json")

@@ -166,14 +166,15 @@ def test_abort_frees_blocks() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_random_workloads_keep_the_accounting_consistent(seed: int) -> None:
     rng = random.Random(seed)
-    scheduler = make_scheduler(capacity=rng.randint(12, 40), budget=rng.choice([8, 32, 256]), max_seqs=rng.randint(1, 6))
+    budget, max_seqs = rng.choice([8, 32, 256]), rng.randint(1, 6)
+    scheduler = make_scheduler(capacity=rng.randint(12, 40), budget=budget, max_seqs=max_seqs)
     prefixes = [[rng.randrange(500) for _ in range(rng.randint(1, 20))] for _ in range(4)]
     arrivals = []
     for index in range(30):
         prompt = rng.choice(prefixes) + [rng.randrange(500) for _ in range(rng.randint(1, 12))]
         arrivals.append((rng.uniform(0, 2), make_request(f"r{index}", prompt, max_tokens=rng.randint(1, 10))))
     times = run_virtual(scheduler, COST, arrivals)
-    for arrival, request in arrivals:
+    for _, request in arrivals:
         assert request.num_output_tokens == request.max_tokens
         assert 0 <= request.num_cached_tokens <= request.num_prompt_tokens - 1
         assert times[request.request_id].ttft > 0
