@@ -6,7 +6,7 @@ Three measured scenarios pin the five constants:
 * `decode` (one stream): the step time of a one-sequence decode, 1 / decode tok/s;
 * `batch` (many prompts at once): with the token budget of the run, it fixes the per-sequence
   decode cost, found by replaying an equivalent workload on the simulated scheduler (virtual
-  clock) and bisecting until its wall time matches the measured one.
+  clock) and searching until its wall time matches the measured one.
 
 The attention term per (query, key) pair is tied to the linear term per token by the model's
 FLOP ratio (`4·layers·heads·head_dim` per pair against `2·linear parameters` per token), since one
@@ -16,7 +16,7 @@ prefill length alone cannot separate them; decode attention uses the same cost p
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ from kvyard.sim.virtual_run import run_virtual
 
 # FLOP ratio of the `bench` preset (hidden 512, 8 layers, 8/4 heads of 64, intermediate 1408).
 DEFAULT_ATTENTION_RATIO = 16384 / 47185920
-_BISECTION_STEPS = 20
+_SOLVER_STEPS = 40
+_SOLVER_TOLERANCE_S = 1e-6
 
 
 class CalibrationError(ValueError):
@@ -67,14 +68,7 @@ def calibrate(report: Mapping[str, Any], engine: str = "kvyard") -> Calibration:
     lengths = _batch_lengths(batch, workload)
     target_s = float(_field(batch, "wall_s"))
     limits = SchedulerLimits(max_num_batched_tokens=budget)
-    low, high = 0.0, decode_step_s
-    for _ in range(_BISECTION_STEPS):
-        middle = (low + high) / 2
-        if _replay_seconds(fit.cost(middle), lengths, limits) < target_s:
-            low = middle
-        else:
-            high = middle
-    cost = fit.cost((low + high) / 2)
+    cost = fit.cost(_solve(lambda seq_s: _replay_seconds(fit.cost(seq_s), lengths, limits) - target_s, decode_step_s))
     source = {
         "engine": engine,
         "prefill": {"tokens": prefill_tokens, "seconds": prefill_s},
@@ -121,6 +115,32 @@ class _Fit:
         per_pair = self.ratio * per_token
         base = max(0.0, self.decode_step_s - decode_seq_s - per_pair * self.decode_context)
         return CostModel(base, per_token, per_pair, decode_seq_s, per_pair)
+
+
+def _solve(error: Callable[[float], float], high: float) -> float:
+    """The root of an increasing `error` in [0, high] (clamped to the ends), by the Illinois method."""
+    low, error_low, error_high = 0.0, error(0.0), error(high)
+    if error_low >= 0:
+        return low
+    if error_high <= 0:
+        return high
+    side = 0
+    for _ in range(_SOLVER_STEPS):
+        guess = (low * error_high - high * error_low) / (error_high - error_low)
+        error_guess = error(guess)
+        if abs(error_guess) < _SOLVER_TOLERANCE_S:
+            return guess
+        if error_guess < 0:
+            low, error_low = guess, error_guess
+            if side == -1:
+                error_high /= 2
+            side = -1
+        else:
+            high, error_high = guess, error_guess
+            if side == 1:
+                error_low /= 2
+            side = 1
+    return (low + high) / 2
 
 
 def _replay_seconds(cost: CostModel, lengths: list[tuple[int, int]], limits: SchedulerLimits) -> float:

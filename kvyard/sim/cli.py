@@ -1,19 +1,34 @@
-"""`kvyard sim`: arguments and entry point (imports the server only when the command runs)."""
+"""`kvyard sim` (also `python -m kvyard.sim`, which starts faster): arguments and entry point.
+
+The server modules are imported only when the command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
 
 
 def add_sim_command(commands: Any) -> None:
     parser = commands.add_parser(
-        "sim",
-        help="simulated replicas: the replica API and KV events, with a cost model",
-        description="Serve N simulated replicas on ports P..P+N-1 from one process.",
+        "sim", help="simulated replicas: the replica API and KV events, with a cost model", description=DESCRIPTION
     )
+    add_sim_arguments(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvyard.sim", description=DESCRIPTION)
+    add_sim_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_sim(args)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="first port (0: a free port per replica)")
     parser.add_argument("--replicas", type=int, default=1)
