@@ -11,14 +11,14 @@ exactly `max_tokens` long, finish reason `length`); text is tokenized one token 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -73,8 +73,7 @@ def create_app(replica: SimReplica) -> web.Application:
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(text=json.dumps(payload, separators=(",", ":")), status=status,
-                        content_type="application/json", headers=headers)  # fmt: skip
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json", headers=headers)
 
 
 def error_json(error: APIError) -> web.Response:
@@ -97,17 +96,34 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_json(APIError(500, f"internal error: {error}", code="internal_error"))
 
 
-async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
+async def read_json(request: web.Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as error:
         raise bad_request(f"request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    return body
+
+
+def validate(body: dict[str, Any], model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as error:
         raise validation_error(error) from error
+
+
+async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
+    return validate(await read_json(request), model)
+
+
+def take_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """A long token-id `prompt`, taken out of `body` so that validating the rest stays cheap."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and set(map(type, prompt)) == {int}:
+        body["prompt"] = prompt[:1]
+        return prompt
+    return None
 
 
 def validation_error(error: ValidationError) -> APIError:
@@ -127,9 +143,11 @@ class _Api:
     # ------------------------------------------------------------------ completions
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        raw = await read_json(request)
+        token_ids = take_token_ids(raw)
+        body: CompletionRequest = validate(raw, CompletionRequest)
         self._check_common(body.model, body.n, body.unsupported())
-        prompt = self._prompt_tokens(body.prompt)
+        prompt = self._prompt_tokens(body.prompt if token_ids is None else token_ids)
         return await self._serve(request, "completion", body, prompt, body.max_tokens)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -155,14 +173,14 @@ class _Api:
             if len(prompt) != 1:
                 raise bad_request("a simulated replica serves one prompt per request", "prompt")
             prompt = prompt[0]
-        tokens = encode(prompt) if isinstance(prompt, str) else prompt
+        tokens = encode(prompt) if isinstance(prompt, str) else cast("list[int]", prompt)
         if not tokens:
             raise bad_request("prompt must not be empty", "prompt")
         vocab = self.config.vocab_size
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)  # type: ignore[operator]
-        if bad is not None:
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            bad = next(t for t in tokens if not 0 <= t < vocab)
             raise bad_request(f"prompt has token id {bad} outside the vocabulary [0, {vocab})", "prompt")
-        return tokens  # type: ignore[return-value]
+        return tokens
 
     async def _serve(
         self,
@@ -181,7 +199,7 @@ class _Api:
                            code="overloaded", retry_after=1)  # fmt: skip
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         replica.in_flight += 1
-        stream = replica.submit(request_id, prompt, max_tokens, body.cache_salt, body.seed)
+        stream = replica.submit(request_id, prompt, max_tokens, body.cache_salt, body.seed, body.stream)
         try:
             reply = _Reply(kind, request_id, self.config.model_name, stream)
             if body.stream:
@@ -299,11 +317,10 @@ class _Api:
                 events, complete = log.events_since(seq)
                 if not complete:
                     payload = {"since": seq, "first_available": events[0].seq if events else log.last_seq + 1}
-                    await response.write(f"event: gap\ndata: {json.dumps(payload)}\n\n".encode())
+                    await response.write(b"event: gap\ndata: " + orjson.dumps(payload) + b"\n\n")
                     break
                 if events:
-                    lines = [f"data: {json.dumps(event_json(e), separators=(',', ':'))}\n\n" for e in events]
-                    await response.write("".join(lines).encode())
+                    await response.write(b"".join(b"data: " + orjson.dumps(event_json(e)) + b"\n\n" for e in events))
                     seq = events[-1].seq
                 else:
                     await asyncio.sleep(KV_EVENTS_POLL_S)
@@ -392,4 +409,4 @@ class _Reply:
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

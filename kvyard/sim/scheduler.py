@@ -101,6 +101,7 @@ class StepPlan:
 class TokenOutput:
     request: SimRequest
     token_id: int
+    first: bool
     finished: bool
 
 
@@ -230,7 +231,7 @@ class SimScheduler:
         if finished:
             self.running.remove(request)
             self._finish(request, "length")
-        return TokenOutput(request, token_id, finished)
+        return TokenOutput(request, token_id, request.num_output_tokens == 1, finished)
 
     def _finish(self, request: SimRequest, reason: str) -> None:
         request.finish_reason = reason
