@@ -31,6 +31,7 @@ from kvyard.sim.replica import RequestStream, SimReplica
 from kvyard.sim.tokens import decode, encode, render_chat
 
 KV_EVENTS_POLL_S = 0.02
+RESTARTED = "the replica restarted while serving this request"
 _LOG = logging.getLogger("kvyard.sim")
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,6 +66,8 @@ def create_app(replica: SimReplica) -> web.Application:
         web.get("/kv/events", api.kv_events),
         web.get("/kv/snapshot", api.kv_snapshot),
         web.get("/version", api.version),
+        web.post("/sim/restart", api.restart),
+        web.post("/sim/health", api.set_health),
     ]
     routes += [web.get(path, api.model_info) for path in ("/get_model_info", "/model_info")]
     routes += [web.get(path, api.server_info) for path in ("/get_server_info", "/server_info")]
@@ -190,6 +193,7 @@ class _Api:
         prompt: list[int],
         max_tokens: int | None,
     ) -> web.StreamResponse:
+        self._check_healthy()
         max_tokens = self._check_length(prompt, max_tokens)
         replica = self.replica
         limit = self.config.max_num_seqs + self.config.max_queued_requests
@@ -215,8 +219,10 @@ class _Api:
         if len(prompt) >= limit:
             message = f"prompt has {len(prompt)} tokens; the context is {limit} tokens and one must be left to generate"
             raise bad_request(message, "prompt", "context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = limit - len(prompt)
+        if max_tokens is None:  # as much as the context and the cache can hold
+            max_tokens = min(limit, self.config.capacity_blocks * self.config.block_size) - len(prompt)
+            if max_tokens < 1:
+                raise bad_request(f"prompt has {len(prompt)} tokens: no room left in the KV cache", "prompt")
         if len(prompt) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the request has "
                            f"{len(prompt)} prompt tokens and max_tokens {max_tokens}", "max_tokens",
@@ -258,7 +264,25 @@ class _Api:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.StreamResponse:
+        self._check_healthy()
         return json_response({"status": "ok"})
+
+    def _check_healthy(self) -> None:
+        if not self.replica.healthy:
+            raise APIError(503, "this simulated replica is set unhealthy", code="unhealthy", retry_after=1)
+
+    # ------------------------------------------------------------------ fault injection (for router tests)
+
+    async def restart(self, _: web.Request) -> web.StreamResponse:
+        self.replica.restart()
+        return json_response({"status": "restarted"})
+
+    async def set_health(self, request: web.Request) -> web.StreamResponse:
+        healthy = (await read_json(request)).get("healthy")
+        if not isinstance(healthy, bool):
+            raise bad_request("healthy must be true or false", "healthy")
+        self.replica.healthy = healthy
+        return json_response({"healthy": healthy})
 
     async def load(self, _: web.Request) -> web.StreamResponse:
         return json_response(self.replica.load())
@@ -360,6 +384,8 @@ class _Reply:
         while not finished:
             new, finished = await self.stream.next_tokens()
             tokens.extend(new)
+        if self.stream.request.finish_reason == "abort":
+            raise APIError(503, RESTARTED, code="replica_restarted")
         text = decode(tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None, "logprobs": None}
         if self.kind == "chat":
@@ -378,6 +404,9 @@ class _Reply:
             finished = False
             while not finished:
                 tokens, finished = await self.stream.next_tokens()
+                if self.stream.request.finish_reason == "abort":  # restarted: end without [DONE]
+                    await response.write(_sse(error_body(503, RESTARTED, None, "replica_restarted")))
+                    return response
                 text = decode(tokens)
                 await response.write(self._chunk({"content": text} if self.kind == "chat" else text,
                                                  "length" if finished else None))  # fmt: skip

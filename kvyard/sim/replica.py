@@ -105,6 +105,16 @@ class SimReplica:
         self.config = config
         self.index = index
         self.namespace = config.namespace
+        self.streams: dict[str, RequestStream] = {}
+        self.in_flight = 0
+        self.healthy = True  # False (set through the API) answers 503, to test routers' fault handling
+        self._root_keys: dict[str, bytes] = {}
+        self._wake = asyncio.Event()
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """An empty cache, a new event log (sequence from 1) and zeroed metrics: a newly started replica."""
+        config = self.config
         self.cache = PrefixCache(config.capacity_blocks, KVEventLog(config.event_log_capacity))
         self.scheduler = SimScheduler(config.limits, self.cache)
         self.metrics = ServerMetrics()
@@ -114,13 +124,18 @@ class SimReplica:
             Gauge("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps (cost model "
                   "times time scale)", registry=self.metrics.registry),
         )  # fmt: skip
-        self.streams: dict[str, RequestStream] = {}
-        self.in_flight = 0
         self.lag_s = 0.0
         self.busy_s = 0.0
         self.started = time.time()
-        self._root_keys: dict[str, bytes] = {}
-        self._wake = asyncio.Event()
+
+    def restart(self) -> None:
+        """Behave like a replica that crashed and came back: every request in flight fails, the cache is gone."""
+        for stream in list(self.streams.values()):
+            self.scheduler.abort(stream.request)
+            stream.push([], finished=True)
+        self.streams.clear()
+        self._fresh_state()
+        self._wake.set()
 
     @property
     def events(self) -> KVEventLog:
