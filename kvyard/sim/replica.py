@@ -26,6 +26,8 @@ from kvyard.sim.scheduler import SchedulerLimits, SimRequest, SimScheduler, Toke
 from kvyard.sim.tokens import output_seed
 
 MIN_SLEEP_S = 0.002
+# A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
+LAG_TOLERANCE_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,21 +176,19 @@ class SimReplica:
         step_end = last_delivery = loop.time()
         pending: list[TokenOutput] = []
         while True:
-            if not self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan.preempted and not plan.chunks:
+                continue  # the preempted requests are admitted again by the next schedule
+            if not plan.chunks:  # idle, or nothing fits until a request finishes or is aborted
                 self._deliver(pending)
                 self._wake.clear()
                 await self._wake.wait()
                 step_end = loop.time()
+                continue
             now = loop.time()
-            if step_end < now:
+            if step_end < now - LAG_TOLERANCE_S:
                 self.lag_s += now - step_end
                 step_end = now
-            plan = self.scheduler.schedule()
-            if not plan.chunks:  # nothing fits until a request finishes or is aborted
-                self._deliver(pending)
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             seconds = cost.step_seconds(plan.shape) * scale
             step_end += seconds
             self.busy_s += seconds
