@@ -1,11 +1,12 @@
 """One simulated replica in real time: its scheduler loop, request streams, metrics and load report.
 
 The loop runs a step, advances a wall-clock deadline by the step's cost (times `time_scale`), sleeps
-until then and hands the step's tokens to their requests. Steps shorter than `MIN_SLEEP_S` run back
-to back. Tokens are handed over at most every `stream_interval_s` (a first token at once, so TTFT is
-exact), which bounds the HTTP writes, and so the CPU, per simulated second. When the process cannot
-keep up the replica runs late, never faster; the total delay is exported as `kvyard_sim_lag_seconds`
-so a benchmark can tell.
+until then and hands the step's tokens to their requests. While the deadline is less than `tick_s`
+ahead, steps run back to back without sleeping (their tokens may arrive up to `tick_s` early): a
+longer tick means fewer wake-ups, so less CPU, at the cost of timing resolution. Tokens reach a
+stream at most every `stream_interval_s` (a first token at once), which bounds the HTTP writes. When
+the process cannot keep up, the replica runs late, never faster; the total delay is exported as
+`kvyard_sim_lag_seconds` so a benchmark can tell.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from kvyard.sim.prefix_cache import PrefixCache
 from kvyard.sim.scheduler import SchedulerLimits, SimRequest, SimScheduler, TokenOutput
 from kvyard.sim.tokens import output_seed
 
-MIN_SLEEP_S = 0.002
 # A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
 LAG_TOLERANCE_S = 0.005
 
@@ -44,14 +44,16 @@ class SimConfig:
     max_queued_requests: int = 1024  # requests admitted beyond max_num_seqs before answering 429
     time_scale: float = 1.0  # wall seconds per simulated second
     stream_interval_s: float = 0.002  # least wall time between two deliveries of later tokens
+    tick_s: float = 0.002  # steps ending less than this ahead of the wall clock run without sleeping
     cost: CostModel = field(default_factory=CostModel)
     event_log_capacity: int = 65536
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
-        if not self.stream_interval_s >= 0:
-            raise ValueError(f"stream_interval_s must be >= 0, got {self.stream_interval_s}")
+        for name in ("stream_interval_s", "tick_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("capacity_blocks", "max_model_len", "vocab_size", "event_log_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -196,7 +198,7 @@ class SimReplica:
             pending.extend(outputs)
             delay = step_end - loop.time()
             # Between back-to-back steps, still let the HTTP side run.
-            await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0)
+            await asyncio.sleep(delay if delay >= self.config.tick_s else 0)
             now = loop.time()
             if any(o.first for o in outputs) or now - last_delivery >= self.config.stream_interval_s:
                 self._deliver(pending)
