@@ -389,3 +389,8 @@ def test_an_unhealthy_replica_answers_503_until_healed(cluster: SimCluster) -> N
         httpx.post(f"{url}/sim/health", json={"healthy": True})
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+
+
+def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
+    body = {"model": "sim-model", "prompt": "ab", "add_special_tokens": True, "return_token_strs": True}
+    assert httpx.post(f"{cluster.urls[0]}/tokenize", json=body).json()["tokens"] == [97, 98]

@@ -38,9 +38,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class SimTokenizeRequest(BaseModel):
-    """`/tokenize` body: text, token ids (returned as they are), or chat messages."""
+    """`/tokenize` body: text, token ids (returned as they are), or chat messages. Unknown fields are
+    ignored: other routers call this endpoint with their own engine's options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
