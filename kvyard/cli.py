@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvyard.kvcache.options import add_kv_tier_arguments, kv_tier_config
+
 ENGINE_OPTIONS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens",
     "max_num_seqs", "max_model_len", "enable_prefix_caching",
@@ -189,6 +191,7 @@ def _add_serve(commands: Any) -> None:
                         help="isolate prefix caches by the request's bearer token")  # fmt: skip
     parser.add_argument("--log-level", default="info")
     _add_engine_arguments(parser)
+    add_kv_tier_arguments(parser)
     parser.set_defaults(handler=_serve)
 
 
@@ -198,10 +201,16 @@ def _serve(args: argparse.Namespace) -> int:
     from kvyard.engine.llm_engine import EngineConfig
     from kvyard.server.app import ServerConfig, create_app
 
+    try:
+        kv_tier = kv_tier_config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     engine = EngineConfig(
         model=resolve_model_dir(args.model),
         served_model_name=args.served_model_name,
         record_kv_events=True,
+        kv_tier=kv_tier,
         **engine_options(args),
     )
     config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)

@@ -21,6 +21,7 @@ from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 
@@ -110,6 +111,11 @@ class LLMEngine:
         link = KVTierLink(tier.build(), self.runner.kv_caches, self.config.block_size, tier.load_deadline_s)
         self.kv_manager.tier = link
         return link
+
+    def kv_tier_snapshot(self) -> StoreSnapshot | None:
+        """The KV tier's counters (thread-safe); None when the tier is off."""
+        tier = self.kv_tier
+        return tier.store.snapshot() if tier is not None else None
 
     def close(self) -> None:
         """Finish queued KV-tier writes and release the tier; the engine must not step afterwards."""

@@ -10,6 +10,7 @@ writing for a while and keeps serving reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -60,7 +61,7 @@ class DiskTier:
         entries: list[tuple[float, bytes, int]] = []
         for path in self.directory.glob("*/*"):
             if path.name.endswith(TEMP_SUFFIX):
-                path.unlink(missing_ok=True)
+                _remove(path)
                 continue
             key = _key_of(path)
             if key is None:
@@ -137,7 +138,7 @@ class DiskTier:
                     os.fsync(file.fileno())
             os.replace(temp, path)
         except OSError as error:
-            temp.unlink(missing_ok=True)
+            _remove(temp)
             self._writes_paused_until = time.monotonic() + WRITE_RETRY_S
             self.stats.add(errors=1)
             log.warning("kv disk tier: write failed (%s); pausing writes for %.0f s, reads go on", error, WRITE_RETRY_S)
@@ -157,13 +158,13 @@ class DiskTier:
                 self._bytes -= size
                 evicted.append(key)
         for key in evicted:
-            self.path_of(key).unlink(missing_ok=True)
+            _remove(self.path_of(key))
         if evicted:
             self.stats.add(evictions=len(evicted))
 
     def discard(self, key: bytes) -> None:
         self._forget(key)
-        self.path_of(key).unlink(missing_ok=True)
+        _remove(self.path_of(key))
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -173,6 +174,11 @@ class DiskTier:
 
     def close(self) -> None:
         pass
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _key_of(path: Path) -> bytes | None:
