@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis_utils import RedisProcess, start_redis
 from server_utils import ServerProcess, start_server
 
@@ -189,3 +193,42 @@ def test_other_model_dtype_block_size_or_salt_never_reads_the_blocks(
         assert snapshot is not None and snapshot.loaded_blocks == 0
     with LLM(str(llama_dir), kv_tier=tier, served_model_name="m") as same:
         assert same.generate([PROMPT], params)[0].num_cached_tokens > 0  # the control: same namespace hits
+
+
+def test_nothing_arrives_before_the_deadline_so_everything_is_recomputed(llama_dir: Path, tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tier = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"))
+    with LLM(str(llama_dir), kv_tier=tier) as writer:
+        expected = writer.generate([PROMPT], params)[0]
+    hurried = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), load_deadline_s=1e-9)
+    with LLM(str(llama_dir), kv_tier=hurried) as reader:
+        got = reader.generate([PROMPT], params)[0]
+    assert (got.num_cached_tokens, got.token_ids) == (0, expected.token_ids)
+
+
+def test_a_stalled_redis_is_a_miss_not_an_error(llama_dir: Path, tmp_path: Path) -> None:
+    stalled = start_redis(tmp_path, extra=("--enable-debug-command", "yes"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tier = KVTierConfig(tiers=("redis",), redis_url=stalled.url, redis_timeout_s=0.5)
+    try:
+        with LLM(str(llama_dir), kv_tier=tier) as writer:
+            expected = writer.generate([PROMPT], params)[0]
+        sleeper = threading.Thread(target=lambda: stalled.client().execute_command("DEBUG", "SLEEP", "3"))
+        sleeper.start()
+        probe = redis.Redis(host="127.0.0.1", port=stalled.port, socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the server is seen to stall
+            try:
+                probe.ping()
+            except redis.TimeoutError:
+                break
+        else:
+            pytest.fail("redis-server never stalled")
+        with LLM(str(llama_dir), kv_tier=tier) as reader:
+            got = reader.generate([PROMPT], params)[0]
+            snapshot = reader.engine.kv_tier_snapshot()
+        sleeper.join()
+    finally:
+        stalled.kill()
+    assert (got.num_cached_tokens, got.token_ids) == (0, expected.token_ids)
+    assert snapshot is not None and snapshot.tiers["redis"].errors >= 1

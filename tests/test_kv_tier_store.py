@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from redis_utils import RedisProcess, start_redis
+from redis_utils import RedisProcess, start_redis, start_redis_cluster
 
 from kvyard.engine.kv_transfer import block_shape, read_blocks, write_blocks
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
@@ -213,6 +213,22 @@ def test_redis_tier_round_trip_with_ttl(redis_server: RedisProcess) -> None:
     redis_server.client().delete(RedisTier.redis_key(ks[20]))
     assert len(tier.get_prefix(ks, FOREVER)) == 20
     tier.close()
+
+
+def test_redis_tier_works_against_a_redis_cluster(tmp_path: Path) -> None:
+    nodes = start_redis_cluster(tmp_path)
+    try:
+        ks = keys(24)  # spread over the cluster's hash slots, so every pipeline spans nodes
+        tier = RedisTier(f"redis://127.0.0.1:{nodes[0].port}", cluster=True, batch_blocks=8)
+        tier.put_many([(k, blob(k, seed=i)) for i, k in enumerate(ks)])
+        assert tier.get_prefix(ks, FOREVER) == [blob(k, seed=i) for i, k in enumerate(ks)]
+        assert sum(node.client().dbsize() for node in nodes) == 24
+        assert min(node.client().dbsize() for node in nodes) > 0
+        assert tier.stats.snapshot().errors == 0
+        tier.close()
+    finally:
+        for node in nodes:
+            node.kill()
 
 
 def test_store_drops_and_deletes_a_corrupt_redis_value(redis_server: RedisProcess) -> None:

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 from kvyard.kvcache.stats import TierStats
 
@@ -44,7 +46,12 @@ class RedisTier:
         self.ttl_s = ttl_s
         self.batch_blocks = batch_blocks
         self.stats = TierStats()
-        options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        # No client-side retries: a stalled server must cost one timeout, then the tier backs off itself.
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
         self._client: Any = RedisCluster.from_url(url, **options) if cluster else redis.Redis.from_url(url, **options)
         self._lock = threading.Lock()
         self._down_until = 0.0
