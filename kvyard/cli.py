@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.sim.cli import add_sim_command
+from kvyard.kvcache.options import add_kv_tier_arguments, kv_tier_config
 
 ENGINE_OPTIONS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens",
@@ -192,6 +193,7 @@ def _add_serve(commands: Any) -> None:
                         help="isolate prefix caches by the request's bearer token")  # fmt: skip
     parser.add_argument("--log-level", default="info")
     _add_engine_arguments(parser)
+    add_kv_tier_arguments(parser)
     parser.set_defaults(handler=_serve)
 
 
@@ -201,10 +203,16 @@ def _serve(args: argparse.Namespace) -> int:
     from kvyard.engine.llm_engine import EngineConfig
     from kvyard.server.app import ServerConfig, create_app
 
+    try:
+        kv_tier = kv_tier_config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     engine = EngineConfig(
         model=resolve_model_dir(args.model),
         served_model_name=args.served_model_name,
         record_kv_events=True,
+        kv_tier=kv_tier,
         **engine_options(args),
     )
     config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)

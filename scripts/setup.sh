@@ -6,3 +6,7 @@ python3 -m venv .venv
 # torch first and pinned: 2.13.0 is the CPU build available here; an unpinned torch would pull CUDA.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+# The KV tier's Redis tests start their own redis-server on loopback (CI runs as root on fresh Debian).
+if ! command -v redis-server >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi

@@ -48,6 +48,9 @@ class ServerProcess:
 def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 120.0) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
+    if "--kv-tier" not in extra and "--kv-disk-dir" not in extra:
+        # The default disk tier persists across runs; keep each test server's blocks to itself.
+        extra = (*extra, "--kv-disk-dir", str(log_dir / f"kv-blocks-{port}"))
     command = [sys.executable, "-m", "kvyard.cli", "serve", str(model_dir), "--port", str(port), *extra]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.request import Request
 
 
+class BlockTier(Protocol):
+    """A lower KV tier below the device pool (see kv_tier_link.KVTierLink)."""
+
+    def fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Sequence[Any]: ...
+
+    def install(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None: ...
+
+    def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, tier: BlockTier | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.tier = tier
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
+        self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix; the last token is always left to compute,
@@ -27,7 +40,28 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.tier is not None and len(blocks) < max_blocks:
+            blocks.extend(self._load_from_tier(request, blocks, max_blocks))
         return blocks
+
+    def _load_from_tier(self, request: Request, device_blocks: list[int], max_blocks: int) -> list[int]:
+        """Continue a device-cache prefix from the lower tier into newly allocated, registered blocks.
+
+        They are left unreferenced but cached, exactly like device hits, for allocate_slots to take."""
+        assert self.tier is not None
+        self.pool.touch(device_blocks)  # so allocating for the loaded blocks cannot evict them
+        loaded: list[int] = []
+        try:
+            keys = request.block_keys[len(device_blocks) : max_blocks][: self.pool.num_free_blocks]
+            fetched = self.tier.fetch(request.cache_root_key, keys)
+            loaded = self.pool.allocate(len(fetched))
+            self.tier.install(loaded, fetched)
+            for block_id, key in zip(loaded, keys):
+                self.pool.register(block_id, key)
+        finally:
+            self.pool.free(reversed(device_blocks + loaded))
+        self.num_tier_hit_tokens += len(loaded) * self.block_size
+        return loaded
 
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -52,9 +86,16 @@ class KVCacheManager:
     def register_computed_blocks(self, request: Request) -> None:
         """Enter every full, computed block of `request` into the prefix cache."""
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        new_ids: list[int] = []
+        new_keys: list[bytes] = []
         for index in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_table[index], request.block_keys[index])
+            block_id, key = request.block_table[index], request.block_keys[index]
+            if self.pool.register(block_id, key):
+                new_ids.append(block_id)
+                new_keys.append(key)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+        if self.tier is not None and new_ids:
+            self.tier.offload(request.cache_root_key, new_keys, new_ids)
 
     def free(self, request: Request) -> None:
         # Tail blocks first, so they are evicted before the shared-prefix blocks.

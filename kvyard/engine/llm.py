@@ -17,7 +17,9 @@ class LLM:
     """Runs a model over a whole batch of prompts with continuous batching.
 
     Keyword options are those of `EngineConfig`: block_size, num_kv_blocks, kv_cache_memory_gb,
-    max_num_batched_tokens, max_num_seqs, max_model_len, enable_prefix_caching, dtype, device.
+    max_num_batched_tokens, max_num_seqs, max_model_len, enable_prefix_caching, dtype, device, and
+    kv_tier (a `kvyard.kvcache.KVTierConfig`: keep KV blocks in memory, on disk and in Redis across
+    runs and machines; call `close()`, or use `with LLM(...)`, so queued blocks are written).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -27,6 +29,16 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Write out queued KV-tier blocks and release the tier."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. between benchmark runs); call between generate calls."""

@@ -12,13 +12,16 @@ import torch
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.detokenizer import IncrementalDetokenizer
 from kvyard.engine.kv_cache_manager import KVCacheManager
+from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
 from kvyard.engine.request import Request, RequestStatus, TokenLogprobs
 from kvyard.engine.sampler import SamplingRow, sample
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 
@@ -37,6 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
     record_kv_events: bool = False
+    kv_tier: KVTierConfig | None = None  # persistent KV tier below the device cache; None: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,27 @@ class LLMEngine:
             block_size=config.block_size,
         )
         self._requests: dict[str, _Tracked] = {}
+        self.kv_tier = self._attach_kv_tier()
+
+    def _attach_kv_tier(self) -> KVTierLink | None:
+        tier = self.config.kv_tier
+        if tier is None or not self.config.enable_prefix_caching:
+            return None
+        link = KVTierLink(tier.build(), self.runner.kv_caches, self.config.block_size, tier.load_deadline_s)
+        self.kv_manager.tier = link
+        return link
+
+    def kv_tier_snapshot(self) -> StoreSnapshot | None:
+        """The KV tier's counters (thread-safe); None when the tier is off."""
+        tier = self.kv_tier
+        return tier.store.snapshot() if tier is not None else None
+
+    def close(self) -> None:
+        """Finish queued KV-tier writes and release the tier; the engine must not step afterwards."""
+        if self.kv_tier is not None:
+            self.kv_manager.tier = None
+            self.kv_tier.close()
+            self.kv_tier = None
 
     def _choose_num_blocks(self) -> int:
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
@@ -271,6 +296,7 @@ class LLMEngine:
             "kv_blocks_used": self.block_pool.num_used_blocks,
             "prefix_cache_queried_tokens": self.kv_manager.num_queried_tokens,
             "prefix_cache_hit_tokens": self.kv_manager.num_hit_tokens,
+            "kv_tier_hit_tokens": self.kv_manager.num_tier_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

@@ -22,6 +22,7 @@ from kvyard.server.async_engine import AsyncEngine, EngineDeadError
 from kvyard.server.completions import CompletionRunner, PreparedRequest, build_sampling_params, new_request_id
 from kvyard.server.errors import APIError, bad_request, error_response
 from kvyard.server.kv_events import kv_event_routes
+from kvyard.server.kv_tier_metrics import KVTierCollector
 from kvyard.server.metrics import ServerMetrics
 from kvyard.server.protocol import (
     ChatCompletionRequest,
@@ -93,6 +94,7 @@ async def _load(replica: Replica, engine: LLMEngine | None) -> None:
     try:
         if engine is None:
             engine = await asyncio.to_thread(LLMEngine, replica.config.engine)
+        replica.metrics.registry.register(KVTierCollector(engine.kv_tier_snapshot))
         async_engine = AsyncEngine(engine, asyncio.get_running_loop())
         async_engine.start()
         replica.runner = CompletionRunner(async_engine, replica.metrics, engine.tokenizer)

@@ -62,6 +62,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.engine.close()
 
     # ----------------------------------------------------------------- API for coroutines
 

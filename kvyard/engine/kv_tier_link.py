@@ -1,0 +1,63 @@
+"""Connects the device KV cache to the persistent tier (kvyard.kvcache.TieredStore).
+
+Reads happen on the engine thread at admission, bounded by a deadline. Writes happen when prefill
+(or decode) completes a block and it is registered in the prefix cache: the KV is copied out of the
+device cache right there, on the engine thread, while the request still holds the block; encoding
+and I/O run on the store's writer thread. Writing at completion rather than at eviction means a
+block is on disk and in Redis even if it is never evicted (a server stopped with a warm cache, or a
+second replica wanting the prefix now), at the cost of one host copy per new block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvyard.engine.kv_transfer import block_shape, read_blocks, write_blocks
+from kvyard.kvcache.codec import BlockFormat, DecodedBlock
+from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
+
+
+class KVTierLink:
+    def __init__(
+        self, store: TieredStore, kv_caches: Sequence[torch.Tensor], block_size: int, load_deadline_s: float
+    ) -> None:
+        self.store = store
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.load_deadline_s = load_deadline_s
+        dtype = kv_caches[0].dtype
+        self.format = BlockFormat(str(dtype).removeprefix("torch."), block_shape(kv_caches, block_size))
+        self._dtype = dtype
+
+    def fetch(self, root_key: bytes, keys: Sequence[bytes]) -> list[DecodedBlock]:
+        """Verified blocks for the longest prefix of `keys` the tiers return before the deadline."""
+        if not keys:
+            return []
+        return self.store.load_prefix(root_key, keys, self.format, time.monotonic() + self.load_deadline_s)
+
+    def install(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
+        """Copy fetched blocks into the device cache at `block_ids`."""
+        if not blocks:
+            return
+        staging = np.empty((len(blocks), blocks[0].payload.nbytes), dtype=np.uint8)
+        for row, block in zip(staging, blocks):
+            row[:] = np.frombuffer(block.payload, dtype=np.uint8)
+        data = torch.from_numpy(staging).view(self._dtype).view(len(blocks), *self.format.shape)
+        write_blocks(self.kv_caches, self.block_size, block_ids, data)
+
+    def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Snapshot the blocks now (they may be reused right after) and queue them for the tiers."""
+        if not block_ids:
+            return
+        raw = read_blocks(self.kv_caches, self.block_size, block_ids).view(torch.uint8).reshape(len(block_ids), -1)
+        rows = raw.numpy()
+        self.store.submit(
+            [BlockWrite(root_key, key, self.format, payload=memoryview(row)) for key, row in zip(keys, rows)]
+        )
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,191 @@
+"""Local-disk tier: one file per block, persistent across restarts.
+
+Files live under `<dir>/<first two hex digits of the key>/<key hex>.kvb`. A block is written to a
+temporary file in the same directory and renamed into place, so readers never see a partial
+block; a torn file left by a crash is caught by the block checksum. On start the index is rebuilt
+by scanning the directory (least recently used first, by modification time, which reads refresh)
+and stray temporary files are removed. When a write fails (disk full, permissions) the tier stops
+writing for a while and keeps serving reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvyard.kvcache.stats import TierStats
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+WRITE_RETRY_S = 60.0
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: str | Path, capacity_bytes: int, fsync: bool = False) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"disk tier capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.stats = TierStats()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._writes_paused_until = 0.0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_of(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.directory / name[:2] / (name + SUFFIX)
+
+    def _rebuild_index(self) -> None:
+        entries: list[tuple[float, bytes, int]] = []
+        for path in self.directory.glob("*/*"):
+            if path.name.endswith(TEMP_SUFFIX):
+                _remove(path)
+                continue
+            key = _key_of(path)
+            if key is None:
+                continue
+            try:
+                info = path.stat()
+            except OSError:
+                continue
+            entries.append((info.st_mtime, key, info.st_size))
+        for _, key, size in sorted(entries):
+            self._index[key] = size
+            self._bytes += size
+        self._evict_over_budget()
+
+    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+        start = time.perf_counter()
+        found: list[bytes] = []
+        for key in keys:
+            if time.monotonic() > deadline:
+                break
+            blob = self._read(key)
+            if blob is None:
+                break
+            found.append(blob)
+        self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
+        return found
+
+    def _read(self, key: bytes) -> bytes | None:
+        with self._lock:
+            if key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        path = self.path_of(key)
+        try:
+            blob = path.read_bytes()
+            os.utime(path)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as error:
+            self.stats.add(errors=1)
+            log.warning("kv disk tier: cannot read %s: %s", path, error)
+            return None
+        return blob
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if time.monotonic() < self._writes_paused_until:
+            return
+        start = time.perf_counter()
+        written = blocks = 0
+        for key, blob in items:
+            if len(blob) > self.capacity_bytes:
+                continue
+            if not self._write(key, blob):
+                break
+            written += len(blob)
+            blocks += 1
+        self.stats.add(stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
+                       blocks_written=blocks)  # fmt: skip
+
+    def _write(self, key: bytes, blob: bytes) -> bool:
+        path = self.path_of(key)
+        temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with temp.open("wb") as file:
+                file.write(blob)
+                if self.fsync:
+                    file.flush()
+                    os.fsync(file.fileno())
+            os.replace(temp, path)
+        except OSError as error:
+            _remove(temp)
+            self._writes_paused_until = time.monotonic() + WRITE_RETRY_S
+            self.stats.add(errors=1)
+            log.warning("kv disk tier: write failed (%s); pausing writes for %.0f s, reads go on", error, WRITE_RETRY_S)
+            return False
+        with self._lock:
+            old = self._index.pop(key, None)
+            self._bytes += len(blob) - (old or 0)
+            self._index[key] = len(blob)
+        self._evict_over_budget()
+        return True
+
+    def _evict_over_budget(self) -> None:
+        evicted: list[bytes] = []
+        with self._lock:
+            while self._bytes > self.capacity_bytes and self._index:
+                key, size = self._index.popitem(last=False)
+                self._bytes -= size
+                evicted.append(key)
+        for key in evicted:
+            _remove(self.path_of(key))
+        if evicted:
+            self.stats.add(evictions=len(evicted))
+
+    def discard(self, key: bytes) -> None:
+        self._forget(key)
+        _remove(self.path_of(key))
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def close(self) -> None:
+        pass
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _key_of(path: Path) -> bytes | None:
+    if not path.name.endswith(SUFFIX):
+        return None
+    try:
+        key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+    except ValueError:
+        return None
+    return key if path.parent.name == path.name[:2] else None

@@ -1,0 +1,81 @@
+"""Host-memory tier: encoded blocks in an LRU map within a byte budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvyard.kvcache.stats import TierStats
+
+
+class MemoryTier:
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"memory tier capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+        self._blobs: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+        start = time.perf_counter()
+        found: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                blob = self._blobs.get(key)
+                if blob is None:
+                    break
+                self._blobs.move_to_end(key)
+                found.append(blob)
+        self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
+        return found
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._blobs
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        start = time.perf_counter()
+        written = blocks = evicted = 0
+        with self._lock:
+            for key, blob in items:
+                if len(blob) > self.capacity_bytes:
+                    continue
+                old = self._blobs.pop(key, None)
+                if old is not None:
+                    self._bytes -= len(old)
+                self._blobs[key] = blob
+                self._bytes += len(blob)
+                written += len(blob)
+                blocks += 1
+                while self._bytes > self.capacity_bytes:
+                    _, dropped = self._blobs.popitem(last=False)
+                    self._bytes -= len(dropped)
+                    evicted += 1
+        self.stats.add(
+            stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
+            blocks_written=blocks, evictions=evicted,
+        )  # fmt: skip
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            blob = self._blobs.pop(key, None)
+            if blob is not None:
+                self._bytes -= len(blob)
+
+    def close(self) -> None:
+        with self._lock:
+            self._blobs.clear()
+            self._bytes = 0

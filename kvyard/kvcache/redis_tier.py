@@ -1,0 +1,146 @@
+"""Redis/Valkey tier: shared by every replica on every machine.
+
+Reads and writes are pipelined in batches (one round trip per batch); every value has a TTL. Works
+against one server or a Redis Cluster (`cluster=True`: the cluster client splits a pipeline by
+node). An unreachable, slow or failing server turns into misses: the error is counted and logged,
+the tier stays quiet for a backoff period that doubles up to a limit, then tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from kvyard.kvcache.stats import TierStats
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "kvyard:kv:"
+MIN_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        ttl_s: int = 86400,
+        cluster: bool = False,
+        batch_blocks: int = 32,
+        timeout_s: float = 1.0,
+    ) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"redis TTL must be at least 1 s, got {ttl_s}")
+        self.url = url
+        self.ttl_s = ttl_s
+        self.batch_blocks = batch_blocks
+        self.stats = TierStats()
+        # No client-side retries: a stalled server must cost one timeout, then the tier backs off itself.
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        self._client: Any = RedisCluster.from_url(url, **options) if cluster else redis.Redis.from_url(url, **options)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff_s = MIN_BACKOFF_S
+
+    @staticmethod
+    def redis_key(key: bytes) -> str:
+        return KEY_PREFIX + key.hex()
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+        if not self.available:
+            return []
+        start = time.perf_counter()
+        found: list[bytes] = []
+        for offset in range(0, len(keys), self.batch_blocks):
+            if time.monotonic() > deadline:
+                break
+            batch = keys[offset : offset + self.batch_blocks]
+            values = self._pipeline(lambda pipe, key: pipe.get(self.redis_key(key)), batch)
+            if values is None:
+                break
+            hits = _leading_values(values)
+            found.extend(hits)
+            if len(hits) < len(values):
+                break
+        self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
+        return found
+
+    def contains(self, key: bytes) -> bool:
+        return False
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not items or not self.available:
+            return
+        start = time.perf_counter()
+        for offset in range(0, len(items), self.batch_blocks):
+            batch = items[offset : offset + self.batch_blocks]
+            if self._pipeline(self._set_command, batch) is None:
+                return
+            self.stats.add(bytes_written=sum(len(blob) for _, blob in batch), blocks_written=len(batch))
+        self.stats.add(stores=1, store_seconds=time.perf_counter() - start)
+
+    def _set_command(self, pipe: Any, item: tuple[bytes, bytes]) -> None:
+        pipe.set(self.redis_key(item[0]), item[1], ex=self.ttl_s)
+
+    def discard(self, key: bytes) -> None:
+        if self.available:
+            self._pipeline(lambda pipe, k: pipe.delete(self.redis_key(k)), [key])
+
+    def _pipeline(self, command: Any, args: Sequence[Any]) -> list[Any] | None:
+        """Run `command(pipe, arg)` for each arg in one round trip; None (after backing off) on failure."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for arg in args:
+                command(pipe, arg)
+            results: list[Any] = pipe.execute()
+        except (redis.RedisError, OSError) as error:
+            self._mark_down(error)
+            return None
+        self._mark_up()
+        return results
+
+    def _mark_down(self, error: BaseException) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self._backoff_s
+            log.warning("kv redis tier %s: %s: %s; treating as misses for %.0f s", self.url,
+                        type(error).__name__, error, self._backoff_s)  # fmt: skip
+            self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+        self.stats.add(errors=1)
+
+    def _mark_up(self) -> None:
+        if self._backoff_s != MIN_BACKOFF_S:
+            with self._lock:
+                log.warning("kv redis tier %s: reachable again", self.url)
+                self._backoff_s = MIN_BACKOFF_S
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._client.close()
+
+
+def _leading_values(values: list[Any]) -> list[bytes]:
+    leading: list[bytes] = []
+    for value in values:
+        if value is None:
+            break
+        leading.append(bytes(value))
+    return leading

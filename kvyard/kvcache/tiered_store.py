@@ -1,0 +1,225 @@
+"""Tiers composed into one store: lookup top-down with promotion, write-behind through a bounded queue.
+
+Lookups run on the caller's thread (the engine's), tier by tier, and only ever return a contiguous
+prefix of the wanted chained keys, since a block is only usable after all its parents. Every blob
+is verified against the namespace root, key and expected format before it is returned; one that
+fails is removed from its tier and counted. Writes are queued and done by one background thread;
+when the queue is full the block is dropped and counted, never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvyard.kvcache.codec import (
+    BlockCorruptError,
+    BlockFormat,
+    BlockRejectedError,
+    DecodedBlock,
+    decode_block,
+    encode_block,
+)
+from kvyard.kvcache.stats import StoreSnapshot
+from kvyard.kvcache.tier import Tier
+
+log = logging.getLogger(__name__)
+
+WRITE_BATCH_BLOCKS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """One block to store: raw payload (encoded by the writer) or an already-encoded blob."""
+
+    root_key: bytes
+    key: bytes
+    fmt: BlockFormat
+    payload: memoryview | None = None
+    blob: bytes | None = None
+    first_tier: int = 0  # write to tiers[first_tier:]; promotions stop above the tier they came from
+    last_tier: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.blob is not None:
+            return len(self.blob)
+        return self.payload.nbytes if self.payload is not None else 0
+
+
+class WriteQueue:
+    """A FIFO bounded in bytes; `offer` never blocks."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._items: deque[BlockWrite] = deque()
+        self._bytes = 0
+        self._busy = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def offer(self, item: BlockWrite) -> bool:
+        with self._cond:
+            if self._closed or self._bytes + item.nbytes > self.capacity_bytes:
+                return False
+            self._items.append(item)
+            self._bytes += item.nbytes
+            self._cond.notify()
+            return True
+
+    def take(self, max_items: int) -> list[BlockWrite] | None:
+        """Wait for work; None once closed and drained. Call `done` after handling the batch."""
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            if not self._items:
+                return None
+            batch = [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
+            self._bytes -= sum(item.nbytes for item in batch)
+            self._busy += 1
+            return batch
+
+    def done(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._items and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._items), self._bytes
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], queue_bytes: int = 256 << 20) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers = list(tiers)
+        self._queue = WriteQueue(queue_bytes)
+        self._dropped = 0
+        self._loaded = 0
+        self._submitted = 0
+        self._counter_lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="kvyard-kv-writer", daemon=True)
+        self._writer.start()
+
+    # ----------------------------------------------------------------- reads (caller's thread)
+
+    def load_prefix(
+        self, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float
+    ) -> list[DecodedBlock]:
+        """Verified blocks for the longest prefix of `keys` found before `deadline`."""
+        blocks: list[DecodedBlock] = []
+        for index, tier in enumerate(self.tiers):
+            if len(blocks) == len(keys) or time.monotonic() > deadline:
+                break
+            wanted = keys[len(blocks) :]
+            found = self._verified(tier, root_key, wanted, fmt, tier.get_prefix(wanted, deadline))
+            tier.stats.add(hits=len(found), misses=int(len(found) < len(wanted)))
+            if found and index > 0:
+                self._promote(root_key, fmt, found, index)
+            blocks.extend(found)
+        with self._counter_lock:
+            self._loaded += len(blocks)
+        return blocks
+
+    def _verified(
+        self, tier: Tier, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, blobs: list[bytes]
+    ) -> list[DecodedBlock]:
+        blocks: list[DecodedBlock] = []
+        for key, blob in zip(keys, blobs):
+            try:
+                blocks.append(decode_block(blob, root_key, key, fmt))
+            except BlockRejectedError as error:
+                corrupt = isinstance(error, BlockCorruptError)
+                tier.stats.add(corrupt=int(corrupt), mismatched=int(not corrupt))
+                log.warning("kv %s tier: dropped block %s: %s", tier.name, key.hex(), error)
+                tier.discard(key)
+                break
+        return blocks
+
+    def _promote(self, root_key: bytes, fmt: BlockFormat, blocks: list[DecodedBlock], source: int) -> None:
+        for block in blocks:
+            self._offer(BlockWrite(root_key, block.key, fmt, blob=bytes(block.blob), last_tier=source))
+
+    # ----------------------------------------------------------------- writes (background)
+
+    def submit(self, writes: Sequence[BlockWrite]) -> int:
+        """Queue blocks for every tier without blocking; returns how many were accepted."""
+        accepted = sum(self._offer(write) for write in writes)
+        with self._counter_lock:
+            self._submitted += len(writes)
+        return accepted
+
+    def _offer(self, write: BlockWrite) -> bool:
+        if self._queue.offer(write):
+            return True
+        with self._counter_lock:
+            self._dropped += 1
+        return False
+
+    def _write_loop(self) -> None:
+        while (batch := self._queue.take(WRITE_BATCH_BLOCKS)) is not None:
+            try:
+                self._write_batch(batch)
+            except Exception:
+                log.exception("kv tier writer: batch of %d blocks failed", len(batch))
+            finally:
+                self._queue.done()
+
+    def _write_batch(self, batch: list[BlockWrite]) -> None:
+        encoded = [(write, _encoded(write)) for write in batch]
+        for index, tier in enumerate(self.tiers):
+            items = [
+                (write.key, blob)
+                for write, blob in encoded
+                if write.first_tier <= index < (write.last_tier if write.last_tier is not None else len(self.tiers))
+                and not tier.contains(write.key)
+            ]
+            if items:
+                tier.put_many(items)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is done; False on timeout."""
+        return self._queue.wait_idle(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._queue.close()
+        self._writer.join(timeout)
+        for tier in self.tiers:
+            tier.close()
+
+    # ----------------------------------------------------------------- stats
+
+    def snapshot(self) -> StoreSnapshot:
+        blocks, nbytes = self._queue.depth
+        with self._counter_lock:
+            return StoreSnapshot(
+                tiers={tier.name: tier.stats.snapshot() for tier in self.tiers},
+                queue_blocks=blocks,
+                queue_bytes=nbytes,
+                queue_dropped_blocks=self._dropped,
+                loaded_blocks=self._loaded,
+                submitted_blocks=self._submitted,
+            )
+
+
+def _encoded(write: BlockWrite) -> bytes:
+    if write.blob is not None:
+        return write.blob
+    assert write.payload is not None
+    return encode_block(write.root_key, write.key, write.fmt, write.payload)

@@ -1,0 +1,83 @@
+"""Start a real redis-server on a free loopback port for tests (installed by scripts/setup.sh)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from server_utils import free_port
+
+
+@dataclass
+class RedisProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+    directory: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_redis(directory: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> RedisProcess:
+    """redis-server on `port` (default: a free one, retried if another process takes it first)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed; run scripts/setup.sh")
+    for _ in range(3):
+        server = _launch(binary, directory, port or free_port(), extra)
+        if server is not None:
+            return server
+    raise RuntimeError(f"redis-server did not start; see {directory}/redis-*.log")
+
+
+def _launch(binary: str, directory: Path, port: int, extra: tuple[str, ...]) -> RedisProcess | None:
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(directory), *extra]  # fmt: skip
+    with (directory / f"redis-{port}.log").open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    server = RedisProcess(process, port, directory)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if server.client().ping():
+                return server
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    server.kill()
+    return None
+
+
+def start_redis_cluster(directory: Path, num_nodes: int = 3) -> list[RedisProcess]:
+    """A real Redis Cluster of `num_nodes` masters on loopback (no replicas)."""
+    nodes: list[RedisProcess] = []
+    try:
+        for index in range(num_nodes):
+            node_dir = directory / f"node{index}"
+            node_dir.mkdir()
+            nodes.append(start_redis(node_dir, extra=("--cluster-enabled", "yes")))
+        addresses = [f"127.0.0.1:{node.port}" for node in nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while nodes[0].client().cluster("info").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis cluster did not become ready")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
