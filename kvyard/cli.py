@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvyard.sim.cli import add_sim_command
 from kvyard.kvcache.options import add_kv_tier_arguments, kv_tier_config
+from kvyard.sim.cli import add_sim_command
 
 ENGINE_OPTIONS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens",
