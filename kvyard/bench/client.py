@@ -2,8 +2,8 @@
 
 Arrivals: closed loop (at most `concurrency` requests in flight), open loop (sessions start at
 Poisson times of rate `request_rate`, optionally also capped by `concurrency`), or the workload's own
-arrival times (trace timestamps). aiohttp rather than httpx: its streaming read path costs several
-times less CPU per request, which is what lets one Python process drive thousands of requests/s.
+arrival times (trace timestamps). HTTP goes through kvyard.bench.http, whose body callback lets the
+events of a stream be parsed the moment their bytes arrive, without a coroutine hop per chunk.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
+from kvyard.bench.http import HttpClient, HttpError
 from kvyard.bench.prefix import PrefixTracker
 from kvyard.bench.records import RequestRecord
 from kvyard.bench.workloads import RequestSpec, Session, Workload
+
+WARM_CONNECTIONS = 64  # opened before the clock starts (at most the concurrency)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,37 +93,40 @@ class LoadClient:
     ideal_block_size: int = 16
     on_done: Callable[[RequestRecord], None] | None = None
     records: list[RequestRecord] = field(default_factory=list)
-    origin: float = 0.0  # time.perf_counter() at the start; record times are relative to it
+    origin: float = 0.0  # time.monotonic() at the start; record times are relative to it
 
     async def run(self, workload: Workload) -> list[RequestRecord]:
         tracker = PrefixTracker(self.ideal_block_size)
         limit = self.arrivals.concurrency
         gate: asyncio.Semaphore | None = asyncio.Semaphore(limit) if limit else None
-        connector = aiohttp.TCPConnector(limit=limit or 0, force_close=False, enable_cleanup_closed=True)
-        timeout = aiohttp.ClientTimeout(total=self.options.timeout)
         starts = self.arrivals.start_times(workload.sessions)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.options.headers()) as http:
-            self.origin = time.perf_counter()
-            tasks = [
-                asyncio.create_task(self._session(http, index, session, start, gate, tracker))
-                for index, (session, start) in enumerate(zip(workload.sessions, starts))
-            ]
+        http = HttpClient(self.options.base_url, self.options.headers())
+        # Connections opened while the clock runs would add their set-up to the first TTFTs, and in an open
+        # loop a client that falls behind would open many at once and fall further behind.
+        await http.warm_up(min(limit or WARM_CONNECTIONS, WARM_CONNECTIONS, len(workload.sessions)))
+        self.origin = time.monotonic()
+        tasks = []
+        try:
+            for index, (session, start) in sorted(enumerate(zip(workload.sessions, starts)), key=_by_start):
+                await _sleep_until(self, start)  # one timer at a time: sessions start when they are due
+                tasks.append(asyncio.create_task(self._session(http, index, session, start, gate, tracker)))
             await asyncio.gather(*tasks)
+        finally:
+            http.close()
         return self.records
 
     def now(self) -> float:
-        return time.perf_counter() - self.origin
+        return time.monotonic() - self.origin
 
     async def _session(
         self,
-        http: aiohttp.ClientSession,
+        http: HttpClient,
         index: int,
         session: Session,
         start: float,
         gate: asyncio.Semaphore | None,
         tracker: PrefixTracker,
     ) -> None:
-        await _sleep_until(self, start)
         scheduled = None if self.arrivals.mode == "closed" else start
         previous: RequestRecord | None = None
         for turn in itertools.count():
@@ -146,53 +150,75 @@ class LoadClient:
                 if gate is not None:
                     gate.release()
 
-    async def _send(self, http: aiohttp.ClientSession, spec: RequestSpec, record: RequestRecord) -> None:
+    async def _send(self, http: HttpClient, spec: RequestSpec, record: RequestRecord) -> None:
         body = self.options.body(spec)
+        events = _EventStream(record, self.origin)
         record.start = self.now()
         try:
-            await self._stream(http, body, record)
-        except asyncio.TimeoutError:
+            response = await http.request("POST", "/v1/completions", body, events.feed, self.options.timeout)
+            if response.status != 200:
+                record.error = f"http_{response.status}"
+                record.error_message = bytes(response.body[:500]).decode(errors="replace")
+            elif not events.done and record.error is None:
+                record.error, record.error_message = "incomplete_stream", "the stream ended without [DONE]"
+        except TimeoutError:
             record.error, record.error_message = "timeout", f"no complete answer within {self.options.timeout}s"
-        except aiohttp.ClientPayloadError as error:
-            record.error, record.error_message = "stream_error", str(error)
-        except aiohttp.ClientError as error:
-            record.error, record.error_message = "connection", f"{type(error).__name__}: {error}"
-        except (ValueError, KeyError, TypeError) as error:
-            record.error, record.error_message = "bad_response", f"{type(error).__name__}: {error}"
+        except HttpError as error:
+            record.error, record.error_message = "connection", str(error)
         record.end = self.now()
+        if record.output_tokens == 0:
+            record.output_tokens = events.chunks
         if self.on_done is not None:
             self.on_done(record)
 
-    async def _stream(self, http: aiohttp.ClientSession, body: bytes, record: RequestRecord) -> None:
-        url = self.options.base_url + "/v1/completions"
-        async with http.post(url, data=body) as response:
-            if response.status != 200:
-                record.error = f"http_{response.status}"
-                record.error_message = (await response.text())[:500]
-                return
-            chunks, finished = 0, False
-            async for line in response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                arrived = self.now()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error, record.error_message = "stream_error", json.dumps(chunk["error"])[:500]
+
+@dataclass(slots=True)
+class _EventStream:
+    """Server-sent events of one completion stream, parsed as their bytes arrive. Every event that carries
+    output text stamps the time its bytes arrived."""
+
+    record: RequestRecord
+    origin: float
+    pending: bytes = b""
+    chunks: int = 0
+    done: bool = False
+
+    def feed(self, data: bytes, arrived: float) -> None:
+        if self.done:
+            return
+        pending = self.pending + data
+        if b"\r" in pending:
+            pending = pending.replace(b"\r\n", b"\n")
+        *events, self.pending = pending.split(b"\n\n")
+        try:
+            for event in events:
+                if self._take(event, arrived - self.origin):
+                    self.done = True
                     return
-                choices = chunk.get("choices")
-                if choices and choices[0].get("text"):
-                    record.token_times.append(arrived)
-                    chunks += 1
-                if usage := chunk.get("usage"):
-                    _read_usage(record, usage)
-            if not finished:
-                record.error, record.error_message = "incomplete_stream", "the stream ended without [DONE]"
-            if record.output_tokens == 0:
-                record.output_tokens = chunks
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            self.record.error, self.record.error_message = "bad_response", f"{type(error).__name__}: {error}"
+            self.done = True
+
+    def _take(self, event: bytes, arrived: float) -> bool:
+        """Apply one event; True when the stream is over ([DONE] or an error event)."""
+        record = self.record
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return True
+            chunk = json.loads(data.decode())
+            if "error" in chunk:
+                record.error, record.error_message = "stream_error", json.dumps(chunk["error"])[:500]
+                return True
+            choices = chunk.get("choices")
+            if choices and choices[0].get("text"):
+                record.token_times.append(arrived)
+                self.chunks += 1
+            if usage := chunk.get("usage"):
+                _read_usage(record, usage)
+        return False
 
 
 def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
@@ -213,6 +239,10 @@ async def _think(delay: float, gate: asyncio.Semaphore | None) -> None:
     finally:
         if gate is not None:
             await gate.acquire()
+
+
+def _by_start(item: tuple[int, tuple[Session, float]]) -> float:
+    return item[1][1]
 
 
 async def _sleep_until(client: LoadClient, start: float) -> None:

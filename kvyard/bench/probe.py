@@ -10,8 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvyard.bench.http import HttpClient, HttpError
 
 # Counters whose before/after difference a result reports as "what the server counted".
 # kvyard first; vLLM and SGLang names so the same comparison works against them.
@@ -40,9 +41,9 @@ class ServerInfo:
                 "load_before": self.load, "ignore_eos": self.ignore_eos, "missing": self.missing}  # fmt: skip
 
 
-async def probe_server(http: aiohttp.ClientSession, base_url: str, model: str | None) -> ServerInfo:
+async def probe_server(http: HttpClient, model: str | None) -> ServerInfo:
     info = ServerInfo(model=model)
-    info.models = await _get_json(http, base_url + "/v1/models")
+    info.models = await get_json(http, "/v1/models")
     cards = (info.models or {}).get("data") or []
     if info.models is None or not cards:
         info.missing.append("/v1/models")
@@ -50,29 +51,29 @@ async def probe_server(http: aiohttp.ClientSession, base_url: str, model: str | 
         card = next((c for c in cards if c.get("id") == model), cards[0])
         info.model = model or card.get("id")
         info.max_model_len = card.get("max_model_len") or card.get("max_context_length")
-    info.load = await _get_json(http, base_url + "/load")
+    info.load = await get_json(http, "/load")
     if info.load is None:
         info.missing.append("/load")
-    if await metrics_snapshot(http, base_url) is None:
+    if await metrics_snapshot(http) is None:
         info.missing.append("/metrics")
-    await _probe_completion(http, base_url, info)
+    await _probe_completion(http, info)
     return info
 
 
-async def _probe_completion(http: aiohttp.ClientSession, base_url: str, info: ServerInfo) -> None:
+async def _probe_completion(http: HttpClient, info: ServerInfo) -> None:
     """One two-token request: does the server take `ignore_eos`, and does its stream end with usage?"""
     body: dict[str, Any] = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if info.model is not None:
         body["model"] = info.model
-    status, text = await _post(http, base_url + "/v1/completions", body)
+    status, text = await _post(http, "/v1/completions", body)
     if status == 400 and "ignore_eos" in text:
         info.ignore_eos = False
         info.missing.append("ignore_eos")
         body.pop("ignore_eos")
-        status, text = await _post(http, base_url + "/v1/completions", body)
+        status, text = await _post(http, "/v1/completions", body)
     if status != 200:
-        raise RuntimeError(f"probe request to {base_url}/v1/completions failed with HTTP {status}: {text[:500]}")
+        raise RuntimeError(f"probe request to {http.base_url}/v1/completions failed with HTTP {status}: {text[:500]}")
     usage = _last_usage(text)
     if usage is None:
         info.missing.append("usage")
@@ -88,20 +89,19 @@ def _last_usage(sse_text: str) -> dict[str, Any] | None:
     return usage
 
 
-async def metrics_snapshot(http: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
+async def metrics_snapshot(http: HttpClient) -> dict[str, float] | None:
     """Every Prometheus sample as `name{label=value,…}` -> value; None when there is no /metrics."""
     try:
-        async with http.get(base_url + "/metrics") as response:
-            if response.status != 200:
-                return None
-            text = await response.text()
+        response = await http.get("/metrics")
+        if response.status != 200:
+            return None
         return {
             _sample_key(sample.name, sample.labels): sample.value
-            for family in text_string_to_metric_families(text)
+            for family in text_string_to_metric_families(response.body.decode(errors="replace"))
             for sample in family.samples
             if not sample.name.endswith("_created")
         }
-    except (aiohttp.ClientError, ValueError):
+    except (HttpError, TimeoutError, ValueError):
         return None
 
 
@@ -126,17 +126,17 @@ def _sample_key(name: str, labels: dict[str, str]) -> str:
     return name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
 
 
-async def _get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+async def get_json(http: HttpClient, path: str) -> dict[str, Any] | None:
     try:
-        async with http.get(url) as response:
-            if response.status != 200:
-                return None
-            data = await response.json(content_type=None)
-            return data if isinstance(data, dict) else None
-    except (aiohttp.ClientError, ValueError):
+        response = await http.get(path)
+        if response.status != 200:
+            return None
+        data = json.loads(response.body)
+        return data if isinstance(data, dict) else None
+    except (HttpError, TimeoutError, ValueError):
         return None
 
 
-async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
-    async with http.post(url, json=body) as response:
-        return response.status, await response.text()
+async def _post(http: HttpClient, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    response = await http.request("POST", path, json.dumps(body).encode(), timeout=120.0)
+    return response.status, response.body.decode(errors="replace")

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import aiohttp
 from tqdm import tqdm
 
 from kvyard.bench import provenance
 from kvyard.bench.client import Arrivals, LoadClient, RequestOptions
+from kvyard.bench.http import HttpClient
 from kvyard.bench.metrics import SLO, summarize
-from kvyard.bench.probe import ServerInfo, counted_by_server, metrics_snapshot, probe_server
+from kvyard.bench.probe import ServerInfo, counted_by_server, get_json, metrics_snapshot, probe_server
 from kvyard.bench.records import RequestRecord
 from kvyard.bench.workloads import Workload, count_rewrites
 
@@ -39,18 +39,22 @@ def run_benchmark(settings: RunSettings, build_workload: Callable[[ServerInfo], 
 async def _run(settings: RunSettings, build_workload: Callable[[ServerInfo], Workload]) -> dict[str, Any]:
     start_time = provenance.utc_now()
     base_url = settings.options.base_url
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        server = await probe_server(http, base_url, settings.options.model)
+    http = HttpClient(base_url, settings.options.headers())
+    try:
+        server = await probe_server(http, settings.options.model)
         workload = build_workload(server)
-        before = await metrics_snapshot(http, base_url)
-        options = RequestOptions(base_url, server.model, settings.options.ignore_eos and server.ignore_eos,
-                                 settings.options.temperature, settings.options.api_key,
-                                 settings.options.timeout)  # fmt: skip
-        records, wall = await _drive(settings, options, workload)
-        after = await metrics_snapshot(http, base_url)
-        load_after = await _load(http, base_url) if "/load" not in server.missing else None
+        before = await metrics_snapshot(http)
+        options = replace(settings.options, model=server.model,
+                          ignore_eos=settings.options.ignore_eos and server.ignore_eos)  # fmt: skip
+        records, wall, origin = await _drive(settings, options, workload)
+        after = await metrics_snapshot(http)
+        load_after = await get_json(http, "/load") if "/load" not in server.missing else None
+    finally:
+        http.close()
     summary = summarize(records, settings.slo)
     summary["client_wall_s"] = wall
+    # Record times are seconds after this moment of time.monotonic(), so they can be joined with server logs.
+    summary["clock_origin_monotonic"] = origin
     return {
         "format": RESULT_FORMAT,
         "summary": summary,
@@ -91,7 +95,7 @@ async def _run(settings: RunSettings, build_workload: Callable[[ServerInfo], Wor
 
 async def _drive(
     settings: RunSettings, options: RequestOptions, workload: Workload
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, float]:
     bar = tqdm(total=workload.num_requests, unit="req", disable=not settings.progress, dynamic_ncols=True)
     failures = 0
 
@@ -108,17 +112,8 @@ async def _drive(
         records = await client.run(workload)
     finally:
         bar.close()
-    return records, time.perf_counter() - started
+    return records, time.perf_counter() - started, client.origin
 
 
 def _workload_stats(workload: Workload) -> dict[str, Any]:
     return {"rewrites": count_rewrites(workload)} if workload.name == "multiturn" else {}
-
-
-async def _load(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
-    try:
-        async with http.get(base_url + "/load") as response:
-            data = await response.json(content_type=None) if response.status == 200 else None
-            return data if isinstance(data, dict) else None
-    except (aiohttp.ClientError, ValueError):
-        return None
