@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvyard.bench.client import Arrivals, RequestOptions
+from kvyard.bench.http import HttpError
 from kvyard.bench.metrics import parse_slo
 from kvyard.bench.probe import ServerInfo
 from kvyard.bench.provenance import command_line
@@ -29,6 +32,7 @@ from kvyard.bench.workloads import (
     trace_workload,
 )
 
+T = TypeVar("T")
 EPILOG = """examples:
   kvyard bench --base-url http://127.0.0.1:8000 --workload random --num-requests 100 --concurrency 16 \\
       --input-len 8192 --output-len 1024 --out result.json
@@ -45,7 +49,19 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("compare", nargs="*", metavar="compare FILE",
                         help="`compare a.json b.json …`: earlier results side by side, with ratios")  # fmt: skip
     _add_run_arguments(parser)
-    parser.set_defaults(handler=main)
+    parser.set_defaults(handler=main, command_line=None)
+
+
+def _typed(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type that shows the parser's own message instead of "invalid value"."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+
+    return convert
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,12 +83,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--concurrency", type=int, default=None,
                       help="closed loop: requests in flight (default 1); with --request-rate, a cap")  # fmt: skip
     load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    load.add_argument("--input-len", type=LengthRange.parse, default=LengthRange(1024, 1024),
+    load.add_argument("--input-len", type=_typed(LengthRange.parse), default=LengthRange(1024, 1024),
                       help="prompt tokens: N or LOW:HIGH (shared-prefix: after the prefix)")  # fmt: skip
-    load.add_argument("--output-len", type=LengthRange.parse, default=LengthRange(128, 128),
+    load.add_argument("--output-len", type=_typed(LengthRange.parse), default=LengthRange(128, 128),
                       help="output tokens: N or LOW:HIGH")  # fmt: skip
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--slo", type=parse_slo, default=None, help="goodput objectives, e.g. ttft=500ms,tpot=50ms")
+    load.add_argument("--slo", type=_typed(parse_slo), default=None,
+                      help="goodput objectives, e.g. ttft=500ms,tpot=50ms")  # fmt: skip
 
     shared = parser.add_argument_group("shared-prefix")
     shared.add_argument("--num-groups", type=int, default=4)
@@ -82,9 +99,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     turns.add_argument("--num-sessions", type=int, default=8)
     turns.add_argument("--turns", type=int, default=5)
     turns.add_argument("--system-len", type=int, default=1024, help="system prompt shared by every session")
-    turns.add_argument("--first-len", type=LengthRange.parse, default=LengthRange(512, 512),
+    turns.add_argument("--first-len", type=_typed(LengthRange.parse), default=LengthRange(512, 512),
                        help="tokens of each session's first message")  # fmt: skip
-    turns.add_argument("--turn-len", type=LengthRange.parse, default=LengthRange(128, 128),
+    turns.add_argument("--turn-len", type=_typed(LengthRange.parse), default=LengthRange(128, 128),
                        help="new tokens in every later turn")  # fmt: skip
     turns.add_argument("--think-time", type=float, default=0.0, help="mean seconds between turns (exponential)")
     turns.add_argument("--rewrite-prob", type=float, default=0.0,
@@ -109,6 +126,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", dest="progress", action="store_false")
 
 
+def run_cli(argv: list[str]) -> int:
+    """`kvyard bench ARGV…` without the rest of kvyard's command line (scripts, tests)."""
+    parser = argparse.ArgumentParser(prog="kvyard")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    args.command_line = shlex.join(["kvyard", "bench", *argv])
+    return main(args)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(args.compare)
@@ -117,6 +143,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvyard bench: error: {error}", file=sys.stderr)
         return 2
+    try:
+        return _run(args)
+    except (HttpError, RuntimeError, OSError, ValueError) as error:
+        print(f"kvyard bench: error: {error}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     settings = RunSettings(
         options=RequestOptions(
             args.base_url.rstrip("/"), args.model, args.ignore_eos, args.temperature, args.api_key, args.timeout
@@ -130,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         slo=args.slo,
         ideal_block_size=args.ideal_block_size,
         progress=args.progress,
-        command=command_line(),
+        command=args.command_line or command_line(),
     )
     result = run_benchmark(settings, lambda server: build_workload(args, server))
     print(summary_table(result))
