@@ -189,35 +189,40 @@ class _EventStream:
         pending = self.pending + data
         if b"\r" in pending:
             pending = pending.replace(b"\r\n", b"\n")
-        *events, self.pending = pending.split(b"\n\n")
+        *lines, self.pending = pending.split(b"\n")
+        payloads = []
+        for line in lines:
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                    break
+                payloads.append(payload)
+        if not payloads:
+            return
         try:
-            for event in events:
-                if self._take(event, arrived - self.origin):
+            # One parse for everything that arrived together: a JSON array of the events' payloads.
+            chunks = json.loads(b"[" + b",".join(payloads) + b"]")
+            for chunk in chunks:
+                if self._take(chunk, arrived - self.origin):
                     self.done = True
                     return
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             self.record.error, self.record.error_message = "bad_response", f"{type(error).__name__}: {error}"
             self.done = True
 
-    def _take(self, event: bytes, arrived: float) -> bool:
-        """Apply one event; True when the stream is over ([DONE] or an error event)."""
+    def _take(self, chunk: dict[str, Any], arrived: float) -> bool:
+        """Apply one event; True when it was an error event."""
         record = self.record
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return True
-            chunk = json.loads(data.decode())
-            if "error" in chunk:
-                record.error, record.error_message = "stream_error", json.dumps(chunk["error"])[:500]
-                return True
-            choices = chunk.get("choices")
-            if choices and choices[0].get("text"):
-                record.token_times.append(arrived)
-                self.chunks += 1
-            if usage := chunk.get("usage"):
-                _read_usage(record, usage)
+        if "error" in chunk:
+            record.error, record.error_message = "stream_error", json.dumps(chunk["error"])[:500]
+            return True
+        choices = chunk.get("choices")
+        if choices and choices[0].get("text"):
+            record.token_times.append(arrived)
+            self.chunks += 1
+        if usage := chunk.get("usage"):
+            _read_usage(record, usage)
         return False
 
 
@@ -246,6 +251,6 @@ def _by_start(item: tuple[int, tuple[Session, float]]) -> float:
 
 
 async def _sleep_until(client: LoadClient, start: float) -> None:
-    delay = start - client.now()
-    if delay > 0:
-        await asyncio.sleep(delay)
+    """Wait for `start`; when it has already passed, still let the sessions started so far run first, so that
+    a client that fell behind catches up one session at a time instead of in one burst."""
+    await asyncio.sleep(max(0.0, start - client.now()))

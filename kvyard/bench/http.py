@@ -105,19 +105,9 @@ class _Connection(asyncio.Protocol):
             if self.state == _HEAD:
                 if not self._parse_head():
                     return
-            elif self.state == _CHUNK_SIZE:
-                end = self.buffer.find(b"\r\n")
-                if end < 0:
+            elif self.state in (_CHUNK_SIZE, _CHUNK_DATA):
+                if not self._parse_chunks():
                     return
-                size = int(bytes(self.buffer[:end]).split(b";", 1)[0], 16)
-                del self.buffer[: end + 2]
-                self.state, self.remaining = (_TRAILER, 0) if size == 0 else (_CHUNK_DATA, size)
-            elif self.state == _CHUNK_DATA:
-                if len(self.buffer) < self.remaining + 2:
-                    return
-                self.pieces.append(bytes(self.buffer[: self.remaining]))
-                del self.buffer[: self.remaining + 2]
-                self.state = _CHUNK_SIZE
             elif self.state == _TRAILER:
                 end = self.buffer.find(b"\r\n")
                 if end < 0:
@@ -139,6 +129,30 @@ class _Connection(asyncio.Protocol):
                     self.pieces.append(bytes(self.buffer))
                     self.buffer.clear()
                 return
+
+    def _parse_chunks(self) -> bool:
+        """Take every complete chunk in the buffer (trimming it once); False when more bytes are needed."""
+        buffer, position = self.buffer, 0
+        try:
+            while True:
+                if self.state == _CHUNK_SIZE:
+                    end = buffer.find(b"\r\n", position)
+                    if end < 0:
+                        return False
+                    size = int(buffer[position:end].split(b";", 1)[0], 16)
+                    position = end + 2
+                    if size == 0:
+                        self.state = _TRAILER
+                        return True
+                    self.state, self.remaining = _CHUNK_DATA, size
+                else:
+                    if len(buffer) < position + self.remaining + 2:
+                        return False
+                    self.pieces.append(bytes(buffer[position : position + self.remaining]))
+                    position += self.remaining + 2
+                    self.state = _CHUNK_SIZE
+        finally:
+            del buffer[:position]
 
     def _parse_head(self) -> bool:
         end = self.buffer.find(b"\r\n\r\n")
