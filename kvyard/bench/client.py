@@ -218,7 +218,9 @@ class _EventStream:
             record.error, record.error_message = "stream_error", json.dumps(chunk["error"])[:500]
             return True
         choices = chunk.get("choices")
-        if choices and choices[0].get("text"):
+        if choices and (choices[0].get("text") or (choices[0].get("finish_reason") and not record.token_times)):
+            # A finishing chunk counts when no text came before it: an answer whose tokens decode to no
+            # text yet (part of a UTF-8 character) still has a first token.
             record.token_times.append(arrived)
             self.chunks += 1
         if usage := chunk.get("usage"):
