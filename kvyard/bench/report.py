@@ -30,7 +30,10 @@ def summary_table(result: dict[str, Any]) -> str:
         bounds = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in good["slo_s"].items() if v is not None)
         lines.append(f"goodput ({bounds}): {good['good_requests']}/{requests['total']} requests, "
                      f"{_num(good['requests_per_s'])} req/s")  # fmt: skip
-    lines.append(_cache_line(s["prefix_cache"], result["workload"].get("info", {})))
+    info = result["workload"].get("info", {})
+    lines.append(_cache_line(s["prefix_cache"], info))
+    if "rewrites" in info:
+        lines.append(f"multiturn: {info['rewrites']} turns rewrote the middle of their history")
     if s["errors"]:
         lines.append("errors: " + ", ".join(f"{kind} x{count}" for kind, count in sorted(s["errors"].items())))
     if s.get("short_outputs"):
