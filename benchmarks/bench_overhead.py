@@ -93,7 +93,13 @@ def distortions(result: dict[str, Any], stamps: dict[str, list[float]], seed: in
     return series
 
 
-def scenario(name: str, result: dict[str, Any], series: dict[str, list[float]]) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scenario(name: str, result: dict[str, Any], series: dict[str, list[float]], server_cpu: float) -> dict[str, Any]:
     s = result["summary"]
 
     def ms(values: list[float]) -> dict[str, float] | None:
@@ -113,6 +119,9 @@ def scenario(name: str, result: dict[str, Any], series: dict[str, list[float]]) 
         "distortion_send_side_ms": ms(series["send"]),
         "distortion_receive_side_ms": ms(series["receive"]),
         "send_lag_ms": ms(_lags(result)),
+        # CPU per request: what the pace would be with a core each, whatever else ran on the machine.
+        "client_cpu_per_request_ms": s["client_cpu_per_request_ms"],
+        "server_cpu_per_request_ms": server_cpu * 1000 / max(1, s["requests"]["total"]),
         "load_average_after": list(os.getloadavg()),
     }
 
@@ -141,9 +150,11 @@ def main() -> None:
             plans += [(f"Poisson {args.rate:g} req/s", args.open_requests, ["--request-rate", str(args.rate)]),
                       ("Poisson 100 req/s (light load)", 1000, ["--request-rate", "100"])]  # fmt: skip
             for seed, (name, count, load_args) in enumerate(plans, start=1):
+                server_cpu = cpu_seconds(server.pid)
                 result = run_bench(port, seed, count, work, load_args)
+                server_cpu = cpu_seconds(server.pid) - server_cpu
                 stamps = httpx.get(f"http://127.0.0.1:{port}/stamps", timeout=30).json()
-                scenarios.append(scenario(name, result, distortions(result, stamps, seed)))
+                scenarios.append(scenario(name, result, distortions(result, stamps, seed), server_cpu))
                 print(_line(scenarios[-1]), flush=True)
         finally:
             server.terminate()
@@ -171,7 +182,8 @@ def _line(s: dict[str, Any]) -> str:
     return (f"{s['scenario']}: {s['requests']['completed']}/{s['requests']['total']} ok, "
             f"{s['requests_per_s']:.0f} req/s; client TTFT p50 {t.get('p50', 0):.3f} ms; "
             f"distortion p50 {d.get('p50', 0):.3f} ms, p90 {d.get('p90', 0):.3f} ms, "
-            f"p99 {d.get('p99', 0):.3f} ms")  # fmt: skip
+            f"p99 {d.get('p99', 0):.3f} ms; CPU per request: client {s['client_cpu_per_request_ms']:.3f} ms, "
+            f"server {s['server_cpu_per_request_ms']:.3f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

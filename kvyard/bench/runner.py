@@ -46,13 +46,17 @@ async def _run(settings: RunSettings, build_workload: Callable[[ServerInfo], Wor
         before = await metrics_snapshot(http)
         options = replace(settings.options, model=server.model,
                           ignore_eos=settings.options.ignore_eos and server.ignore_eos)  # fmt: skip
-        records, wall, origin = await _drive(settings, options, workload)
+        records, cost, origin = await _drive(settings, options, workload)
         after = await metrics_snapshot(http)
         load_after = await get_json(http, "/load") if "/load" not in server.missing else None
     finally:
         http.close()
     summary = summarize(records, settings.slo)
-    summary["client_wall_s"] = wall
+    # The client's own CPU while it ran: near one core's worth of wall time means the client, not the
+    # server, may have set the pace.
+    summary["client_wall_s"] = cost.wall
+    summary["client_cpu_s"] = cost.cpu
+    summary["client_cpu_per_request_ms"] = cost.cpu * 1000 / len(records) if records else None
     # Record times are seconds after this moment of time.monotonic(), so they can be joined with server logs.
     summary["clock_origin_monotonic"] = origin
     return {
@@ -95,7 +99,7 @@ async def _run(settings: RunSettings, build_workload: Callable[[ServerInfo], Wor
 
 async def _drive(
     settings: RunSettings, options: RequestOptions, workload: Workload
-) -> tuple[list[RequestRecord], float, float]:
+) -> tuple[list[RequestRecord], ClientCost, float]:
     bar = tqdm(total=workload.num_requests, unit="req", disable=not settings.progress, dynamic_ncols=True)
     failures = 0
 
@@ -107,12 +111,18 @@ async def _drive(
             bar.set_postfix(failed=failures, refresh=False)
 
     client = LoadClient(options, settings.arrivals, settings.ideal_block_size, done)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         records = await client.run(workload)
     finally:
         bar.close()
-    return records, time.perf_counter() - started, client.origin
+    return records, ClientCost(time.perf_counter() - started, time.process_time() - cpu), client.origin
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCost:
+    wall: float
+    cpu: float  # this process's CPU seconds (user + system) during the run
 
 
 def _workload_stats(workload: Workload) -> dict[str, Any]:
