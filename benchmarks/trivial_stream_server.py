@@ -31,8 +31,9 @@ class Stamps:
 
 
 class StreamProtocol(asyncio.Protocol):
-    def __init__(self, stamps: Stamps) -> None:
+    def __init__(self, stamps: Stamps, strict: bool) -> None:
         self.stamps = stamps
+        self.strict = strict  # reject fields outside the OpenAI API, as a strict server does
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -77,6 +78,9 @@ class StreamProtocol(asyncio.Protocol):
         assert self.transport is not None
         read = time.monotonic()
         request = json.loads(body)
+        if self.strict and "ignore_eos" in request:
+            self._json(400, {"error": {"message": "unrecognized request argument: ignore_eos", "param": "ignore_eos"}})
+            return
         tokens = int(request.get("max_tokens", 1))
         prompt = request.get("prompt", [])
         first = time.monotonic()
@@ -92,15 +96,15 @@ class StreamProtocol(asyncio.Protocol):
     def _json(self, status: int, payload: object) -> None:
         assert self.transport is not None
         data = json.dumps(payload).encode()
-        reason = b"OK" if status == 200 else b"Not Found"
+        reason = {200: b"OK", 400: b"Bad Request"}.get(status, b"Not Found")
         self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                              % (status, reason, len(data), data))  # fmt: skip
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, strict: bool) -> None:
     stamps = Stamps()
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: StreamProtocol(stamps), "127.0.0.1", port, backlog=4096)
+    server = await loop.create_server(lambda: StreamProtocol(stamps, strict), "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -108,7 +112,9 @@ async def serve(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
-    asyncio.run(serve(parser.parse_args().port))
+    parser.add_argument("--strict", action="store_true", help="answer 400 to ignore_eos, a field outside the API")
+    args = parser.parse_args()
+    asyncio.run(serve(args.port, args.strict))
 
 
 if __name__ == "__main__":

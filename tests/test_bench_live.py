@@ -168,13 +168,15 @@ def test_compare_and_plot(server: ServerProcess, tmp_path: Path, capsys: pytest.
     assert ratio_row.split()[-1] == "1.000x"
 
 
-def test_server_without_kvyard_extras(tmp_path: Path) -> None:
-    """The trivial streaming server has no /metrics or /load: the run still completes and says so."""
+@pytest.mark.parametrize("strict", [False, True])
+def test_server_without_kvyard_extras(tmp_path: Path, strict: bool) -> None:
+    """The trivial streaming server has no /metrics or /load (and, strict, refuses ignore_eos): the run still
+    completes and the result says what was missing."""
     import subprocess
 
     port = free_port()
     script = ROOT / "benchmarks" / "trivial_stream_server.py"
-    process = subprocess.Popen([sys.executable, str(script), "--port", str(port)])
+    process = subprocess.Popen([sys.executable, str(script), "--port", str(port), *(["--strict"] if strict else [])])
     try:
         _wait_ready(f"http://127.0.0.1:{port}")
         result = bench(f"http://127.0.0.1:{port}", tmp_path / "plain.json", "--num-requests", "20",
@@ -184,6 +186,8 @@ def test_server_without_kvyard_extras(tmp_path: Path) -> None:
         process.wait()
     assert result["summary"]["requests"]["completed"] == 20
     assert {"/metrics", "/load"} <= set(result["server"]["missing"])
+    assert ("ignore_eos" in result["server"]["missing"]) == strict
+    assert result["request"]["ignore_eos"] is not strict
     assert result["server"]["metrics_before"] is None and result["server"]["counted"] == {}
     assert result["summary"]["tokens"]["output"] == 60
 
