@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate, serve, sim."""
+"""`kvyard` command line: create-model, generate, serve, bench, sim."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_serve(commands)
     add_sim_command(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -218,6 +219,15 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def _add_bench(commands: Any) -> None:
+    from kvyard.bench.cli import add_parser
+
+    add_parser(commands)
 
 
 if __name__ == "__main__":
