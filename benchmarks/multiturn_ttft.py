@@ -92,9 +92,11 @@ def main() -> None:
     log_dir = Path("/tmp/kvyard-bench-logs")
     log_dir.mkdir(exist_ok=True)
     runs: dict[str, list[dict]] = {}
+    # The persistent KV tier is off in both runs: this measures the device prefix cache alone
+    # (benchmarks/kv_tier.py measures the tier).
     for label, flags in (("prefix_cache_on", ()), ("prefix_cache_off", ("--no-prefix-caching",))):
         print(f"{label}:")
-        server = start_server(model, log_dir, "--max-model-len", "8192", *flags, timeout=300)
+        server = start_server(model, log_dir, "--max-model-len", "8192", "--kv-tier", "none", *flags, timeout=300)
         try:
             runs[label] = run_session(
                 server, args.turns, args.system_words, args.words_per_turn, args.max_tokens, args.seed
@@ -110,7 +112,7 @@ def main() -> None:
         "conditions": {
             "model": str(model), "model_config": json.loads((model / "config.json").read_text()),
             "dtype": "float32", "device": "cpu", "cpu": _cpu_name(), "cores": _cores(),
-            "speculative_decoding": False, "concurrency": 1, "turns": args.turns,
+            "speculative_decoding": False, "kv_tier": "none", "concurrency": 1, "turns": args.turns,
             "words_per_user_turn": args.words_per_turn, "system_prompt_words": args.system_words,
             "max_tokens_per_turn": args.max_tokens, "seed": args.seed, "kvyard_commit": _commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
