@@ -31,16 +31,28 @@ class RedisProcess:
             self.process.wait()
 
 
-def start_redis(directory: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> RedisProcess:
-    """redis-server on `port` (default: a free one, retried if another process takes it first)."""
+# A cluster node also listens on its port + 10000, so its own port must leave room for that.
+CLUSTER_MAX_PORT = 55535
+
+
+def start_redis(
+    directory: Path, port: int | None = None, extra: tuple[str, ...] = (), max_port: int = 65535
+) -> RedisProcess:
+    """redis-server on `port` (default: a free one up to max_port, retried if another process takes it first)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed; run scripts/setup.sh")
     for _ in range(3):
-        server = _launch(binary, directory, port or free_port(), extra)
+        server = _launch(binary, directory, port or _free_port_up_to(max_port), extra)
         if server is not None:
             return server
     raise RuntimeError(f"redis-server did not start; see {directory}/redis-*.log")
+
+
+def _free_port_up_to(max_port: int) -> int:
+    while (port := free_port()) > max_port:
+        pass
+    return port
 
 
 def _launch(binary: str, directory: Path, port: int, extra: tuple[str, ...]) -> RedisProcess | None:
@@ -67,7 +79,7 @@ def start_redis_cluster(directory: Path, num_nodes: int = 3) -> list[RedisProces
         for index in range(num_nodes):
             node_dir = directory / f"node{index}"
             node_dir.mkdir()
-            nodes.append(start_redis(node_dir, extra=("--cluster-enabled", "yes")))
+            nodes.append(start_redis(node_dir, extra=("--cluster-enabled", "yes"), max_port=CLUSTER_MAX_PORT))
         addresses = [f"127.0.0.1:{node.port}" for node in nodes]
         subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)  # fmt: skip
