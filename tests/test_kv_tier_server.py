@@ -250,3 +250,16 @@ def test_generate_command_reuses_the_disk_tier_across_runs(llama_dir: Path, tmp_
     assert (rows[0]["num_cached_tokens"], rows[1]["num_cached_tokens"]) == (0, FULL_PREFIX)
     assert rows[0]["token_ids"] == rows[1]["token_ids"]
     assert cli_main(["generate", str(llama_dir), "--input", str(prompts), "--kv-tier", "redis"]) == 2  # no URL
+
+
+def test_a_full_write_queue_drops_blocks_instead_of_blocking(llama_dir: Path, tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tier = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), queue_bytes=1)
+    with LLM(str(llama_dir), kv_tier=tier) as llm:
+        output = llm.generate([PROMPT], params)[0]
+        snapshot = llm.engine.kv_tier_snapshot()
+    assert snapshot is not None
+    assert snapshot.queue_dropped_blocks == snapshot.submitted_blocks >= FULL_PREFIX // BLOCK_SIZE
+    assert snapshot.tiers["disk"].blocks_written == 0
+    with LLM(str(llama_dir)) as plain:
+        assert output.token_ids == plain.generate([PROMPT], params)[0].token_ids
