@@ -106,6 +106,7 @@ def _add_generate(commands: Any) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     _add_engine_arguments(parser)
+    add_kv_tier_arguments(parser, default_on=False)
     parser.set_defaults(handler=_generate)
 
 
@@ -116,7 +117,12 @@ def _generate(args: argparse.Namespace) -> int:
     if not records:
         print("error: no prompts: give --input FILE or --prompt TEXT", file=sys.stderr)
         return 2
-    llm = LLM(resolve_model_dir(args.model), **engine_options(args))
+    try:
+        kv_tier = kv_tier_config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    llm = LLM(resolve_model_dir(args.model), kv_tier=kv_tier, **engine_options(args))
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     prompts = [_record_prompt(llm, record, index) for index, record in enumerate(records)]
     params = [
@@ -126,6 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    llm.close()
     _write_results(args.output, records, outputs)
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"{len(outputs)} requests, {num_generated} tokens in {elapsed:.2f}s "

@@ -8,5 +8,8 @@ python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
 # The KV tier's Redis tests start their own redis-server on loopback (CI runs as root on fresh Debian).
 if ! command -v redis-server >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    as_root=""
+    if [ "$(id -u)" -ne 0 ]; then as_root="sudo"; fi
+    $as_root apt-get update -qq
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi

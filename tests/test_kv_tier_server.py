@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -19,6 +20,7 @@ from redis_utils import RedisProcess, start_redis
 from server_utils import ServerProcess, start_server
 
 from kvyard import LLM, SamplingParams
+from kvyard.cli import main as cli_main
 from kvyard.kvcache import KVTierConfig
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.kvcache.disk_tier import DiskTier
@@ -232,3 +234,32 @@ def test_a_stalled_redis_is_a_miss_not_an_error(llama_dir: Path, tmp_path: Path)
         stalled.kill()
     assert (got.num_cached_tokens, got.token_ids) == (0, expected.token_ids)
     assert snapshot is not None and snapshot.tiers["redis"].errors >= 1
+
+
+def test_generate_command_reuses_the_disk_tier_across_runs(llama_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": PROMPT, "max_tokens": 4, "ignore_eos": True}) + "\n")
+    tier_flags = ["--kv-tier", "memory,disk", "--kv-disk-dir", str(tmp_path / "kv")]
+    rows = []
+    for run in range(2):
+        results = tmp_path / f"results{run}.jsonl"
+        assert (
+            cli_main(["generate", str(llama_dir), "--input", str(prompts), "--output", str(results), *tier_flags]) == 0
+        )
+        rows.append(json.loads(results.read_text()))
+    assert (rows[0]["num_cached_tokens"], rows[1]["num_cached_tokens"]) == (0, FULL_PREFIX)
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]
+    assert cli_main(["generate", str(llama_dir), "--input", str(prompts), "--kv-tier", "redis"]) == 2  # no URL
+
+
+def test_a_full_write_queue_drops_blocks_instead_of_blocking(llama_dir: Path, tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tier = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), queue_bytes=1)
+    with LLM(str(llama_dir), kv_tier=tier) as llm:
+        output = llm.generate([PROMPT], params)[0]
+        snapshot = llm.engine.kv_tier_snapshot()
+    assert snapshot is not None
+    assert snapshot.queue_dropped_blocks == snapshot.submitted_blocks >= FULL_PREFIX // BLOCK_SIZE
+    assert snapshot.tiers["disk"].blocks_written == 0
+    with LLM(str(llama_dir)) as plain:
+        assert output.token_ids == plain.generate([PROMPT], params)[0].token_ids
