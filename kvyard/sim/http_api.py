@@ -338,7 +338,7 @@ class _Api:
         await response.prepare(request)
         seq = since
         try:
-            while True:
+            while self.replica.events is log:  # a restart ends the stream, as a real restart drops it
                 events, complete = log.events_since(seq)
                 if not complete:
                     payload = {"since": seq, "first_available": events[0].seq if events else log.last_seq + 1}
