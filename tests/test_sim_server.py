@@ -401,3 +401,13 @@ def test_an_unhealthy_replica_answers_503_until_healed(cluster: SimCluster) -> N
 def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
     body = {"model": "sim-model", "prompt": "ab", "add_special_tokens": True, "return_token_strs": True}
     assert httpx.post(f"{cluster.urls[0]}/tokenize", json=body).json()["tokens"] == [97, 98]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [(["--calibrate", "/nonexistent.json"], "cannot read benchmark JSON"), (["--time-scale", "0"], "time_scale")],
+)
+def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard.sim", "--port", "0", *arguments], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr

@@ -9,7 +9,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvyard.sim.replica import SimConfig
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
 
@@ -80,7 +83,7 @@ def run_sim(args: argparse.Namespace) -> int:
     return serve_forever([config] * args.replicas, args.host, args.port, args.ports_file)
 
 
-def sim_config(args: argparse.Namespace) -> Any:
+def sim_config(args: argparse.Namespace) -> SimConfig:
     from kvyard.sim.calibration import calibrate_from_json
     from kvyard.sim.cost_model import CostModel
     from kvyard.sim.replica import SimConfig
