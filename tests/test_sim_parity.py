@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.models.loader import model_digest
-from kvyard.sim.replica import SimConfig
+from kvyard.sim.cli import add_sim_arguments, sim_config
 from kvyard.sim.serve import SimCluster
 from tests.server_utils import ServerProcess, start_server
 
@@ -31,8 +32,10 @@ def stored_keys(url: str) -> list[str]:
 
 
 def test_sim_block_keys_equal_a_real_replicas(real_server: ServerProcess, llama_dir: Path) -> None:
-    config = SimConfig(model_name=llama_dir.name, model_digest=model_digest(llama_dir), dtype="float32",
-                       block_size=16, time_scale=0.01)  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    config = sim_config(parser.parse_args(["--namespace-from", str(llama_dir), "--time-scale", "0.01"]))
+    assert (config.model_name, config.model_digest) == (llama_dir.name, model_digest(llama_dir))
     with SimCluster([config]) as sim:
         for tokens in PROMPTS:
             for url in (real_server.url, sim.urls[0]):

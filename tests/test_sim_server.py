@@ -362,11 +362,18 @@ def test_restart_fails_requests_in_flight_and_forgets_the_cache() -> None:
         client.completions.create(model="sim-model", prompt=tokens, max_tokens=1)
         assert events_page(url)["last_seq"] == 1
         body = {"prompt": prompt(71, 30), "max_tokens": 900, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as streaming:
-            lines = streaming.iter_lines()
+        with (
+            httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=30) as events,
+            httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as streaming,
+        ):
+            lines, event_lines = streaming.iter_lines(), events.iter_lines()
             next(lines)
+            assert json.loads(next(event_lines)[5:])["seq"] == 1
             assert httpx.post(f"{url}/sim/restart").json() == {"status": "restarted"}
             rest = [line for line in lines if line]
+            # The event stream ends (it would otherwise time out) after the events of the old cache.
+            old = [json.loads(line[5:])["seq"] for line in event_lines if line.startswith("data:")]
+            assert old == list(range(2, 2 + len(old)))
         assert "replica_restarted" in rest[-1] and "[DONE]" not in rest[-1]
         assert events_page(url) == {"events": [], "complete": True, "last_seq": 0}
         assert httpx.get(f"{url}/kv/snapshot").json()["block_keys"] == []
@@ -394,3 +401,13 @@ def test_an_unhealthy_replica_answers_503_until_healed(cluster: SimCluster) -> N
 def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
     body = {"model": "sim-model", "prompt": "ab", "add_special_tokens": True, "return_token_strs": True}
     assert httpx.post(f"{cluster.urls[0]}/tokenize", json=body).json()["tokens"] == [97, 98]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [(["--calibrate", "/nonexistent.json"], "cannot read benchmark JSON"), (["--time-scale", "0"], "time_scale")],
+)
+def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard.sim", "--port", "0", *arguments], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr

@@ -9,7 +9,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvyard.sim.replica import SimConfig
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
 
@@ -37,9 +40,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model-name", default=None, help="served model id (default kvyard-sim)")
     group.add_argument("--model-digest", default="sim")
     group.add_argument("--namespace-from", type=Path, default=None, metavar="MODEL_DIR",
-                       help="take model name and digest from a kvyard model directory, so block keys equal "
-                       "those of `kvyard serve MODEL_DIR`")  # fmt: skip
-    group.add_argument("--dtype", default="float32")
+                       help="take model name, digest and dtype from a kvyard model directory, so block keys "
+                       "equal those of `kvyard serve MODEL_DIR`")  # fmt: skip
+    group.add_argument("--dtype", default=None, help="KV dtype in the namespace (default float32)")
     group.add_argument("--block-size", type=int, default=16)
     group = parser.add_argument_group("capacity and scheduling")
     group.add_argument("--capacity-blocks", type=int, default=4096, help="prefix-cache capacity of each replica")
@@ -80,7 +83,7 @@ def run_sim(args: argparse.Namespace) -> int:
     return serve_forever([config] * args.replicas, args.host, args.port, args.ports_file)
 
 
-def sim_config(args: argparse.Namespace) -> Any:
+def sim_config(args: argparse.Namespace) -> SimConfig:
     from kvyard.sim.calibration import calibrate_from_json
     from kvyard.sim.cost_model import CostModel
     from kvyard.sim.replica import SimConfig
@@ -90,16 +93,19 @@ def sim_config(args: argparse.Namespace) -> Any:
         calibration = calibrate_from_json(args.calibrate, args.calibrate_engine)
         cost, budget = calibration.cost, calibration.max_num_batched_tokens
         print(f"calibrated from {args.calibrate}: {cost}", file=sys.stderr)
-    model_name, digest = args.model_name, args.model_digest
+    model_name, digest, dtype = args.model_name, args.model_digest, args.dtype
     if args.namespace_from is not None:
-        from kvyard.models.loader import model_digest
+        from kvyard.models.config import load_model_config
+        from kvyard.models.loader import model_digest, resolve_dtype
 
         digest = model_digest(args.namespace_from)
         model_name = model_name or args.namespace_from.name
+        engine_dtype = resolve_dtype(dtype or "auto", load_model_config(args.namespace_from))
+        dtype = str(engine_dtype).removeprefix("torch.")
     return SimConfig(
         model_name=model_name or "kvyard-sim",
         model_digest=digest,
-        dtype=args.dtype,
+        dtype=dtype or "float32",
         block_size=args.block_size,
         capacity_blocks=args.capacity_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens or budget,

@@ -12,28 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from kvyard import __version__
 from kvyard.kvcache.events import event_json
-from kvyard.server.errors import APIError, bad_request, error_body
+from kvyard.server.errors import APIError, bad_request
 from kvyard.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest
-from kvyard.sim.replica import RequestStream, SimReplica
+from kvyard.sim.completion_reply import Reply
+from kvyard.sim.http_io import error_json, int_query, json_response, parse_body, read_json, take_token_ids, validate
+from kvyard.sim.replica import SimReplica
 from kvyard.sim.tokens import decode, encode, render_chat
 
 KV_EVENTS_POLL_S = 0.02
-RESTARTED = "the replica restarted while serving this request"
 _LOG = logging.getLogger("kvyard.sim")
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -76,15 +75,6 @@ def create_app(replica: SimReplica) -> web.Application:
     return app
 
 
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json", headers=headers)
-
-
-def error_json(error: APIError) -> web.Response:
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return json_response(error_body(error.status, error.message, error.param, error.code), error.status, headers)
-
-
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -98,45 +88,6 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception as error:
         _LOG.exception("request %s %s failed", request.method, request.path)
         return error_json(APIError(500, f"internal error: {error}", code="internal_error"))
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as error:
-        raise bad_request(f"request body is not valid JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
-
-
-def validate(body: dict[str, Any], model: type[BaseModel]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise validation_error(error) from error
-
-
-async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
-    return validate(await read_json(request), model)
-
-
-def take_token_ids(body: dict[str, Any]) -> list[int] | None:
-    """A long token-id `prompt`, taken out of `body` so that validating the rest stays cheap."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and set(map(type, prompt)) == {int}:
-        body["prompt"] = prompt[:1]
-        return prompt
-    return None
-
-
-def validation_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    parts = [str(p) for p in first.get("loc", ()) if str(p) not in _UNION_TAGS and "[" not in str(p)]
-    param = ".".join(p for p in parts if not p.startswith("function-")) or None
-    if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
-    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, first.get("type"))
 
 
 class _Api:
@@ -206,7 +157,7 @@ class _Api:
         replica.in_flight += 1
         stream = replica.submit(request_id, prompt, max_tokens, body.cache_salt, body.seed, body.stream)
         try:
-            reply = _Reply(kind, request_id, self.config.model_name, stream)
+            reply = Reply(kind, request_id, self.config.model_name, stream)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await reply.sse(request, include_usage)
@@ -327,7 +278,7 @@ class _Api:
     # ------------------------------------------------------------------ KV events
 
     async def kv_events(self, request: web.Request) -> web.StreamResponse:
-        since = _int_query(request, "since", 0)
+        since = int_query(request, "since", 0)
         stream = request.query.get("stream", "true").lower() not in ("false", "0", "no")
         log = self.replica.events
         if not stream:
@@ -338,7 +289,7 @@ class _Api:
         await response.prepare(request)
         seq = since
         try:
-            while True:
+            while self.replica.events is log:  # a restart ends the stream, as a real restart drops it
                 events, complete = log.events_since(seq)
                 if not complete:
                     payload = {"since": seq, "first_available": events[0].seq if events else log.last_seq + 1}
@@ -359,84 +310,3 @@ class _Api:
         namespace.pop("cache_salt")
         keys = [key.hex() for key in self.replica.cache.cached_keys()]
         return json_response({"seq": self.replica.events.last_seq, "block_keys": keys, "namespace": namespace})
-
-
-def _int_query(request: web.Request, name: str, default: int) -> int:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise bad_request(f"{name} must be an integer, got {value!r}", name) from None
-
-
-class _Reply:
-    """Builds the OpenAI response of one request from its token stream, whole or as server-sent events."""
-
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str, stream: RequestStream) -> None:
-        self.kind = kind
-        self.stream = stream
-        self.envelope = {"id": request_id, "object": "", "created": int(time.time()), "model": model}
-
-    async def whole(self) -> web.Response:
-        tokens: list[int] = []
-        finished = False
-        while not finished:
-            new, finished = await self.stream.next_tokens()
-            tokens.extend(new)
-        if self.stream.request.finish_reason == "abort":
-            raise APIError(503, RESTARTED, code="replica_restarted")
-        text = decode(tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None, "logprobs": None}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        kind = "chat.completion" if self.kind == "chat" else "text_completion"
-        return json_response({**self.envelope, "object": kind, "choices": [choice], "usage": self.usage()})
-
-    async def sse(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            if self.kind == "chat":
-                await response.write(self._chunk({"role": "assistant", "content": ""}, None))
-            finished = False
-            while not finished:
-                tokens, finished = await self.stream.next_tokens()
-                if self.stream.request.finish_reason == "abort":  # restarted: end without [DONE]
-                    await response.write(_sse(error_body(503, RESTARTED, None, "replica_restarted")))
-                    return response
-                text = decode(tokens)
-                await response.write(self._chunk({"content": text} if self.kind == "chat" else text,
-                                                 "length" if finished else None))  # fmt: skip
-            if include_usage:
-                await response.write(_sse({**self._envelope(), "choices": [], "usage": self.usage()}))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionError:
-            pass  # the client went away; the caller aborts the request
-        return response
-
-    def usage(self) -> dict[str, Any]:
-        request = self.stream.request
-        prompt, completion = request.num_prompt_tokens, request.num_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(0, request.num_cached_tokens)},
-        }
-
-    def _envelope(self) -> dict[str, Any]:
-        return {**self.envelope, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion"}
-
-    def _chunk(self, delta: Any, finish_reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        choice["delta" if self.kind == "chat" else "text"] = delta
-        return _sse({**self._envelope(), "choices": [choice]})
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
