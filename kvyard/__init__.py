@@ -1,8 +1,31 @@
 """kvyard: an open LLM serving stack."""
 
-from kvyard.engine.llm import LLM
-from kvyard.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from kvyard.engine.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvyard.engine.llm import LLM
+    from kvyard.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+    from kvyard.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# Imported on first use, so that processes that never run the engine (router, simulated replicas,
+# benchmark clients) do not pay for importing torch.
+_LAZY = {
+    "LLM": "kvyard.engine.llm",
+    "EngineConfig": "kvyard.engine.llm_engine",
+    "LLMEngine": "kvyard.engine.llm_engine",
+    "RequestOutput": "kvyard.engine.llm_engine",
+    "SamplingParams": "kvyard.engine.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvyard' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate, serve."""
+"""`kvyard` command line: create-model, generate, serve, sim."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvyard.sim.cli import add_sim_command
 
 ENGINE_OPTIONS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_batched_tokens",
@@ -33,6 +35,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_create_model(commands)
     _add_generate(commands)
     _add_serve(commands)
+    add_sim_command(commands)
     return parser
 
 

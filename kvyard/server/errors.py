@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+if TYPE_CHECKING:  # imported where used, so servers built on other frameworks need not load FastAPI
+    from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}  # fmt: skip
@@ -25,7 +27,15 @@ class APIError(Exception):
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None
 ) -> JSONResponse:
-    body = {
+    from fastapi.responses import JSONResponse
+
+    body = error_body(status, message, param, code)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
@@ -33,8 +43,6 @@ def error_response(
             "code": code,
         }
     }
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -18,20 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from kvyard.engine.llm_engine import LLMEngine
-from kvyard.kvcache.events import KVEvent, KVEventLog
+from kvyard.kvcache.events import KVEventLog, event_json
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.errors import APIError
 
 POLL_INTERVAL_S = 0.02
-
-
-def event_json(event: KVEvent) -> dict[str, Any]:
-    return {
-        "seq": event.seq,
-        "type": event.kind,
-        "block_keys": [key.hex() for key in event.block_keys],
-        "timestamp": event.timestamp,
-    }
 
 
 def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine]) -> None:

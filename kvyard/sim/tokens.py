@@ -1,0 +1,41 @@
+"""The simulated replica's tokenizer and its deterministic output.
+
+Text is tokenized trivially: one token per UTF-8 byte (ids 0-255). Chat messages render as
+`<|role|>\\ncontent\\n` per message plus `<|assistant|>\\n`. Generated tokens are lowercase letters
+and spaces (byte ids), chosen deterministically from the request, so a client that sends the
+answer text back as part of its next prompt tokenizes it to exactly the generated ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+BYTE_VOCAB = 256
+_SPACE = 0x20
+_LETTER_A = 0x61
+_WORD_LENGTH = 6
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    return bytes(t for t in token_ids if 0 <= t < BYTE_VOCAB).decode(errors="replace")
+
+
+def render_chat(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    text = "".join(f"<|{role}|>\n{content}\n" for role, content in messages)
+    return text + "<|assistant|>\n" if add_generation_prompt else text
+
+
+def output_seed(prompt: Sequence[int], seed: int | None) -> int:
+    """A per-request number that fixes its output: equal prompts (and seeds) give equal answers."""
+    # Hashes of ints and tuples of ints are the same in every process (no hash randomisation).
+    return hash((len(prompt), tuple(prompt[-16:]), -1 if seed is None else seed)) & 0x7FFFFFFF
+
+
+def output_token(request_seed: int, index: int) -> int:
+    if index % _WORD_LENGTH == _WORD_LENGTH - 1:
+        return _SPACE
+    return _LETTER_A + (request_seed + index * 7) % 26

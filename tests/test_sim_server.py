@@ -1,0 +1,332 @@
+"""Simulated replicas as real HTTP servers on loopback, driven by the openai client and httpx."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvyard.cli import _build_parser
+from kvyard.kvcache.block_key import chain_block_keys
+from kvyard.server.metrics import ServerMetrics
+from kvyard.sim.calibration import calibrate_from_json
+from kvyard.sim.cli import run_sim
+from kvyard.sim.replica import SimConfig
+from kvyard.sim.serve import SimCluster
+from tests.server_utils import metric_value
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = SimConfig(model_name="sim-model", block_size=4, capacity_blocks=256, time_scale=0.01)
+LOAD_FIELDS = {"num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "kv_usage",
+               "tokens_in_flight"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SimCluster]:
+    with SimCluster([CONFIG] * 3) as sim:
+        yield sim
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll until `condition` holds (asynchronous state, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+def events_page(url: str, since: int = 0) -> dict[str, Any]:
+    page: dict[str, Any] = httpx.get(f"{url}/kv/events", params={"since": since, "stream": False}).json()
+    return page
+
+
+def live_keys(events: list[dict[str, Any]]) -> set[str]:
+    live: set[str] = set()
+    for event in events:
+        if event["type"] == "stored":
+            live.update(event["block_keys"])
+        else:
+            live.difference_update(event["block_keys"])
+    return live
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 30000 + 1 for i in range(length)]
+
+
+# ---------------------------------------------------------------------------- completions and usage
+
+
+def test_repeated_prefix_reports_cached_tokens(cluster: SimCluster) -> None:
+    client = client_for(cluster.urls[0])
+    tokens = prompt(1, 30)
+    first = client.completions.create(model="sim-model", prompt=tokens, max_tokens=5)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (30, 5)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].finish_reason == "length" and len(first.choices[0].text) == 5
+    stream = client.completions.create(model="sim-model", prompt=[*tokens, 5, 6, 7], max_tokens=5, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 28  # seven full blocks of 4 of the shared 30 tokens
+    assert chunks[-2].choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = client.completions.create(model="sim-model", prompt=[*tokens, 5, 6, 7], max_tokens=5)
+    assert whole.choices[0].text == streamed  # the output is a function of the prompt
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_chat_answer_text_round_trips_into_the_next_turn(cluster: SimCluster) -> None:
+    client, url = client_for(cluster.urls[1]), cluster.urls[1]
+    first_turn = [{"role": "user", "content": "tell me about prefix caches"}]
+    reply = client.chat.completions.create(model="sim-model", messages=first_turn, max_tokens=12)  # type: ignore[arg-type]
+    answer = reply.choices[0].message.content
+    assert answer and len(answer) == 12
+    second_turn = [*first_turn, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    again = client.chat.completions.create(model="sim-model", messages=second_turn, max_tokens=4)  # type: ignore[arg-type]
+    first_prompt = httpx.post(f"{url}/tokenize", json={"messages": first_turn}).json()["tokens"]
+    assert reply.usage is not None and again.usage is not None and again.usage.prompt_tokens_details is not None
+    # Everything computed in turn one (its prompt and all but the last answer token) is reusable.
+    computed = len(first_prompt) + len(answer) - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == computed // 4 * 4
+
+
+def test_cache_salt_isolates_tenants(cluster: SimCluster) -> None:
+    client = client_for(cluster.urls[0])
+    tokens = prompt(2, 21)
+    client.completions.create(model="sim-model", prompt=tokens, max_tokens=1, extra_body={"cache_salt": "a"})
+    other = client.completions.create(model="sim-model", prompt=tokens, max_tokens=1, extra_body={"cache_salt": "b"})
+    same = client.completions.create(model="sim-model", prompt=tokens, max_tokens=1, extra_body={"cache_salt": "a"})
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert same.usage is not None and same.usage.prompt_tokens_details is not None
+    assert (other.usage.prompt_tokens_details.cached_tokens, same.usage.prompt_tokens_details.cached_tokens) == (0, 20)
+
+
+# ---------------------------------------------------------------------------- KV events
+
+
+def test_lru_eviction_at_capacity_shows_up_as_removed_events() -> None:
+    config = replace(CONFIG, capacity_blocks=6)
+    with SimCluster([config]) as sim:
+        url, client = sim.urls[0], client_for(sim.urls[0])
+        first, second = prompt(3, 13), prompt(4, 13)
+        namespace_root = sim.replicas[0].root_key(None)
+        first_keys = [k.hex() for k in chain_block_keys(namespace_root, first, 4)]
+        client.completions.create(model="sim-model", prompt=first, max_tokens=1)
+        assert [e["type"] for e in events_page(url)["events"]] == ["stored"]
+        client.completions.create(model="sim-model", prompt=second, max_tokens=1)  # needs 4 of 6 blocks: evicts one
+        page = events_page(url)
+        assert [(e["type"], e["block_keys"]) for e in page["events"][1:2]] == [("removed", [first_keys[2]])]
+        again = client.completions.create(model="sim-model", prompt=first, max_tokens=1)
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == 8  # the tail block went first, the prefix stayed
+        snapshot = httpx.get(f"{url}/kv/snapshot").json()
+        assert len(snapshot["block_keys"]) <= 6
+        assert set(snapshot["block_keys"]) == live_keys(events_page(url)["events"])
+
+
+def test_kv_event_stream_is_gap_free_and_matches_the_snapshot(cluster: SimCluster) -> None:
+    url, client = cluster.urls[2], client_for(cluster.urls[2])
+    for seed in range(5):
+        client.completions.create(model="sim-model", prompt=prompt(10 + seed, 17 + seed), max_tokens=6)
+    snapshot = httpx.get(f"{url}/kv/snapshot").json()
+    events: list[dict[str, Any]] = []
+    with httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=20) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+                if events[-1]["seq"] == snapshot["seq"]:
+                    break
+    assert [e["seq"] for e in events] == list(range(1, snapshot["seq"] + 1))
+    assert set(snapshot["block_keys"]) == live_keys(events)
+    assert snapshot["namespace"] == {"model_name": "sim-model", "model_digest": "sim", "dtype": "float32",
+                                     "block_size": 4, "layout_version": 1}  # fmt: skip
+
+
+def test_a_reader_behind_the_retained_events_gets_a_gap() -> None:
+    with SimCluster([replace(CONFIG, event_log_capacity=2)]) as sim:
+        url, client = sim.urls[0], client_for(sim.urls[0])
+        for seed in range(4):
+            client.completions.create(model="sim-model", prompt=prompt(20 + seed, 9), max_tokens=1)
+        page = events_page(url)
+        assert not page["complete"] and page["last_seq"] == 4
+        with httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=20) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[0] == "event: gap"
+        assert json.loads(lines[1][5:]) == {"since": 0, "first_available": 3}
+
+
+# ---------------------------------------------------------------------------- replicas
+
+
+def test_replicas_in_one_process_are_independent(cluster: SimCluster) -> None:
+    tokens = prompt(30, 25)
+    before = [events_page(url)["last_seq"] for url in cluster.urls]
+    for _ in range(2):
+        client_for(cluster.urls[0]).completions.create(model="sim-model", prompt=tokens, max_tokens=2)
+    other = client_for(cluster.urls[1]).completions.create(model="sim-model", prompt=tokens, max_tokens=2)
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    after = [events_page(url)["last_seq"] for url in cluster.urls]
+    assert after[0] > before[0] and after[1] > before[1] and after[2] == before[2]
+    keys = [set(httpx.get(f"{url}/kv/snapshot").json()["block_keys"]) for url in cluster.urls[:2]]
+    first_blocks = {k.hex() for k in chain_block_keys(cluster.replicas[0].root_key(None), tokens, 4)}
+    assert first_blocks <= keys[0] and first_blocks <= keys[1]  # equal keys for equal tokens on every replica
+
+
+# ---------------------------------------------------------------------------- errors and overload
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 40000], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2000}, 400, "max_tokens"),  # 501 blocks > 256
+    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": [1, 2], "bogus": 1}, 400, "bogus"),
+    ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error_and_the_sim_stays_up(
+    cluster: SimCluster, path: str, body: Any, status: int, param: str | None
+) -> None:
+    url = cluster.urls[0]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    if param is not None:
+        assert param.split(".")[0] in error["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_unknown_paths_and_query_values_get_openai_errors(cluster: SimCluster) -> None:
+    url = cluster.urls[0]
+    missing = httpx.get(f"{url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    bad_since = httpx.get(f"{url}/kv/events", params={"since": "x"})
+    assert bad_since.status_code == 400 and bad_since.json()["error"]["param"] == "since"
+    with pytest.raises(openai.NotFoundError):
+        client_for(url).completions.create(model="not-this-one", prompt=[1, 2], max_tokens=1)
+
+
+def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
+    config = replace(CONFIG, max_num_seqs=1, max_queued_requests=0, time_scale=1.0)
+    with SimCluster([config]) as sim:
+        url = sim.urls[0]
+        body = {"prompt": prompt(40, 40), "max_tokens": 900, "stream": True}  # about 30 simulated seconds
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as first:
+            lines = first.iter_lines()
+            next(lines)
+            load = httpx.get(f"{url}/load").json()
+            assert set(load) == LOAD_FIELDS
+            assert (load["num_running"], load["in_flight_requests"]) == (1, 1) and load["kv_blocks_used"] > 0
+            second = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+            assert second.status_code == 429 and second.headers["retry-after"] == "1"
+            assert second.json()["error"]["code"] == "overloaded"
+        wait_for(lambda: httpx.get(f"{url}/load").json()["in_flight_requests"] == 0)
+        load = httpx.get(f"{url}/load").json()
+        assert (load["num_running"], load["kv_blocks_used"]) == (0, 0)
+        assert 'kvyard_requests_total{outcome="abort"} 1.0' in httpx.get(f"{url}/metrics").text
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200
+
+
+# ---------------------------------------------------------------------------- info, probes, metrics
+
+
+def test_probe_and_info_endpoints(cluster: SimCluster) -> None:
+    url = cluster.urls[0]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = client_for(url).models.list()
+    assert [m.id for m in models.data] == ["sim-model"]
+    for path in ("/get_model_info", "/model_info"):
+        assert httpx.get(f"{url}{path}").json()["model_path"] == "sim-model"
+    for path in ("/get_server_info", "/server_info"):
+        info = httpx.get(f"{url}{path}").json()
+        assert (info["page_size"], info["max_total_num_tokens"], info["simulated"]) == (4, 1024, True)
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(httpx.get(f"{url}/loads").json())
+    assert set(httpx.get(f"{url}/load").json()) == LOAD_FIELDS
+    assert httpx.post(f"{url}/tokenize", json={"prompt": [5, 6, 7]}).json() == {
+        "tokens": [5, 6, 7], "count": 3, "max_model_len": CONFIG.max_model_len}  # fmt: skip
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hé"}).json()["tokens"] == [104, 195, 169]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [104, 195, 169]}).json() == {"prompt": "hé"}
+
+
+def test_metrics_carry_the_replica_metric_names_and_counts() -> None:
+    with SimCluster([CONFIG]) as sim:
+        url, client = sim.urls[0], client_for(sim.urls[0])
+        tokens = prompt(50, 18)
+        cached = 0
+        for _ in range(3):
+            usage = client.completions.create(model="sim-model", prompt=tokens, max_tokens=3).usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached += usage.prompt_tokens_details.cached_tokens or 0
+        text = httpx.get(f"{url}/metrics").text
+    names = {family.name for family in ServerMetrics().registry.collect()}
+    for name in names:
+        assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name} " in text, name
+    assert metric_value(text, "kvyard_cached_prompt_tokens_total") == cached == 32
+    assert metric_value(text, "kvyard_prompt_tokens_total") == 54
+    assert metric_value(text, "kvyard_generation_tokens_total") == 9
+    assert metric_value(text, "kvyard_time_to_first_token_seconds_count") == 3
+    assert metric_value(text, "kvyard_sim_busy_seconds") > 0
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_kvyard_sim_command_serves_calibrated_replicas(tmp_path: Path) -> None:
+    ports_file = tmp_path / "ports.json"
+    calibration = REPO / "benchmarks" / "results" / "offline_throughput.json"
+    arguments = ["--port", "0", "--replicas", "2", "--ports-file", str(ports_file), "--calibrate", str(calibration),
+                 "--time-scale", "0.01", "--model-name", "m"]  # fmt: skip
+    parsed = _build_parser().parse_args(["sim", *arguments])  # `kvyard sim` takes the same arguments
+    assert (parsed.replicas, parsed.time_scale, parsed.handler) == (2, 0.01, run_sim)
+    process = subprocess.Popen([sys.executable, "-m", "kvyard.sim", *arguments], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for(lambda: ports_file.exists() or process.poll() is not None, timeout=60)
+        assert process.poll() is None, process.stdout.read() if process.stdout else ""
+        urls = json.loads(ports_file.read_text())["urls"]
+        assert len(urls) == 2
+        expected = calibrate_from_json(calibration).cost.to_json()
+        for url in urls:
+            info = httpx.get(f"{url}/server_info").json()
+            assert info["cost_model"] == pytest.approx(expected) and info["time_scale"] == 0.01
+            reply = client_for(url).completions.create(model="m", prompt="hello", max_tokens=3)
+            assert reply.usage is not None and reply.usage.prompt_tokens == 5
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
