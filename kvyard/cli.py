@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate, serve, sim."""
+"""`kvyard` command line: create-model, generate, serve, sim, route."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvyard.router.cli import add_route_command
 from kvyard.sim.cli import add_sim_command
 
 ENGINE_OPTIONS = (
@@ -36,6 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_serve(commands)
     add_sim_command(commands)
+    add_route_command(commands)
     return parser
 
 
