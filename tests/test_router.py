@@ -97,8 +97,9 @@ def test_session_affinity_holds_while_the_replica_is_healthy(cluster: SimCluster
     try:
         homes = {}
         for session in range(12):
-            replicas = {served_by(complete(router, {"prompt": prompt(session * 10 + turn, 20)},
-                                               headers={"x-session-id": f"s{session}"})) for turn in range(3)}  # fmt: skip
+            headers = {"x-session-id": f"s{session}"}
+            replicas = {served_by(complete(router, {"prompt": prompt(session * 10 + turn, 20)}, headers))
+                        for turn in range(3)}  # fmt: skip
             assert len(replicas) == 1, f"session {session} moved between {replicas}"
             homes[session] = replicas.pop()
         assert len(set(homes.values())) >= 2, "sessions should spread over replicas"
@@ -150,7 +151,7 @@ def test_hot_prefix_under_overload_spreads_to_a_second_replica(log_dir: Path) ->
         router = start_router(log_dir, sim.urls, "--policy", "cache_aware")
         try:
             hot = prompt(7, 320)
-            home = served_by(complete(router, {"prompt": hot + [1]}))
+            home = served_by(complete(router, {"prompt": [*hot, 1]}))
             # Each request of the burst still has 96 tokens of its own to prefill: together far more work
             # than computing the hot prefix once more on the idle replica.
             burst = [{"prompt": hot + prompt(100 + i, 96), "max_tokens": 8} for i in range(24)]
