@@ -45,8 +45,10 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 120.0) -> ServerProcess:
-    port = free_port()
+def start_server(
+    model_dir: Path, log_dir: Path, *extra: str, timeout: float = 120.0, port: int | None = None
+) -> ServerProcess:
+    port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
     command = [sys.executable, "-m", "kvyard.cli", "serve", str(model_dir), "--port", str(port), *extra]
     with log_path.open("wb") as log:
