@@ -207,3 +207,14 @@ def test_event_log_with_no_retained_events_still_detects_gaps() -> None:
     events, complete = log.events_since(0)
     assert events == [] and not complete
     assert log.events_since(1) == ([], True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=70), st.integers(1, 9))
+def test_chained_keys_equal_block_by_block_keys(tokens: list[int], block_size: int) -> None:
+    parent = NAMESPACE.root_key()
+    expected = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start : start + block_size])
+        expected.append(parent)
+    assert chain_block_keys(NAMESPACE.root_key(), tokens, block_size) == expected

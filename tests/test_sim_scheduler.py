@@ -182,3 +182,13 @@ def test_random_workloads_keep_the_accounting_consistent(seed: int) -> None:
     assert scheduler.cache.num_used_blocks == 0
     assert replay_events(scheduler.cache.events) == set(scheduler.cache.cached_keys())
     assert scheduler.cache.num_cached_blocks <= scheduler.cache.capacity_blocks
+
+
+def test_requests_that_fill_the_cache_preempt_each_other_and_finish() -> None:
+    scheduler = make_scheduler(capacity=4)
+    first = make_request("a", list(range(7)), max_tokens=9)  # grows to 16 tokens: all four blocks
+    second = make_request("b", list(range(100, 103)), max_tokens=6)
+    times = run_virtual(scheduler, COST, [(0.0, first), (0.0, second)])
+    assert first.num_output_tokens == 9 and second.num_output_tokens == 6
+    assert first.num_preemptions + second.num_preemptions > 0
+    assert all(t.finished is not None for t in times.values())

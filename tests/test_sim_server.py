@@ -330,3 +330,74 @@ def test_kvyard_sim_command_serves_calibrated_replicas(tmp_path: Path) -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_a_non_streaming_client_that_goes_away_frees_its_blocks() -> None:
+    with SimCluster([replace(CONFIG, time_scale=1.0)]) as sim:
+        url = sim.urls[0]
+        body = {"prompt": prompt(60, 30), "max_tokens": 900}  # about 30 simulated seconds
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+        wait_for(lambda: 'kvyard_requests_total{outcome="abort"} 1.0' in httpx.get(f"{url}/metrics").text)
+        load = httpx.get(f"{url}/load").json()
+        assert (load["in_flight_requests"], load["num_running"], load["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_chat_without_max_tokens_generates_what_the_cache_holds() -> None:
+    with SimCluster([replace(CONFIG, capacity_blocks=16)]) as sim:
+        reply = client_for(sim.urls[0]).chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.usage is not None
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 64
+
+
+# ---------------------------------------------------------------------------- fault injection
+
+
+def test_restart_fails_requests_in_flight_and_forgets_the_cache() -> None:
+    with SimCluster([replace(CONFIG, time_scale=1.0)]) as sim:
+        url, client = sim.urls[0], client_for(sim.urls[0])
+        tokens = prompt(70, 21)
+        client.completions.create(model="sim-model", prompt=tokens, max_tokens=1)
+        assert events_page(url)["last_seq"] == 1
+        body = {"prompt": prompt(71, 30), "max_tokens": 900, "stream": True}
+        with (
+            httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=30) as events,
+            httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as streaming,
+        ):
+            lines, event_lines = streaming.iter_lines(), events.iter_lines()
+            next(lines)
+            assert json.loads(next(event_lines)[5:])["seq"] == 1
+            assert httpx.post(f"{url}/sim/restart").json() == {"status": "restarted"}
+            rest = [line for line in lines if line]
+            # The event stream ends (it would otherwise time out) after the events of the old cache.
+            old = [json.loads(line[5:])["seq"] for line in event_lines if line.startswith("data:")]
+            assert old == list(range(2, 2 + len(old)))
+        assert "replica_restarted" in rest[-1] and "[DONE]" not in rest[-1]
+        assert events_page(url) == {"events": [], "complete": True, "last_seq": 0}
+        assert httpx.get(f"{url}/kv/snapshot").json()["block_keys"] == []
+        again = client.completions.create(model="sim-model", prompt=tokens, max_tokens=1)
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert metric_value(httpx.get(f"{url}/metrics").text, "kvyard_prompt_tokens_total") == 21
+
+
+def test_an_unhealthy_replica_answers_503_until_healed(cluster: SimCluster) -> None:
+    url = cluster.urls[2]
+    assert httpx.post(f"{url}/sim/health", json={"healthy": "no"}).status_code == 400
+    assert httpx.post(f"{url}/sim/health", json={"healthy": False}).json() == {"healthy": False}
+    try:
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "1"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unhealthy"
+    finally:
+        httpx.post(f"{url}/sim/health", json={"healthy": True})
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+
+
+def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
+    body = {"model": "sim-model", "prompt": "ab", "add_special_tokens": True, "return_token_strs": True}
+    assert httpx.post(f"{cluster.urls[0]}/tokenize", json=body).json()["tokens"] == [97, 98]

@@ -53,9 +53,19 @@ def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes = b"") -
 
 
 def chain_block_keys(parent_key: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Keys of every full block of `token_ids`, chained from `parent_key` (a root or a block key)."""
+    """Keys of every full block of `token_ids`, chained from `parent_key` (a root or a block key).
+
+    Equal to chaining `block_key` block by block; the tokens are encoded once for all blocks.
+    """
+    num_full = len(token_ids) // block_size
+    encoded = np.asarray(token_ids[: num_full * block_size], dtype="<u4").tobytes()
+    length = block_size.to_bytes(4, "little")
+    stride = 4 * block_size
     keys: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_key = block_key(parent_key, token_ids[start : start + block_size])
+    for start in range(0, num_full * stride, stride):
+        digest = hashlib.sha256(parent_key)
+        digest.update(length)
+        digest.update(encoded[start : start + stride])
+        parent_key = digest.digest()[:KEY_BYTES]
         keys.append(parent_key)
     return keys

@@ -55,6 +55,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calibrate-engine", default="kvyard", help="which engine of that JSON to fit")
     group.add_argument("--time-scale", type=float, default=1.0,
                        help="wall seconds per simulated second (0.1: ten times faster than the engine)")  # fmt: skip
+    group.add_argument("--stream-interval-ms", type=float, default=2.0, help="least time between two chunks of a "
+                       "stream after its first token (longer: fewer writes, less CPU)")  # fmt: skip
+    group.add_argument("--tick-ms", type=float, default=2.0, help="timing resolution: steps ending less than this "
+                       "ahead run without sleeping (longer: fewer wake-ups, less CPU)")  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(handler=run_sim)
 
@@ -104,5 +108,7 @@ def sim_config(args: argparse.Namespace) -> Any:
         vocab_size=args.vocab_size,
         max_queued_requests=args.max_queued_requests,
         time_scale=args.time_scale,
+        stream_interval_s=args.stream_interval_ms / 1000,
+        tick_s=args.tick_ms / 1000,
         cost=cost,
     )

@@ -11,35 +11,36 @@ exactly `max_tokens` long, finish reason `length`); text is tokenized one token 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Literal, cast
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from kvyard import __version__
 from kvyard.kvcache.events import event_json
-from kvyard.server.errors import APIError, bad_request, error_body
+from kvyard.server.errors import APIError, bad_request
 from kvyard.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest
-from kvyard.sim.replica import RequestStream, SimReplica
+from kvyard.sim.completion_reply import Reply
+from kvyard.sim.http_io import error_json, int_query, json_response, parse_body, read_json, take_token_ids, validate
+from kvyard.sim.replica import SimReplica
 from kvyard.sim.tokens import decode, encode, render_chat
 
 KV_EVENTS_POLL_S = 0.02
 _LOG = logging.getLogger("kvyard.sim")
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class SimTokenizeRequest(BaseModel):
-    """`/tokenize` body: text, token ids (returned as they are), or chat messages."""
+    """`/tokenize` body: text, token ids (returned as they are), or chat messages. Unknown fields are
+    ignored: other routers call this endpoint with their own engine's options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -65,21 +66,13 @@ def create_app(replica: SimReplica) -> web.Application:
         web.get("/kv/events", api.kv_events),
         web.get("/kv/snapshot", api.kv_snapshot),
         web.get("/version", api.version),
+        web.post("/sim/restart", api.restart),
+        web.post("/sim/health", api.set_health),
     ]
     routes += [web.get(path, api.model_info) for path in ("/get_model_info", "/model_info")]
     routes += [web.get(path, api.server_info) for path in ("/get_server_info", "/server_info")]
     app.add_routes(routes)
     return app
-
-
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(text=json.dumps(payload, separators=(",", ":")), status=status,
-                        content_type="application/json", headers=headers)  # fmt: skip
-
-
-def error_json(error: APIError) -> web.Response:
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return json_response(error_body(error.status, error.message, error.param, error.code), error.status, headers)
 
 
 @web.middleware
@@ -97,28 +90,6 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_json(APIError(500, f"internal error: {error}", code="internal_error"))
 
 
-async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"request body is not valid JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise validation_error(error) from error
-
-
-def validation_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    parts = [str(p) for p in first.get("loc", ()) if str(p) not in _UNION_TAGS and "[" not in str(p)]
-    param = ".".join(p for p in parts if not p.startswith("function-")) or None
-    if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
-    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, first.get("type"))
-
-
 class _Api:
     def __init__(self, replica: SimReplica) -> None:
         self.replica = replica
@@ -127,9 +98,11 @@ class _Api:
     # ------------------------------------------------------------------ completions
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        raw = await read_json(request)
+        token_ids = take_token_ids(raw)
+        body: CompletionRequest = validate(raw, CompletionRequest)
         self._check_common(body.model, body.n, body.unsupported())
-        prompt = self._prompt_tokens(body.prompt)
+        prompt = self._prompt_tokens(body.prompt if token_ids is None else token_ids)
         return await self._serve(request, "completion", body, prompt, body.max_tokens)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -155,14 +128,14 @@ class _Api:
             if len(prompt) != 1:
                 raise bad_request("a simulated replica serves one prompt per request", "prompt")
             prompt = prompt[0]
-        tokens = encode(prompt) if isinstance(prompt, str) else prompt
+        tokens = encode(prompt) if isinstance(prompt, str) else cast("list[int]", prompt)
         if not tokens:
             raise bad_request("prompt must not be empty", "prompt")
         vocab = self.config.vocab_size
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)  # type: ignore[operator]
-        if bad is not None:
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            bad = next(t for t in tokens if not 0 <= t < vocab)
             raise bad_request(f"prompt has token id {bad} outside the vocabulary [0, {vocab})", "prompt")
-        return tokens  # type: ignore[return-value]
+        return tokens
 
     async def _serve(
         self,
@@ -172,6 +145,7 @@ class _Api:
         prompt: list[int],
         max_tokens: int | None,
     ) -> web.StreamResponse:
+        self._check_healthy()
         max_tokens = self._check_length(prompt, max_tokens)
         replica = self.replica
         limit = self.config.max_num_seqs + self.config.max_queued_requests
@@ -181,9 +155,9 @@ class _Api:
                            code="overloaded", retry_after=1)  # fmt: skip
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         replica.in_flight += 1
-        stream = replica.submit(request_id, prompt, max_tokens, body.cache_salt, body.seed)
+        stream = replica.submit(request_id, prompt, max_tokens, body.cache_salt, body.seed, body.stream)
         try:
-            reply = _Reply(kind, request_id, self.config.model_name, stream)
+            reply = Reply(kind, request_id, self.config.model_name, stream)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await reply.sse(request, include_usage)
@@ -197,8 +171,10 @@ class _Api:
         if len(prompt) >= limit:
             message = f"prompt has {len(prompt)} tokens; the context is {limit} tokens and one must be left to generate"
             raise bad_request(message, "prompt", "context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = limit - len(prompt)
+        if max_tokens is None:  # as much as the context and the cache can hold
+            max_tokens = min(limit, self.config.capacity_blocks * self.config.block_size) - len(prompt)
+            if max_tokens < 1:
+                raise bad_request(f"prompt has {len(prompt)} tokens: no room left in the KV cache", "prompt")
         if len(prompt) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the request has "
                            f"{len(prompt)} prompt tokens and max_tokens {max_tokens}", "max_tokens",
@@ -240,7 +216,25 @@ class _Api:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.StreamResponse:
+        self._check_healthy()
         return json_response({"status": "ok"})
+
+    def _check_healthy(self) -> None:
+        if not self.replica.healthy:
+            raise APIError(503, "this simulated replica is set unhealthy", code="unhealthy", retry_after=1)
+
+    # ------------------------------------------------------------------ fault injection (for router tests)
+
+    async def restart(self, _: web.Request) -> web.StreamResponse:
+        self.replica.restart()
+        return json_response({"status": "restarted"})
+
+    async def set_health(self, request: web.Request) -> web.StreamResponse:
+        healthy = (await read_json(request)).get("healthy")
+        if not isinstance(healthy, bool):
+            raise bad_request("healthy must be true or false", "healthy")
+        self.replica.healthy = healthy
+        return json_response({"healthy": healthy})
 
     async def load(self, _: web.Request) -> web.StreamResponse:
         return json_response(self.replica.load())
@@ -284,7 +278,7 @@ class _Api:
     # ------------------------------------------------------------------ KV events
 
     async def kv_events(self, request: web.Request) -> web.StreamResponse:
-        since = _int_query(request, "since", 0)
+        since = int_query(request, "since", 0)
         stream = request.query.get("stream", "true").lower() not in ("false", "0", "no")
         log = self.replica.events
         if not stream:
@@ -295,15 +289,14 @@ class _Api:
         await response.prepare(request)
         seq = since
         try:
-            while True:
+            while self.replica.events is log:  # a restart ends the stream, as a real restart drops it
                 events, complete = log.events_since(seq)
                 if not complete:
                     payload = {"since": seq, "first_available": events[0].seq if events else log.last_seq + 1}
-                    await response.write(f"event: gap\ndata: {json.dumps(payload)}\n\n".encode())
+                    await response.write(b"event: gap\ndata: " + orjson.dumps(payload) + b"\n\n")
                     break
                 if events:
-                    lines = [f"data: {json.dumps(event_json(e), separators=(',', ':'))}\n\n" for e in events]
-                    await response.write("".join(lines).encode())
+                    await response.write(b"".join(b"data: " + orjson.dumps(event_json(e)) + b"\n\n" for e in events))
                     seq = events[-1].seq
                 else:
                     await asyncio.sleep(KV_EVENTS_POLL_S)
@@ -317,79 +310,3 @@ class _Api:
         namespace.pop("cache_salt")
         keys = [key.hex() for key in self.replica.cache.cached_keys()]
         return json_response({"seq": self.replica.events.last_seq, "block_keys": keys, "namespace": namespace})
-
-
-def _int_query(request: web.Request, name: str, default: int) -> int:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise bad_request(f"{name} must be an integer, got {value!r}", name) from None
-
-
-class _Reply:
-    """Builds the OpenAI response of one request from its token stream, whole or as server-sent events."""
-
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str, stream: RequestStream) -> None:
-        self.kind = kind
-        self.stream = stream
-        self.envelope = {"id": request_id, "object": "", "created": int(time.time()), "model": model}
-
-    async def whole(self) -> web.Response:
-        tokens: list[int] = []
-        finished = False
-        while not finished:
-            new, finished = await self.stream.next_tokens()
-            tokens.extend(new)
-        text = decode(tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None, "logprobs": None}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        kind = "chat.completion" if self.kind == "chat" else "text_completion"
-        return json_response({**self.envelope, "object": kind, "choices": [choice], "usage": self.usage()})
-
-    async def sse(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            if self.kind == "chat":
-                await response.write(self._chunk({"role": "assistant", "content": ""}, None))
-            finished = False
-            while not finished:
-                tokens, finished = await self.stream.next_tokens()
-                text = decode(tokens)
-                await response.write(self._chunk({"content": text} if self.kind == "chat" else text,
-                                                 "length" if finished else None))  # fmt: skip
-            if include_usage:
-                await response.write(_sse({**self._envelope(), "choices": [], "usage": self.usage()}))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionError:
-            pass  # the client went away; the caller aborts the request
-        return response
-
-    def usage(self) -> dict[str, Any]:
-        request = self.stream.request
-        prompt, completion = request.num_prompt_tokens, request.num_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(0, request.num_cached_tokens)},
-        }
-
-    def _envelope(self) -> dict[str, Any]:
-        return {**self.envelope, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion"}
-
-    def _chunk(self, delta: Any, finish_reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        choice["delta" if self.kind == "chat" else "text"] = delta
-        return _sse({**self._envelope(), "choices": [choice]})
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()

@@ -1,10 +1,12 @@
 """One simulated replica in real time: its scheduler loop, request streams, metrics and load report.
 
 The loop runs a step, advances a wall-clock deadline by the step's cost (times `time_scale`), sleeps
-until then and hands the step's tokens to their requests. Steps shorter than `MIN_SLEEP_S` are run
-back to back and their tokens delivered together at the next sleep, which bounds the CPU spent per
-simulated second. When the process cannot keep up the replica runs late, never faster; the total
-delay is exported as `kvyard_sim_lag_seconds` so a benchmark can tell.
+until then and hands the step's tokens to their requests. While the deadline is less than `tick_s`
+ahead, steps run back to back without sleeping (their tokens may arrive up to `tick_s` early): a
+longer tick means fewer wake-ups, so less CPU, at the cost of timing resolution. Tokens reach a
+stream at most every `stream_interval_s` (a first token at once), which bounds the HTTP writes. When
+the process cannot keep up, the replica runs late, never faster; the total delay is exported as
+`kvyard_sim_lag_seconds` so a benchmark can tell.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from kvyard.sim.prefix_cache import PrefixCache
 from kvyard.sim.scheduler import SchedulerLimits, SimRequest, SimScheduler, TokenOutput
 from kvyard.sim.tokens import output_seed
 
-MIN_SLEEP_S = 0.002
+# A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
+LAG_TOLERANCE_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +43,17 @@ class SimConfig:
     vocab_size: int = 32000
     max_queued_requests: int = 1024  # requests admitted beyond max_num_seqs before answering 429
     time_scale: float = 1.0  # wall seconds per simulated second
+    stream_interval_s: float = 0.002  # least wall time between two deliveries of later tokens
+    tick_s: float = 0.002  # steps ending less than this ahead of the wall clock run without sleeping
     cost: CostModel = field(default_factory=CostModel)
     event_log_capacity: int = 65536
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        for name in ("stream_interval_s", "tick_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("capacity_blocks", "max_model_len", "vocab_size", "event_log_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -66,6 +74,7 @@ class RequestStream:
     """Tokens of one request as the replica delivers them; the HTTP handler drains it."""
 
     request: SimRequest
+    wake_per_token: bool = True  # False: the reader wants the whole answer, so wake it only at the end
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -76,11 +85,13 @@ class RequestStream:
     def push(self, token_ids: list[int], finished: bool) -> None:
         self._pending.extend(token_ids)
         self.finished = self.finished or finished
-        self._ready.set()
+        if self.wake_per_token or self.finished:
+            self._ready.set()
 
     async def next_tokens(self) -> tuple[list[int], bool]:
-        """Tokens delivered since the last call (waiting for at least one), and whether the request is done."""
-        while not self._pending and not self.finished:
+        """Tokens delivered since the last call (waiting for at least one, or for the end unless
+        `wake_per_token`), and whether the request is done."""
+        while not self.finished and not (self._pending and self.wake_per_token):
             self._ready.clear()
             await self._ready.wait()
         tokens, self._pending = self._pending, []
@@ -98,6 +109,16 @@ class SimReplica:
         self.config = config
         self.index = index
         self.namespace = config.namespace
+        self.streams: dict[str, RequestStream] = {}
+        self.in_flight = 0
+        self.healthy = True  # False (set through the API) answers 503, to test routers' fault handling
+        self._root_keys: dict[str, bytes] = {}
+        self._wake = asyncio.Event()
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """An empty cache, a new event log (sequence from 1) and zeroed metrics: a newly started replica."""
+        config = self.config
         self.cache = PrefixCache(config.capacity_blocks, KVEventLog(config.event_log_capacity))
         self.scheduler = SimScheduler(config.limits, self.cache)
         self.metrics = ServerMetrics()
@@ -107,13 +128,18 @@ class SimReplica:
             Gauge("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps (cost model "
                   "times time scale)", registry=self.metrics.registry),
         )  # fmt: skip
-        self.streams: dict[str, RequestStream] = {}
-        self.in_flight = 0
         self.lag_s = 0.0
         self.busy_s = 0.0
         self.started = time.time()
-        self._root_keys: dict[str, bytes] = {}
-        self._wake = asyncio.Event()
+
+    def restart(self) -> None:
+        """Behave like a replica that crashed and came back: every request in flight fails, the cache is gone."""
+        for stream in list(self.streams.values()):
+            self.scheduler.abort(stream.request)
+            stream.push([], finished=True)
+        self.streams.clear()
+        self._fresh_state()
+        self._wake.set()
 
     @property
     def events(self) -> KVEventLog:
@@ -129,10 +155,10 @@ class SimReplica:
         return key
 
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str | None,
-               seed: int | None) -> RequestStream:  # fmt: skip
+               seed: int | None, streaming: bool = True) -> RequestStream:  # fmt: skip
         request = SimRequest(request_id, prompt, max_tokens, self.root_key(cache_salt), output_seed(prompt, seed),
                              self.config.block_size)  # fmt: skip
-        stream = RequestStream(request)
+        stream = RequestStream(request, wake_per_token=streaming)
         self.streams[request_id] = stream
         self.scheduler.add(request)
         self._wake.set()
@@ -149,36 +175,34 @@ class SimReplica:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         scale, cost = self.config.time_scale, self.config.cost
-        step_end = loop.time()
+        step_end = last_delivery = loop.time()
         pending: list[TokenOutput] = []
         while True:
-            if not self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan.preempted and not plan.chunks:
+                continue  # the preempted requests are admitted again by the next schedule
+            if not plan.chunks:  # idle, or nothing fits until a request finishes or is aborted
                 self._deliver(pending)
                 self._wake.clear()
                 await self._wake.wait()
                 step_end = loop.time()
+                continue
             now = loop.time()
-            if step_end < now:
+            if step_end < now - LAG_TOLERANCE_S:
                 self.lag_s += now - step_end
                 step_end = now
-            plan = self.scheduler.schedule()
-            if not plan.chunks:  # nothing fits until a request finishes or is aborted
-                self._deliver(pending)
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             seconds = cost.step_seconds(plan.shape) * scale
             step_end += seconds
             self.busy_s += seconds
-            pending.extend(self.scheduler.complete(plan))
+            outputs = self.scheduler.complete(plan)
+            pending.extend(outputs)
             delay = step_end - loop.time()
-            if delay >= MIN_SLEEP_S:
-                await asyncio.sleep(delay)
+            # Between back-to-back steps, still let the HTTP side run.
+            await asyncio.sleep(delay if delay >= self.config.tick_s else 0)
+            now = loop.time()
+            if any(o.first for o in outputs) or now - last_delivery >= self.config.stream_interval_s:
                 self._deliver(pending)
-            else:
-                if delay <= 0:
-                    self._deliver(pending)
-                await asyncio.sleep(0)
+                last_delivery = now
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
         if not outputs:

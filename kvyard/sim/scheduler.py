@@ -68,11 +68,6 @@ class SimRequest:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def is_decoding(self) -> bool:
-        """Its next step computes just the newest output token."""
-        return self.num_output_tokens > 0 and self.num_computed == self.num_tokens - 1
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:
@@ -84,7 +79,7 @@ class SimRequest:
         self.block_keys.extend(chain_block_keys(parent, self.token_ids[start:], self.block_size))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     request: SimRequest
     num_new_tokens: int
@@ -97,10 +92,11 @@ class StepPlan:
     shape: StepShape = field(default_factory=StepShape)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenOutput:
     request: SimRequest
     token_id: int
+    first: bool
     finished: bool
 
 
@@ -151,33 +147,34 @@ class SimScheduler:
     def complete(self, plan: StepPlan) -> list[TokenOutput]:
         outputs: list[TokenOutput] = []
         stored: list[bytes] = []
+        block_size = self.limits.block_size
         for chunk in plan.chunks:
             request = chunk.request
-            if request.is_finished:  # aborted while the step ran
+            if request.finish_reason is not None:  # aborted while the step ran
                 continue
             request.num_computed += chunk.num_new_tokens
-            self._register_computed(request, stored)
-            if request.num_computed == request.num_tokens:
+            if request.num_computed >= (request.num_registered + 1) * block_size:
+                self._register_computed(request, stored)
+            if request.num_computed == len(request.token_ids):
                 outputs.append(self._sample(request))
         self.cache.record_stored(stored)
         return outputs
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         index = 0
+        block_size = self.limits.block_size
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed, budget)
-            if not self._allocate_or_preempt(request, num_new, plan):
+            num_new = min(len(request.token_ids) - request.num_computed, budget)
+            num_blocks = -(-(request.num_computed + num_new) // block_size) - len(request.table)
+            if num_blocks > 0 and not self._allocate_or_preempt(request, num_blocks, plan):
                 break
             plan.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, request: SimRequest, num_new: int, plan: StepPlan) -> bool:
-        num_blocks = self.blocks_needed(request.num_computed + num_new) - len(request.table)
-        if num_blocks <= 0:
-            return True
+    def _allocate_or_preempt(self, request: SimRequest, num_blocks: int, plan: StepPlan) -> bool:
         while not self.cache.acquire(request.table, (), num_blocks):
             victim = self.running.pop()
             self._preempt(victim)
@@ -230,7 +227,7 @@ class SimScheduler:
         if finished:
             self.running.remove(request)
             self._finish(request, "length")
-        return TokenOutput(request, token_id, finished)
+        return TokenOutput(request, token_id, request.num_output_tokens == 1, finished)
 
     def _finish(self, request: SimRequest, reason: str) -> None:
         request.finish_reason = reason
@@ -241,9 +238,10 @@ def _shape_of(chunks: list[ScheduledChunk]) -> StepShape:
     prefill_tokens = pairs = decode_seqs = decode_context = 0
     for chunk in chunks:
         request = chunk.request
-        if request.is_decoding:
+        num_tokens = len(request.token_ids)
+        if request.num_computed == num_tokens - 1 and num_tokens > request.num_prompt_tokens:  # decoding
             decode_seqs += 1
-            decode_context += request.num_tokens
+            decode_context += num_tokens
         else:
             prefill_tokens += chunk.num_new_tokens
             pairs += prefill_pairs(chunk.num_new_tokens, request.num_computed)

@@ -41,6 +41,8 @@ def run_virtual(
             now = pending[next_arrival][0]
             continue
         plan = scheduler.schedule()
+        if plan.preempted and not plan.chunks:
+            continue
         if not plan.chunks:
             raise RuntimeError("the scheduler cannot make progress: a request does not fit in the cache")
         now += cost.step_seconds(plan.shape)
