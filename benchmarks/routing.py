@@ -170,7 +170,7 @@ async def wait_ready(url: str, timeout: float) -> None:
         while time.monotonic() < deadline:
             try:
                 async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as response:
-                    if response.status == 200 and (await response.json()).get("data"):
+                    if response.status == 200 and json.loads(await response.read()).get("data"):
                         await asyncio.sleep(1.0)  # let health checks and event streams settle
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):

@@ -205,3 +205,17 @@ def test_admin_api_adds_drains_and_removes_replicas(cluster: SimCluster, log_dir
         assert response.json()["error"]["code"] == "no_replica"
     finally:
         router.stop()
+
+
+def test_full_router_queue_answers_429_with_retry_after(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls[:1], "--max-in-flight", "1")
+    try:
+        bodies = [{"prompt": prompt(i, 32), "max_tokens": 400, "ignore_eos": True} for i in range(6)]
+        responses = asyncio.run(complete_many(router, bodies))
+        rejected = [r for r in responses if r.status_code == 429]
+        assert rejected and any(r.status_code == 200 for r in responses)
+        assert all(r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded" for r in rejected)
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert labelled_metric(metrics, "kvyard_router_rejected_total", reason="queue_full") == len(rejected)
+    finally:
+        router.stop()
