@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -123,8 +123,8 @@ class Router:
 
 def _parse_request(raw: bytes, kind: str) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except ValueError as error:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
         raise bad_request(f"request body is not valid JSON: {error}", "body") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", "body")
