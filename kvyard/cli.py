@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate, serve, bench, sim."""
+"""`kvyard` command line: create-model, generate, serve, bench, sim, route."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.kvcache.options import add_kv_tier_arguments, kv_tier_config
+from kvyard.router.cli import add_route_command
 from kvyard.sim.cli import add_sim_command
 
 ENGINE_OPTIONS = (
@@ -38,6 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     add_sim_command(commands)
     _add_bench(commands)
+    add_route_command(commands)
     return parser
 
 

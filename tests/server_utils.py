@@ -45,8 +45,10 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 120.0) -> ServerProcess:
-    port = free_port()
+def start_server(
+    model_dir: Path, log_dir: Path, *extra: str, timeout: float = 120.0, port: int | None = None
+) -> ServerProcess:
+    port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
     if "--kv-tier" not in extra and "--kv-disk-dir" not in extra:
         # The default disk tier persists across runs; keep each test server's blocks to itself.

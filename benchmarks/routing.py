@@ -1,0 +1,387 @@
+"""Routing benchmark: kvyard's policies and the PyPI routers on the same simulated fleet, Mooncake trace.
+
+For every router under test: start 8 fresh simulated replicas (one process, per-replica prefix cache smaller
+than the working set), start the router in front of them, replay the first `--requests` requests of the
+Mooncake conversation trace at their (sped-up) arrival times as streaming completions, and record TTFT,
+throughput and the fleet-wide prefix hit ratio (cached / prompt tokens, from each response's usage). Each
+512-token trace block becomes 512 bytes of text derived from its hash id (the simulated replica tokenizes one
+token per byte), so every router sees plain text prompts and equal hash ids give equal prefixes.
+
+A second phase measures router overhead: CPU seconds of the router process per proxied request and
+requests/s, with one simulated replica answering 1-token completions.
+
+    .venv/bin/python benchmarks/routing.py --out benchmarks/results/routing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers"
+TRACE_BLOCK = 512
+MODEL = "kvyard-sim"
+# kvyard sim's default cost model (seconds of simulated time), used only to pick the arrival speed-up.
+PREFILL_TOKEN_S, ATTENTION_PAIR_S, DECODE_SEQ_S, STEP_BASE_S, MAX_BATCH_TOKENS = 5.8e-4, 2.02e-7, 2.32e-3, 3.22e-2, 2048
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    status: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_chunks: int = 0
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    command: list[str] = field(default_factory=list)  # {port} and {workers} are filled in
+
+
+def load_trace(path: Path, count: int, max_output: int) -> list[TraceRequest]:
+    requests = []
+    with path.open() as lines:
+        for line in lines:
+            record = json.loads(line)
+            output = min(max_output, record["output_length"])
+            arrival = record["timestamp"] / 1000
+            requests.append(TraceRequest(arrival, record["input_length"], output, tuple(record["hash_ids"])))
+            if len(requests) == count:
+                break
+    return requests
+
+
+def prompt_text(request: TraceRequest, blocks: dict[int, str]) -> str:
+    parts = []
+    for hash_id in request.hash_ids:
+        text = blocks.get(hash_id)
+        if text is None:
+            rng = random.Random(hash_id)
+            text = blocks[hash_id] = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz ", k=TRACE_BLOCK))
+        parts.append(text)
+    return "".join(parts)[: request.input_length]
+
+
+def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
+    seen: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        for hash_id in request.hash_ids:
+            hits += hash_id in seen
+            total += 1
+            seen.add(hash_id)
+    return hits / max(1, total)
+
+
+def service_seconds(requests: list[TraceRequest], hit_ratio: float) -> float:
+    """Simulated busy time the trace asks of the fleet, with prefills and decodes batched as the sim does."""
+    prefill = sum(r.input_length * (1 - hit_ratio) for r in requests) * PREFILL_TOKEN_S
+    prefill += sum(r.input_length**2 * (1 - hit_ratio**2) / 2 for r in requests) * ATTENTION_PAIR_S
+    prefill_steps = sum(r.input_length * (1 - hit_ratio) for r in requests) / MAX_BATCH_TOKENS * STEP_BASE_S
+    decode = sum(r.output_length for r in requests) * DECODE_SEQ_S
+    return prefill + prefill_steps + decode
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    ports_file = log.with_suffix(".ports.json")
+    ports_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "kvyard.sim", "--replicas", str(args.replicas), "--port", "0",
+               "--ports-file", str(ports_file), "--capacity-blocks", str(args.capacity_blocks),
+               "--time-scale", str(args.time_scale), "--stream-interval-ms", "5"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not ports_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"simulated replicas did not start: {log.read_text()}")
+        time.sleep(0.1)
+    time.sleep(0.2)
+    urls: list[str] = json.loads(ports_file.read_text())["urls"]
+    return process, urls
+
+
+def targets(selected: list[str]) -> list[Target]:
+    kvyard = [sys.executable, "-m", "kvyard.router", "--port", "{port}", "{replica-args}"]
+    sglang = [str(PEERS / "sglang-router/bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+              "--port", "{port}", "--worker-urls", "{workers}"]  # fmt: skip
+    smg = [str(PEERS / "smg/bin/smg"), "launch", "--host", "127.0.0.1", "--port", "{port}",
+           "--disable-tokenizer-autoload", "--worker-urls", "{workers}"]  # fmt: skip
+    vllm = [str(PEERS / "vllm-router/bin/vllm-router"), "--host", "127.0.0.1", "--port", "{port}",
+            "--worker-urls", "{workers}"]  # fmt: skip
+    every = [Target(f"kvyard {p}", [*kvyard, "--policy", p])
+             for p in ("cache_aware", "least_load", "session", "round_robin")]  # fmt: skip
+    every += [
+        Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
+        Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),
+        Target("vllm-router cache_aware", [*vllm, "--policy", "cache_aware"]),
+        Target("vllm-router round_robin", [*vllm, "--policy", "round_robin"]),
+    ]
+    return [t for t in every if not selected or any(s in t.name for s in selected)]
+
+
+def expand(command: list[str], port: int, workers: list[str]) -> list[str]:
+    out: list[str] = []
+    for part in command:
+        if part == "{workers}":
+            out += workers
+        elif part == "{replica-args}":
+            out += [item for url in workers for item in ("--replica", url)]
+        else:
+            out.append(part.replace("{port}", str(port)))
+    return out
+
+
+async def wait_ready(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    if response.status == 200 and json.loads(await response.read()).get("data"):
+                        await asyncio.sleep(1.0)  # let health checks and event streams settle
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"router at {url} not ready after {timeout}s")
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, user: str) -> Result:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "user": user}  # fmt: skip
+    started = time.perf_counter()
+    result = Result(ok=False)
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            result.status = response.status
+            if response.status != 200:
+                await response.read()
+                return result
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and result.output_chunks == 0:
+                    result.ttft_s = time.perf_counter() - started
+                if chunk.get("choices"):
+                    result.output_chunks += 1
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return result
+    result.latency_s = time.perf_counter() - started
+    result.ok = result.output_chunks > 0
+    return result
+
+
+async def replay(
+    url: str, requests: list[TraceRequest], prompts: list[str], speedup: float
+) -> tuple[list[Result], float]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)  # new connection per request: no reuse stalls
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+
+        async def at_arrival(index: int) -> Result:
+            request = requests[index]
+            await asyncio.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
+            user = f"conv-{request.hash_ids[1] if len(request.hash_ids) > 1 else index}"
+            return await one_request(session, url, prompts[index], request.output_length, user)
+
+        results = await asyncio.gather(*(at_arrival(i) for i in range(len(requests))))
+        return list(results), time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in done]
+    prompt = sum(r.prompt_tokens for r in done)
+    return {
+        "router": name,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "failed_statuses": sorted({r.status for r in results if not r.ok}),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "requests_per_s": len(done) / elapsed,
+        "output_chunks_per_s": sum(r.output_chunks for r in done) / elapsed,
+        "hit_ratio": sum(r.cached_tokens for r in done) / max(1, prompt),
+        "elapsed_s": elapsed,
+    }
+
+
+def run_target(target: Target, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
+               speedup: float, logs: Path) -> dict[str, Any]:  # fmt: skip
+    slug = target.name.replace(" ", "_")
+    sims, workers = start_sims(args, logs / f"sim-{slug}.log")
+    port = free_port()
+    command = expand(target.command, port, workers)
+    if not Path(command[0]).exists():
+        sims.send_signal(signal.SIGTERM)
+        sims.wait()
+        return {"router": target.name, "skipped": f"{command[0]} is not installed"}
+    router = subprocess.Popen(command, stdout=(logs / f"router-{slug}.log").open("wb"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url, 90))
+        results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
+        summary = summarize(target.name, results, elapsed)
+        print(json.dumps(summary), flush=True)
+        return summary
+    except RuntimeError as error:
+        return {"router": target.name, "skipped": str(error)}
+    finally:
+        for process in (router, sims):
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+# ---------------------------------------------------------------------------- router CPU overhead
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def hammer(url: str, count: int, concurrency: int) -> float:
+    body = {"model": MODEL, "prompt": "hello router", "max_tokens": 1}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        queue = iter(range(count))
+
+        async def worker() -> None:
+            for _ in queue:
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    await response.read()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - started
+
+
+def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    slug = target.name.replace(" ", "_")
+    sim_args = argparse.Namespace(**{**vars(args), "replicas": 1, "time_scale": 0.0001})
+    sims, workers = start_sims(sim_args, logs / f"overhead-sim-{slug}.log")
+    port = free_port()
+    command = expand(target.command, port, workers)
+    if not Path(command[0]).exists():
+        sims.terminate()
+        sims.wait()
+        return {"router": target.name, "skipped": f"{command[0]} is not installed"}
+    router = subprocess.Popen(command, stdout=(logs / f"overhead-{slug}.log").open("wb"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url, 90))
+        asyncio.run(hammer(url, 200, 8))  # warm-up
+        cpu_before = cpu_seconds(router.pid)
+        elapsed = asyncio.run(hammer(url, args.overhead_requests, 8))
+        cpu = cpu_seconds(router.pid) - cpu_before
+        result = {"router": target.name, "cpu_us_per_request": cpu / args.overhead_requests * 1e6,
+                  "requests_per_s": args.overhead_requests / elapsed}  # fmt: skip
+        print(json.dumps(result), flush=True)
+        return result
+    finally:
+        for process in (router, sims):
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--max-output", type=int, default=128, help="cap on each request's output length")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--capacity-blocks", type=int, default=4096, help="per replica, 16-token blocks")
+    parser.add_argument("--time-scale", type=float, default=0.05, help="sim: wall seconds per simulated second")
+    parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
+    parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this")
+    parser.add_argument("--overhead-requests", type=int, default=2000)
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "routing.json")
+    args = parser.parse_args()
+
+    requests = load_trace(args.trace, args.requests, args.max_output)
+    blocks: dict[int, str] = {}
+    prompts = [prompt_text(r, blocks) for r in requests]
+    ideal = ideal_hit_ratio(requests)
+    trace_span = max(r.arrival_s for r in requests) or 1.0
+    # utilisation = work (wall) / (replicas * replay span); work (wall) = simulated work * time_scale
+    work = service_seconds(requests, ideal)
+    speedup = args.utilisation * args.replicas * trace_span / (work * args.time_scale)
+    logs = args.out.parent / "routing-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    conditions = {
+        "requests": len(requests), "trace_span_s": trace_span, "arrival_speedup": speedup,
+        "replay_span_wall_s": trace_span / speedup, "replicas": args.replicas,
+        "capacity_blocks_per_replica": args.capacity_blocks, "block_size": 16,
+        "working_set_blocks": len(blocks) * TRACE_BLOCK // 16, "time_scale": args.time_scale,
+        "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
+        "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366, "cpus": os.cpu_count(),
+    }  # fmt: skip
+    print(json.dumps(conditions), flush=True)
+    if args.dry_run:
+        return 0
+    results = [run_target(t, args, requests, prompts, speedup, logs) for t in targets(args.only)]
+    overheads = []
+    if not args.skip_overhead:
+        measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware")
+        overheads = [overhead(t, args, logs) for t in targets(args.only) if t.name in measured]
+    args.out.write_text(json.dumps({"conditions": conditions, "routing": results, "overhead": overheads}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

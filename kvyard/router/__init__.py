@@ -1,0 +1,1 @@
+"""Cache-aware router across replicas: registry, cache index, policies and an OpenAI-compatible proxy."""

@@ -1,0 +1,81 @@
+"""What one replica holds in its prefix cache, as far as the router knows.
+
+Two sources, kept apart so each can be replaced without touching the other:
+- `exact`: the block keys the replica announced in its KV-event stream (None while the replica publishes
+  no events, or has not been synced yet);
+- `routed`: keys of prompts the router sent there. For a replica without events this is the only source
+  (an approximate LRU index of bounded size). For a replica with events these entries only bridge the
+  time until the replica's own `stored` event arrives, so they expire after `routed_ttl_s`; this is what
+  keeps a burst of sibling requests from being routed on a stale index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CacheIndex:
+    routed_capacity: int = 1 << 18
+    routed_ttl_s: float = 5.0
+    exact: set[bytes] | None = None
+    seq: int = 0
+    routed: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+
+    @property
+    def has_events(self) -> bool:
+        return self.exact is not None
+
+    def holds(self, key: bytes, now: float) -> bool:
+        if self.exact is not None and key in self.exact:
+            return True
+        stamp = self.routed.get(key)
+        if stamp is None:
+            return False
+        if self.exact is not None and now - stamp > self.routed_ttl_s:
+            del self.routed[key]
+            return False
+        return True
+
+    def note_routed(self, keys: Iterable[bytes], now: float | None = None) -> None:
+        stamp = time.monotonic() if now is None else now
+        routed = self.routed
+        for key in keys:
+            routed[key] = stamp
+            routed.move_to_end(key)
+        while len(routed) > self.routed_capacity:
+            routed.popitem(last=False)
+
+    # ------------------------------------------------------------------ the replica's own account
+
+    def reset(self, keys: Iterable[bytes], seq: int) -> None:
+        """Replace everything by a snapshot: stale entries (a restart, lost events) disappear here."""
+        self.exact = set(keys)
+        self.seq = seq
+        self.routed.clear()
+
+    def apply(self, seq: int, kind: str, keys: Iterable[bytes]) -> None:
+        assert self.exact is not None, "apply() before reset()"
+        if kind == "stored":
+            self.exact.update(keys)
+        elif kind == "removed":
+            self.exact.difference_update(keys)
+        self.seq = seq
+
+    def clear(self) -> None:
+        """Nothing is known any more (the replica may be restarting); the sequence number is kept."""
+        if self.exact is not None:
+            self.exact.clear()
+        self.routed.clear()
+
+    def forget_events(self) -> None:
+        """The replica stopped publishing (or is gone): keep nothing we can no longer keep current."""
+        self.exact = None
+        self.routed.clear()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.exact) if self.exact is not None else len(self.routed)

@@ -1,0 +1,88 @@
+"""Keeps one replica's exact cache index current from its KV-event stream (DESIGN.md, contract 3).
+
+Start: load `/kv/snapshot`, then follow `/kv/events?since=<its seq>`. Whenever continuity is lost (a `gap`
+event, a sequence number that skips, a broken stream, a replica that restarted) the index is reloaded from
+a fresh snapshot, which replaces every entry, so nothing stale survives. A replica answering 404 publishes
+no events: its index stays the approximate one learned from routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.router.replica import Replica
+
+_LOG = logging.getLogger(__name__)
+RETRY_DELAY_S = 0.25
+
+
+class _Resync(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class KVSync:
+    replica: Replica
+    session: aiohttp.ClientSession
+    on_resync: Callable[[Replica, str], None]
+
+    async def run(self) -> None:
+        reason = "start"
+        while True:
+            try:
+                if not await self._load_snapshot(reason):
+                    return
+                await self._follow()
+                reason = "reconnect"
+            except _Resync as resync:
+                reason = resync.reason
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
+                _LOG.debug("kv events of %s: %s", self.replica.url, error)
+                self.replica.index.clear()  # it may be restarting: what we knew may be gone
+                reason = "reconnect"
+                await asyncio.sleep(RETRY_DELAY_S)
+
+    async def _load_snapshot(self, reason: str) -> bool:
+        index = self.replica.index
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with self.session.get(f"{self.replica.url}/kv/snapshot", timeout=timeout) as response:
+            if response.status == 404:
+                index.forget_events()
+                return False
+            response.raise_for_status()
+            snapshot = await response.json()
+        previous_seq = index.seq
+        keys = [bytes.fromhex(key) for key in snapshot["block_keys"]]
+        index.reset(keys, int(snapshot["seq"]))
+        self.replica.namespace = KeyNamespace(**snapshot["namespace"])
+        if reason == "reconnect" and index.seq < previous_seq:
+            reason = "restart"
+        self.on_resync(self.replica, reason)
+        return True
+
+    async def _follow(self) -> None:
+        index = self.replica.index
+        url = f"{self.replica.url}/kv/events"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        async with self.session.get(url, params={"since": str(index.seq)}, timeout=timeout) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.strip()
+                if line.startswith(b"event: gap"):
+                    raise _Resync("gap")
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                seq = int(event["seq"])
+                if seq != index.seq + 1:
+                    raise _Resync("gap" if seq > index.seq + 1 else "restart")
+                index.apply(seq, event["type"], [bytes.fromhex(key) for key in event["block_keys"]])

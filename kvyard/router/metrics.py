@@ -1,0 +1,57 @@
+"""Prometheus metrics of the router, in a registry owned by the app (no global state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+@dataclass(slots=True)
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    routed: Counter = field(init=False)
+    predicted_cached: Counter = field(init=False)
+    reported_cached: Counter = field(init=False)
+    prompt_tokens: Counter = field(init=False)
+    decision_latency: Histogram = field(init=False)
+    retries: Counter = field(init=False)
+    ejections: Counter = field(init=False)
+    resyncs: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+    in_flight: Gauge = field(init=False)
+    healthy: Gauge = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.routed = Counter("kvyard_router_routed_requests", "Requests sent to each replica", ["replica"], registry=r)
+        self.predicted_cached = Counter(
+            "kvyard_router_predicted_cached_tokens",
+            "Prompt tokens the router predicted the replica had cached (for requests whose usage came back)",
+            ["replica"],
+            registry=r,
+        )
+        self.reported_cached = Counter(
+            "kvyard_router_reported_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens as reported by the replica",
+            ["replica"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvyard_router_prompt_tokens", "usage.prompt_tokens as reported by the replica", ["replica"], registry=r
+        )
+        self.decision_latency = Histogram(
+            "kvyard_router_decision_seconds", "Time to pick a replica (tokens, keys, scoring)",
+            buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.retries = Counter("kvyard_router_retries", "Requests retried on another replica", ["reason"], registry=r)
+        self.ejections = Counter("kvyard_router_ejections", "Replicas ejected", ["replica", "reason"], registry=r)
+        self.resyncs = Counter(
+            "kvyard_router_index_resyncs", "Cache-index reloads from /kv/snapshot", ["replica", "reason"], registry=r
+        )
+        self.rejected = Counter("kvyard_router_rejected", "Requests answered 429/503 by the router", ["reason"],
+                                registry=r)  # fmt: skip
+        self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)
+        self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas receiving new requests", registry=r)

@@ -1,0 +1,147 @@
+"""The replicas behind the router: add / drain / remove at run time, active health checks, ejection and
+re-admission, and the tasks that keep each replica's load report and cache index current."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvyard.router.cache_index import CacheIndex
+from kvyard.router.config import RouterConfig
+from kvyard.router.kv_sync import KVSync
+from kvyard.router.metrics import RouterMetrics
+from kvyard.router.replica import LoadReport, Replica, State
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Registry:
+    config: RouterConfig
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
+
+    def add(self, url: str) -> Replica:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+        if url in self.replicas:
+            replica = self.replicas[url]
+            if replica.state is State.DRAINING:
+                replica.state = State.HEALTHY
+            return replica
+        index = CacheIndex(routed_capacity=self.config.approx_index_blocks)
+        replica = Replica(url, index=index)
+        self.replicas[url] = replica
+        self._tasks[url] = [
+            asyncio.create_task(self._health_loop(replica), name=f"health {url}"),
+            asyncio.create_task(self._kv_sync_loop(replica), name=f"kv-sync {url}"),
+        ]
+        self._refresh_gauge()
+        return replica
+
+    def drain(self, url: str) -> Replica:
+        replica = self._get(url)
+        replica.state = State.DRAINING
+        self._refresh_gauge()
+        return replica
+
+    async def remove(self, url: str) -> Replica:
+        replica = self._get(url)
+        replica.state = State.DRAINING
+        del self.replicas[replica.url]
+        for task in self._tasks.pop(replica.url, []):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._refresh_gauge()
+        return replica
+
+    async def close(self) -> None:
+        for url in list(self.replicas):
+            await self.remove(url)
+
+    def routable(self) -> list[Replica]:
+        return [replica for replica in self.replicas.values() if replica.state is State.HEALTHY]
+
+    def report_failure(self, replica: Replica, reason: str) -> None:
+        """A request could not reach the replica: eject it at once; health checks bring it back."""
+        replica.consecutive_failures += 1
+        self._eject(replica, reason)
+
+    # ------------------------------------------------------------------ background work
+
+    def _get(self, url: str) -> Replica:
+        replica = self.replicas.get(url.rstrip("/"))
+        if replica is None:
+            raise KeyError(url)
+        return replica
+
+    def _eject(self, replica: Replica, reason: str) -> None:
+        if replica.state is not State.HEALTHY:
+            return
+        replica.state = State.EJECTED
+        replica.ejections += 1
+        self.metrics.ejections.labels(replica.url, reason).inc()
+        if not replica.index.has_events:
+            replica.index.clear()  # it may come back empty, and no event stream would tell us
+        _LOG.warning("ejected %s (%s)", replica.url, reason)
+        self._refresh_gauge()
+
+    def _readmit(self, replica: Replica) -> None:
+        if replica.state is State.EJECTED:
+            replica.state = State.HEALTHY
+            _LOG.warning("re-admitted %s", replica.url)
+            self._refresh_gauge()
+
+    def _refresh_gauge(self) -> None:
+        self.metrics.healthy.set(len(self.routable()))
+
+    async def _health_loop(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        while True:
+            try:
+                if not replica.model_ids:
+                    replica.model_ids = await self._model_ids(replica, timeout)
+                replica.load = await self._load(replica, timeout)
+                replica.consecutive_failures = 0
+                self._readmit(replica)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as error:
+                replica.consecutive_failures += 1
+                _LOG.debug("health check of %s failed: %s", replica.url, error)
+                if replica.consecutive_failures >= self.config.eject_after_failures:
+                    self._eject(replica, "health_check")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _model_ids(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[str, ...]:
+        async with self.session.get(f"{replica.url}/v1/models", timeout=timeout) as response:
+            response.raise_for_status()
+            body = await response.json()
+        return tuple(str(card["id"]) for card in body["data"])
+
+    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
+        async with self.session.get(f"{replica.url}/load", timeout=timeout) as response:
+            if response.status == 404:  # another engine's server: health only, the router's own counts
+                return await self._health_only(replica, timeout)
+            response.raise_for_status()
+            body = await response.json()
+        return LoadReport(int(body["num_waiting"]), int(body["num_running"]), float(body.get("kv_usage", 0.0)))
+
+    async def _health_only(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
+        async with self.session.get(f"{replica.url}/health", timeout=timeout) as response:
+            response.raise_for_status()
+        return LoadReport()
+
+    async def _kv_sync_loop(self, replica: Replica) -> None:
+        await KVSync(replica, self.session, self._on_resync).run()
+
+    def _on_resync(self, replica: Replica, reason: str) -> None:
+        replica.resyncs += 1
+        self.metrics.resyncs.labels(replica.url, reason).inc()
+        _LOG.info("cache index of %s reloaded from its snapshot (%s)", replica.url, reason)

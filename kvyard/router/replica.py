@@ -1,0 +1,69 @@
+"""One upstream replica as the router sees it: health state, reported load, its own in-flight work."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.router.cache_index import CacheIndex
+
+
+class State(enum.StrEnum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"  # failed health checks or requests; probed until it answers again
+    DRAINING = "draining"  # finishes what it has, gets nothing new (admin API)
+
+
+@dataclass(slots=True)
+class LoadReport:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    state: State = State.HEALTHY
+    index: CacheIndex = field(default_factory=CacheIndex)
+    namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
+    model_ids: tuple[str, ...] = ()
+    load: LoadReport = field(default_factory=LoadReport)
+    # The router's own account of work it sent, so a burst is scored on what it just did, not on the
+    # last load report: requests waiting for their first byte and their prefill tokens still to compute.
+    awaiting_first_byte: int = 0
+    pending_prefill_tokens: int = 0
+    streaming: int = 0
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    ejections: int = 0
+    resyncs: int = 0
+
+    @property
+    def routable(self) -> bool:
+        return self.state is State.HEALTHY
+
+    def queue_depth(self) -> int:
+        """Requests ahead of a new one: reported load, or the router's own count when that is fresher."""
+        reported = self.load.num_waiting + self.load.num_running
+        return max(reported, self.in_flight)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "state": self.state.value,
+            "models": list(self.model_ids),
+            "kv_events": self.index.has_events,
+            "index_blocks": self.index.num_blocks,
+            "index_seq": self.index.seq,
+            "resyncs": self.resyncs,
+            "ejections": self.ejections,
+            "in_flight": self.in_flight,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
+            "load": {
+                "num_waiting": self.load.num_waiting,
+                "num_running": self.load.num_running,
+                "kv_usage": self.load.kv_usage,
+            },
+        }

@@ -1,0 +1,97 @@
+"""Token ids of a request's prompt, as the replica itself will see them.
+
+Token-id prompts are used as they are. Text prompts and chat messages are tokenized by a replica's own
+`/tokenize` (chat template included), never by a tokenizer of the router's, so router and engine cannot
+disagree about the tokens. Results are cached per model; a model whose replicas cannot tokenize is
+remembered for a while and routed without a prefix prediction (the parity metric then shows 0 predicted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvyard.router.replica import Replica
+
+_LOG = logging.getLogger(__name__)
+NO_TOKENIZER_RETRY_S = 30.0
+
+
+def direct_token_ids(kind: str, body: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids when the request gives them itself."""
+    if kind != "completion":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        return prompt[0]
+    return None
+
+
+def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """What to send to `/tokenize` for this request, or None when it cannot be tokenized as one prompt."""
+    model = body.get("model")
+    if kind == "chat":
+        messages = body.get("messages")
+        return {"model": model, "messages": messages, "add_generation_prompt": True} if messages else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return {"model": model, "prompt": prompt, "add_special_tokens": True} if isinstance(prompt, str) else None
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    session: aiohttp.ClientSession
+    capacity: int = 8192
+    _cache: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
+    _unavailable_until: dict[str, float] = field(default_factory=dict)
+
+    async def token_ids(self, kind: str, body: dict[str, Any], replicas: list[Replica]) -> list[int] | None:
+        direct = direct_token_ids(kind, body)
+        if direct is not None:
+            return direct
+        payload = tokenize_payload(kind, body)
+        if payload is None or not replicas:
+            return None
+        model = str(payload["model"])
+        if self._unavailable_until.get(model, 0.0) > time.monotonic():
+            return None
+        cache_key = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        cached = self._cache.get(cache_key)
+        if cached is not None:
+            self._cache.move_to_end(cache_key)
+            return cached
+        tokens, supported = await self._ask(replicas, payload)
+        if tokens is None:
+            if not supported:
+                self._unavailable_until[model] = time.monotonic() + NO_TOKENIZER_RETRY_S
+            return None
+        self._cache[cache_key] = tokens
+        if len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return tokens
+
+    async def _ask(self, replicas: list[Replica], payload: dict[str, Any]) -> tuple[list[int] | None, bool]:
+        """(token ids or None, whether the replicas can tokenize at all: a 400 is the request's fault)."""
+        timeout = aiohttp.ClientTimeout(total=10)
+        supported = False
+        for replica in replicas[:2]:
+            try:
+                async with self.session.post(f"{replica.url}/tokenize", json=payload, timeout=timeout) as response:
+                    supported = supported or response.status in (200, 400, 422)
+                    if response.status != 200:
+                        continue
+                    body = await response.json()
+                return [int(token) for token in body["tokens"]], True
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+                _LOG.debug("tokenize at %s failed: %s", replica.url, error)
+                supported = True  # unreachable is not unsupported
+        return None, supported

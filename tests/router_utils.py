@@ -1,0 +1,72 @@
+"""Start a real `kvyard route` process on loopback for tests, and read its state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server_utils import ServerProcess, free_port
+
+
+def start_router(log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0) -> ServerProcess:
+    """A router over `replicas`, returned once every replica is healthy and its cache index synced."""
+    port = free_port()
+    log_path = log_dir / f"router-{port}.log"
+    command = [sys.executable, "-m", "kvyard.router", "--port", str(port), "--health-interval", "0.2"]
+    for url in replicas:
+        command += ["--replica", url]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    router = ServerProcess(process, port, log_path)
+    try:
+        wait_for(lambda: _all_ready(router, len(replicas)), timeout, "router ready")
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def _all_ready(router: ServerProcess, count: int) -> bool:
+    if router.process.poll() is not None:
+        raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log()}")
+    try:
+        listed = replicas_of(router)
+    except httpx.TransportError:
+        return False
+    return len(listed) == count and all(r["state"] == "healthy" and r["models"] and r["resyncs"] for r in listed)
+
+
+def replicas_of(router: ServerProcess) -> list[dict[str, Any]]:
+    replicas: list[dict[str, Any]] = httpx.get(f"{router.url}/admin/replicas", timeout=5).json()["replicas"]
+    return replicas
+
+
+def replica_state(router: ServerProcess, url: str) -> dict[str, Any]:
+    return next(r for r in replicas_of(router) if r["url"] == url)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for: {what}")
+        time.sleep(0.05)
+
+
+def labelled_metric(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when there is none)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        label_text = line[len(name) + 1 : line.index("}")]
+        if all(f'{key}="{value}"' in label_text for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,221 @@
+"""`kvyard route` in front of simulated replicas (real HTTP on loopback): policies, cache index, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvyard.sim.replica import SimConfig
+from kvyard.sim.serve import SimCluster
+from tests.router_utils import labelled_metric, replica_state, replicas_of, start_router, wait_for
+from tests.server_utils import ServerProcess
+
+MODEL = "sim-model"
+CONFIG = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=4096, time_scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SimCluster]:
+    with SimCluster([CONFIG] * 3) as sim:
+        yield sim
+
+
+@pytest.fixture()
+def log_dir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(length)]
+
+
+def complete(router: ServerProcess, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "max_tokens": 4, **body},
+                      headers=headers, timeout=60)  # fmt: skip
+
+
+async def complete_many(router: ServerProcess, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(
+            client.post(f"{router.url}/v1/completions", json={"model": MODEL, **body}) for body in bodies
+        ))  # fmt: skip
+
+
+def served_by(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.headers["x-kvyard-replica"]
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    cached: int = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_bad_input_gets_openai_errors(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls[:1])
+    try:
+        cases: list[tuple[str, Any, int, str | None]] = [
+            ("/v1/completions", b"{not json", 400, "body"),
+            ("/v1/completions", [1, 2], 400, "body"),
+            ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+            ("/v1/completions", {"model": 5, "prompt": "x"}, 400, "model"),
+            ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stream": "yes"}, 400, "stream"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+            ("/v1/completions", {"model": "no-such-model", "prompt": [1, 2]}, 404, "model"),
+            ("/admin/replicas", {}, 400, "url"),
+            ("/admin/replicas", {"url": "ftp://x"}, 400, "url"),
+            ("/admin/replicas/drain", {"url": "http://127.0.0.1:1"}, 404, "url"),
+        ]
+        for path, body, status, param in cases:
+            content = body if isinstance(body, bytes) else None
+            response = httpx.post(f"{router.url}{path}", content=content, json=None if content else body, timeout=10)
+            assert response.status_code == status, (path, body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["message"] and error["type"]
+        # The replica's own validation errors pass through unchanged, and the router stays up.
+        response = complete(router, {"prompt": [1, 2], "max_tokens": -1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        assert complete(router, {"prompt": [1, 2, 3]}).status_code == 200
+    finally:
+        router.stop()
+
+
+# ---------------------------------------------------------------------------- session affinity
+
+
+def test_session_affinity_holds_while_the_replica_is_healthy(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls, "--policy", "session")
+    try:
+        homes = {}
+        for session in range(12):
+            headers = {"x-session-id": f"s{session}"}
+            replicas = {served_by(complete(router, {"prompt": prompt(session * 10 + turn, 20)}, headers))
+                        for turn in range(3)}  # fmt: skip
+            assert len(replicas) == 1, f"session {session} moved between {replicas}"
+            homes[session] = replicas.pop()
+        assert len(set(homes.values())) >= 2, "sessions should spread over replicas"
+        by_user = {served_by(complete(router, {"prompt": prompt(turn, 20), "user": "alice"})) for turn in range(3)}
+        assert len(by_user) == 1
+
+        drained = homes[0]
+        httpx.post(f"{router.url}/admin/replicas/drain", json={"url": drained}, timeout=10).raise_for_status()
+        moved = served_by(complete(router, {"prompt": prompt(1, 20)}, headers={"x-session-id": "s0"}))
+        assert moved != drained
+        others = [s for s, home in homes.items() if home != drained]
+        for session in others:  # sessions of healthy replicas stay where they were
+            assert served_by(complete(router, {"prompt": prompt(2, 20)},
+                                      headers={"x-session-id": f"s{session}"})) == homes[session]  # fmt: skip
+        httpx.post(f"{router.url}/admin/replicas", json={"url": drained}, timeout=10).raise_for_status()
+        assert served_by(complete(router, {"prompt": prompt(3, 20)}, headers={"x-session-id": "s0"})) == drained
+    finally:
+        router.stop()
+
+
+# ---------------------------------------------------------------------------- cache-aware routing
+
+
+def test_cache_aware_sends_a_repeated_prefix_to_the_replica_holding_it(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls, "--policy", "cache_aware")
+    try:
+        homes = {}
+        for conversation in range(6):
+            history = prompt(1000 + conversation, 160)
+            first = complete(router, {"prompt": history})
+            homes[conversation] = served_by(first)
+            for turn in range(3):
+                history = history + prompt(2000 + conversation * 10 + turn, 40)
+                response = complete(router, {"prompt": history})
+                assert served_by(response) == homes[conversation]
+                assert cached_tokens(response) >= 160
+        assert len(set(homes.values())) >= 2, "new conversations should spread over idle replicas"
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        predicted = labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_total")
+        reported = labelled_metric(metrics, "kvyard_router_reported_cached_tokens_total")
+        assert reported > 0 and predicted == reported
+    finally:
+        router.stop()
+
+
+def test_hot_prefix_under_overload_spreads_to_a_second_replica(log_dir: Path) -> None:
+    config = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=4096, time_scale=0.2)
+    with SimCluster([config] * 2) as sim:
+        router = start_router(log_dir, sim.urls, "--policy", "cache_aware")
+        try:
+            hot = prompt(7, 320)
+            home = served_by(complete(router, {"prompt": [*hot, 1]}))
+            # Each request of the burst still has 96 tokens of its own to prefill: together far more work
+            # than computing the hot prefix once more on the idle replica.
+            burst = [{"prompt": hot + prompt(100 + i, 96), "max_tokens": 8} for i in range(24)]
+            served = Counter(served_by(response) for response in asyncio.run(complete_many(router, burst)))
+            assert len(served) == 2, f"all of the burst went to one replica: {served}"
+            second = next(url for url in served if url != home)
+            later = [{"prompt": hot + prompt(500 + i, 96), "max_tokens": 8} for i in range(24)]
+            hits = [cached_tokens(r) for r in asyncio.run(complete_many(router, later)) if served_by(r) == second]
+            assert hits and max(hits) >= 320, "the second replica should now hold the hot prefix as well"
+        finally:
+            router.stop()
+
+
+# ---------------------------------------------------------------------------- KV events
+
+
+def test_kv_event_gap_triggers_a_resync(log_dir: Path) -> None:
+    config = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=64, time_scale=0.05, event_log_capacity=2)
+    with SimCluster([config]) as sim:
+        router = start_router(log_dir, sim.urls, "--policy", "cache_aware")
+        try:
+            url = sim.urls[0]
+
+            def resynced_after_gap() -> bool:
+                bodies = [{"prompt": prompt(3000 + i, 64), "max_tokens": 1} for i in range(24)]
+                asyncio.run(complete_many(router, bodies))
+                metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+                return labelled_metric(metrics, "kvyard_router_index_resyncs_total", reason="gap") >= 1
+
+            wait_for(resynced_after_gap, 60, "a gap in the KV events and a resync")
+            snapshot = httpx.get(f"{url}/kv/snapshot", timeout=10).json()
+            wait_for(lambda: replica_state(router, url)["index_seq"] == snapshot["seq"], 10, "index caught up")
+            assert replica_state(router, url)["index_blocks"] == len(snapshot["block_keys"])
+        finally:
+            router.stop()
+
+
+def test_admin_api_adds_drains_and_removes_replicas(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls[:1], "--policy", "round_robin")
+    try:
+        added = httpx.post(f"{router.url}/admin/replicas", json={"url": cluster.urls[1]}, timeout=10)
+        assert added.status_code == 200 and added.json()["url"] == cluster.urls[1]
+        wait_for(lambda: all(r["state"] == "healthy" and r["models"] for r in replicas_of(router)), 20, "healthy")
+        assert {served_by(complete(router, {"prompt": prompt(i, 8)})) for i in range(6)} == set(cluster.urls[:2])
+        httpx.post(f"{router.url}/admin/replicas/drain", json={"url": cluster.urls[0]}, timeout=10).raise_for_status()
+        assert {served_by(complete(router, {"prompt": prompt(i, 8)})) for i in range(4)} == {cluster.urls[1]}
+        removed = httpx.request("DELETE", f"{router.url}/admin/replicas", params={"url": cluster.urls[1]}, timeout=10)
+        assert removed.status_code == 200
+        response = complete(router, {"prompt": prompt(1, 8)})
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.json()["error"]["code"] == "no_replica"
+    finally:
+        router.stop()
+
+
+def test_full_router_queue_answers_429_with_retry_after(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls[:1], "--max-in-flight", "1")
+    try:
+        bodies = [{"prompt": prompt(i, 32), "max_tokens": 400, "ignore_eos": True} for i in range(6)]
+        responses = asyncio.run(complete_many(router, bodies))
+        rejected = [r for r in responses if r.status_code == 429]
+        assert rejected and any(r.status_code == 200 for r in responses)
+        assert all(r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded" for r in rejected)
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert labelled_metric(metrics, "kvyard_router_rejected_total", reason="queue_full") == len(rejected)
+    finally:
+        router.stop()

@@ -1,0 +1,138 @@
+"""`kvyard route` in front of real `kvyard serve` replicas (tiny llama): failures, restarts, tokenization."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router_utils import labelled_metric, replica_state, start_router, wait_for
+from tests.server_utils import ServerProcess, start_server
+
+CHAT = [
+    {"role": "system", "content": "You are a careful assistant. " * 12},
+    {"role": "user", "content": "Summarise the plot of a long novel about ships, storms and a lighthouse."},
+]
+
+
+@pytest.fixture(scope="module")
+def survivor(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A replica that outlives every test of this module."""
+    replica = start_server(llama_dir, tmp_path_factory.mktemp("survivor"))
+    yield replica
+    replica.stop()
+
+
+async def _load_running(client: httpx.AsyncClient, replica: ServerProcess) -> int:
+    load = (await client.get(f"{replica.url}/load")).json()
+    running: int = load["num_running"] + load["num_waiting"]
+    return running
+
+
+async def _send(client: httpx.AsyncClient, router: ServerProcess, index: int, stream: bool) -> dict[str, Any]:
+    body = {"prompt": f"request {index}: tell a story", "max_tokens": 160, "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await client.post(f"{router.url}/v1/completions", json=body)
+        return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
+                "tokens": response.json().get("usage", {}).get("completion_tokens")}  # fmt: skip
+    async with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+        text = "".join([chunk async for chunk in response.aiter_text()])
+        return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
+                "complete": "[DONE]" in text}  # fmt: skip
+
+
+async def _load_and_kill(router: ServerProcess, victim: ServerProcess) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = [asyncio.create_task(_send(client, router, i, stream=i % 4 == 3)) for i in range(16)]
+        while await _load_running(client, victim) < 2:
+            await asyncio.sleep(0.01)
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait()
+        return await asyncio.gather(*tasks)
+
+
+def test_replica_killed_mid_load_loses_no_request_that_had_not_started_streaming(
+    llama_dir: Path, tmp_path: Path, survivor: ServerProcess
+) -> None:
+    replicas = [start_server(llama_dir, tmp_path), survivor]
+    router = start_router(tmp_path, [r.url for r in replicas], "--policy", "round_robin")
+    try:
+        victim = replicas[0]
+        results = asyncio.run(_load_and_kill(router, victim))
+        for result in results:
+            if "complete" in result and result["replica"] == victim.url:
+                continue  # it was streaming from the killed replica: it may end early, by design
+            assert result["status"] == 200, result
+            assert result.get("tokens", 160) == 160 and result.get("complete", True), result
+            assert result["replica"] == replicas[1].url or "complete" in result
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert labelled_metric(metrics, "kvyard_router_retries_total") >= 1
+        assert labelled_metric(metrics, "kvyard_router_ejections_total", replica=victim.url) >= 1
+        assert replica_state(router, victim.url)["state"] == "ejected"
+        response = httpx.post(f"{router.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200 and response.headers["x-kvyard-replica"] == replicas[1].url
+    finally:
+        router.stop()
+        replicas[0].stop()
+
+
+def _chat(router: ServerProcess) -> httpx.Response:
+    response = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _parity(router: ServerProcess) -> tuple[float, float]:
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    return (labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_total"),
+            labelled_metric(metrics, "kvyard_router_reported_cached_tokens_total"))  # fmt: skip
+
+
+def test_restarted_replica_loses_its_stale_index_entries(llama_dir: Path, tmp_path: Path) -> None:
+    replica = start_server(llama_dir, tmp_path)
+    (tmp_path / "restarted").mkdir()
+    router = start_router(tmp_path, [replica.url], "--policy", "cache_aware")
+    try:
+        first = _chat(router)
+        wait_for(lambda: replica_state(router, replica.url)["index_blocks"] > 0, 20, "index filled from events")
+        second = _chat(router)
+        reported = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert reported > 0 and reported >= first.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted_total, reported_total = _parity(router)
+        assert predicted_total == reported_total, "router tokenization must agree with the replica's"
+
+        resyncs = replica_state(router, replica.url)["resyncs"]
+        replica.process.kill()  # a crash: the next process on this port starts with an empty cache
+        replica.process.wait()
+        replica = start_server(llama_dir, tmp_path / "restarted", port=replica.port)
+        wait_for(lambda: replica_state(router, replica.url)["resyncs"] > resyncs, 30, "index reloaded")
+        wait_for(lambda: replica_state(router, replica.url)["state"] == "healthy", 30, "re-admitted")
+        snapshot = httpx.get(f"{replica.url}/kv/snapshot", timeout=10).json()
+        assert replica_state(router, replica.url)["index_blocks"] == len(snapshot["block_keys"])
+        third = _chat(router)  # the fresh replica holds nothing: the router must not predict a hit
+        assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _parity(router) == (predicted_total, reported_total)
+    finally:
+        router.stop()
+        replica.stop()
+
+
+def test_client_disconnect_is_propagated_upstream(tmp_path: Path, survivor: ServerProcess) -> None:
+    replica = survivor
+    router = start_router(tmp_path, [replica.url], "--policy", "least_load")
+    try:
+        max_model_len = httpx.get(f"{replica.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        body = {"prompt": "a long story", "max_tokens": max_model_len - 16, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            next(response.iter_raw())
+        # The client is gone: the replica must stop generating rather than run to max_tokens.
+        wait_for(lambda: httpx.get(f"{replica.url}/load", timeout=5).json()["num_running"] == 0, 30, "cancelled")
+        assert replica_state(router, replica.url)["in_flight"] == 0
+    finally:
+        router.stop()
