@@ -411,3 +411,14 @@ def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) ->
     result = subprocess.run([sys.executable, "-m", "kvyard.sim", "--port", "0", *arguments], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_completions_ignore_fields_other_routers_add(cluster: SimCluster) -> None:
+    url = cluster.urls[0]
+    extra = {"no_stop_trim": True, "separate_reasoning": False}
+    completion = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **extra})
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
+    chat = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    )
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 2

@@ -36,6 +36,17 @@ _LOG = logging.getLogger("kvyard.sim")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class SimCompletionRequest(CompletionRequest):
+    """Routers in front of a replica add their own engine's fields (sglang's `no_stop_trim`, ...);
+    the sim, which samples nothing, ignores unknown fields instead of refusing the request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class SimChatCompletionRequest(ChatCompletionRequest):
+    model_config = ConfigDict(extra="ignore")
+
+
 class SimTokenizeRequest(BaseModel):
     """`/tokenize` body: text, token ids (returned as they are), or chat messages. Unknown fields are
     ignored: other routers call this endpoint with their own engine's options."""
@@ -100,13 +111,13 @@ class _Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await read_json(request)
         token_ids = take_token_ids(raw)
-        body: CompletionRequest = validate(raw, CompletionRequest)
+        body: CompletionRequest = validate(raw, SimCompletionRequest)
         self._check_common(body.model, body.n, body.unsupported())
         prompt = self._prompt_tokens(body.prompt if token_ids is None else token_ids)
         return await self._serve(request, "completion", body, prompt, body.max_tokens)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse_body(request, SimChatCompletionRequest)
         self._check_common(body.model, body.n, body.unsupported())
         prompt = encode(render_chat([(m.role, m.text()) for m in body.messages], body.add_generation_prompt))
         return await self._serve(request, "chat", body, prompt, body.requested_max_tokens)
