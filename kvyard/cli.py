@@ -208,10 +208,8 @@ def _add_serve(commands: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvyard.engine.llm_engine import EngineConfig
-    from kvyard.server.app import ServerConfig, create_app
+    from kvyard.server.app import ServerConfig, serve
 
     try:
         kv_tier = kv_tier_config(args)
@@ -226,7 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
         **engine_options(args),
     )
     config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    serve(config, args.host, args.port, args.log_level)
     return 0
 
 

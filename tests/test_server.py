@@ -338,3 +338,13 @@ def test_sigterm_drains_in_flight_stream(llama_dir: Path, tmp_path: Path) -> Non
     # uvicorn finishes its graceful shutdown, then re-raises the signal it caught.
     assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
     assert "Finished server process" in server.log()
+
+
+def test_sigterm_ends_an_open_kv_event_stream(llama_dir: Path, tmp_path: Path) -> None:
+    """A router's KV-event subscription never ends by itself; it must not hold up the shutdown."""
+    server = start_server(llama_dir, tmp_path)
+    with httpx.stream("GET", f"{server.url}/kv/events", params={"since": 0}, timeout=60) as response:
+        assert response.status_code == 200
+        server.process.terminate()
+        list(response.iter_lines())  # returns once the server closes the stream
+    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)

@@ -9,8 +9,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +53,7 @@ class Replica:
     load_error: BaseException | None = None
     in_flight: int = 0
     draining: bool = False
+    shutting_down: bool = False  # a shutdown signal arrived; endless streams (KV events) end
     started: float = field(default_factory=time.time)
 
     @property
@@ -86,8 +89,27 @@ def create_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI
     _add_info_routes(app, replica)
     _add_completion_routes(app, replica)
     _add_token_routes(app, replica)
-    kv_event_routes(app, replica.ready_engine)
+    kv_event_routes(app, replica.ready_engine, lambda: replica.shutting_down)
     return app
+
+
+class ReplicaServer(uvicorn.Server):
+    """uvicorn's server that also tells open KV-event streams to end on a shutdown signal: those
+    never finish by themselves, and the graceful shutdown waits for every open response."""
+
+    def __init__(self, config: uvicorn.Config, replica: Replica) -> None:
+        super().__init__(config)
+        self.replica = replica
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.replica.shutting_down = True
+        super().handle_exit(sig, frame)
+
+
+def serve(config: ServerConfig, host: str, port: int, log_level: str) -> None:
+    """Run one replica until SIGINT/SIGTERM, then drain in-flight requests and exit."""
+    app = create_app(config)
+    ReplicaServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.replica).run()
 
 
 async def _load(replica: Replica, engine: LLMEngine | None) -> None:

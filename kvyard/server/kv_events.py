@@ -25,7 +25,7 @@ from kvyard.server.errors import APIError
 POLL_INTERVAL_S = 0.02
 
 
-def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine]) -> None:
+def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine], shutting_down: Callable[[], bool]) -> None:
     def event_log() -> KVEventLog:
         log = ready_engine().engine.kv_events
         if log is None:
@@ -38,7 +38,7 @@ def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine]) -> No
         if not stream:
             events, complete = log.events_since(since)
             return {"events": [event_json(e) for e in events], "complete": complete, "last_seq": log.last_seq}
-        return StreamingResponse(_event_stream(request, log, since), media_type="text/event-stream")
+        return StreamingResponse(_event_stream(request, log, since, shutting_down), media_type="text/event-stream")
 
     @app.get("/kv/snapshot")
     async def kv_snapshot() -> dict[str, Any]:
@@ -56,9 +56,11 @@ def _snapshot(engine: LLMEngine) -> tuple[int, list[bytes]]:
     return engine.kv_events.last_seq, engine.block_pool.cached_block_keys()
 
 
-async def _event_stream(request: Request, log: KVEventLog, since: int) -> AsyncIterator[str]:
+async def _event_stream(
+    request: Request, log: KVEventLog, since: int, shutting_down: Callable[[], bool]
+) -> AsyncIterator[str]:
     seq = since
-    while not await request.is_disconnected():
+    while not shutting_down() and not await request.is_disconnected():
         events, complete = log.events_since(seq)
         if not complete:
             payload = {"since": seq, "first_available": events[0].seq if events else log.last_seq + 1}
