@@ -43,13 +43,22 @@ class KeyNamespace:
         return hashlib.sha256(b"kvyard-namespace\x00" + canonical).digest()[:KEY_BYTES]
 
 
-def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    tokens = np.asarray(token_ids, dtype="<u4").tobytes()
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """The canonical byte encoding of token ids inside a block key: little-endian uint32."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def key_from_encoded(parent_key: bytes, encoded_tokens: bytes, extra: bytes = b"") -> bytes:
+    """`block_key` of tokens already passed through `encode_tokens` (4 bytes per token)."""
     digest = hashlib.sha256(parent_key)
-    digest.update(len(token_ids).to_bytes(4, "little"))
-    digest.update(tokens)
+    digest.update((len(encoded_tokens) // 4).to_bytes(4, "little"))
+    digest.update(encoded_tokens)
     digest.update(extra)
     return digest.digest()[:KEY_BYTES]
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    return key_from_encoded(parent_key, encode_tokens(token_ids), extra)
 
 
 def chain_block_keys(parent_key: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -58,14 +67,10 @@ def chain_block_keys(parent_key: bytes, token_ids: Sequence[int], block_size: in
     Equal to chaining `block_key` block by block; the tokens are encoded once for all blocks.
     """
     num_full = len(token_ids) // block_size
-    encoded = np.asarray(token_ids[: num_full * block_size], dtype="<u4").tobytes()
-    length = block_size.to_bytes(4, "little")
+    encoded = encode_tokens(token_ids[: num_full * block_size])
     stride = 4 * block_size
     keys: list[bytes] = []
     for start in range(0, num_full * stride, stride):
-        digest = hashlib.sha256(parent_key)
-        digest.update(length)
-        digest.update(encoded[start : start + stride])
-        parent_key = digest.digest()[:KEY_BYTES]
+        parent_key = key_from_encoded(parent_key, encoded[start : start + stride])
         keys.append(parent_key)
     return keys
