@@ -349,6 +349,7 @@ def main() -> int:
     parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this")
     parser.add_argument("--overhead-requests", type=int, default=2000)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--overhead-only", action="store_true", help="measure router overhead only")
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "routing.json")
     args = parser.parse_args()
@@ -374,7 +375,8 @@ def main() -> int:
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
         return 0
-    results = [run_target(t, args, requests, prompts, speedup, logs) for t in targets(args.only)]
+    routed = [] if args.overhead_only else targets(args.only)
+    results = [run_target(t, args, requests, prompts, speedup, logs) for t in routed]
     overheads = []
     if not args.skip_overhead:
         measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware")

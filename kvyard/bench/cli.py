@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvyard.bench.client import Arrivals, RequestOptions
-from kvyard.bench.http import HttpError
 from kvyard.bench.metrics import parse_slo
 from kvyard.bench.probe import ServerInfo
 from kvyard.bench.provenance import command_line
@@ -31,6 +30,7 @@ from kvyard.bench.workloads import (
     shared_prefix_workload,
     trace_workload,
 )
+from kvyard.net.http_client import HttpError
 
 T = TypeVar("T")
 EPILOG = """examples:

@@ -2,7 +2,7 @@
 
 Arrivals: closed loop (at most `concurrency` requests in flight), open loop (sessions start at
 Poisson times of rate `request_rate`, optionally also capped by `concurrency`), or the workload's own
-arrival times (trace timestamps). HTTP goes through kvyard.bench.http, whose body callback lets the
+arrival times (trace timestamps). HTTP goes through kvyard.net.http_client, whose body callback lets the
 events of a stream be parsed the moment their bytes arrive, without a coroutine hop per chunk.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.bench.http import HttpClient, HttpError
 from kvyard.bench.prefix import PrefixTracker
 from kvyard.bench.records import RequestRecord
 from kvyard.bench.workloads import RequestSpec, Session, Workload
+from kvyard.net.http_client import HttpClient, HttpError
 
 WARM_CONNECTIONS = 64  # opened before the clock starts (at most the concurrency)
 

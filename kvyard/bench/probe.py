@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvyard.bench.http import HttpClient, HttpError
+from kvyard.net.http_client import HttpClient, HttpError
 
 # Counters whose before/after difference a result reports as "what the server counted".
 # kvyard first; vLLM and SGLang names so the same comparison works against them.

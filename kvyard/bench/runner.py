@@ -12,11 +12,11 @@ from tqdm import tqdm
 
 from kvyard.bench import provenance
 from kvyard.bench.client import Arrivals, LoadClient, RequestOptions
-from kvyard.bench.http import HttpClient
 from kvyard.bench.metrics import SLO, summarize
 from kvyard.bench.probe import ServerInfo, counted_by_server, get_json, metrics_snapshot, probe_server
 from kvyard.bench.records import RequestRecord
 from kvyard.bench.workloads import Workload, count_rewrites
+from kvyard.net.http_client import HttpClient
 
 RESULT_FORMAT = 1
 

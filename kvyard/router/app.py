@@ -1,17 +1,26 @@
-"""The router's HTTP API: the OpenAI endpoints of a replica, plus `/admin/replicas` to change the fleet."""
+"""The router's HTTP API: the OpenAI endpoints of a replica, plus `/admin/replicas` to change the fleet.
+
+Served by kvyard's own small HTTP server (`kvyard.net`) rather than a web framework: every request of
+the fleet passes through here, so the router's CPU per request bounds the fleet's request rate.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import Policy, RouteRequest, make_policy
@@ -22,14 +31,14 @@ from kvyard.router.tokens import Tokenizer
 from kvyard.server.errors import APIError, bad_request, error_body
 
 _LOG = logging.getLogger(__name__)
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+SHUTDOWN_GRACE_S = 30.0
 
 
 @dataclass(slots=True)
 class Router:
     config: RouterConfig
     metrics: RouterMetrics
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # health checks and KV-event streams; requests go through Replica.http
     registry: Registry
     policy: Policy
     tokenizer: Tokenizer
@@ -42,13 +51,30 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         registry = Registry(config, metrics, session)
-        forwarder = Forwarder(session, registry, metrics, config.connect_timeout_s)
-        tokenizer = Tokenizer(session, config.tokenize_cache_entries)
+        forwarder = Forwarder(registry, metrics)
+        tokenizer = Tokenizer(config.tokenize_cache_entries)
         return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder)
 
     async def close(self) -> None:
         await self.registry.close()
         await self.session.close()
+
+    async def handle(self, request: HttpRequest, responder: Responder) -> None:
+        """The HTTP server's entry point: dispatch, and turn APIError into an OpenAI-style error."""
+        try:
+            methods = _ROUTES.get(request.path)
+            if methods is None:
+                raise APIError(404, f"{request.method} {request.path}: not found", code="not_found")
+            endpoint = methods.get(request.method)
+            if endpoint is None:
+                raise APIError(405, f"{request.method} {request.path}: method not allowed", code="method_not_allowed")
+            await endpoint(self, request, responder)
+        except APIError as error:
+            if responder.started:
+                responder.abort()
+                return
+            headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+            responder.send_json(error.status, error_body(error.status, error.message, error.param, error.code), headers)
 
     def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
         return [
@@ -57,9 +83,8 @@ class Router:
             if replica.url not in exclude and (model is None or not replica.model_ids or model in replica.model_ids)
         ]
 
-    async def route(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
-        raw = await request.read()
-        body = _parse_request(raw, kind)
+    async def route(self, request: HttpRequest, responder: Responder, kind: str, path: str) -> None:
+        body = _parse_request(request.body, kind)
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"router queue is full ({self.in_flight} requests in flight); retry later",
@@ -69,14 +94,14 @@ class Router:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            return await self._attempts(request, kind, path, raw, body, model)
+            await self._attempts(request, responder, kind, path, body, model)
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
     async def _attempts(
-        self, request: web.Request, kind: str, path: str, raw: bytes, body: dict[str, Any], model: str | None
-    ) -> web.StreamResponse:
+        self, request: HttpRequest, responder: Responder, kind: str, path: str, body: dict[str, Any], model: str | None
+    ) -> None:
         tried: set[str] = set()
         last: Retry | None = None
         route_request: RouteRequest | None = None
@@ -90,19 +115,21 @@ class Router:
             decision = self.policy.choose(route_request, candidates)
             self.metrics.decision_latency.observe(time.perf_counter() - started)
             tried.add(decision.replica.url)
-            outcome = await self.forwarder.forward(request, path, raw, decision, body.get("stream") is True)
-            if not isinstance(outcome, Retry):
-                return outcome
+            outcome = await self.forwarder.forward(request, responder, path, decision, body.get("stream") is True)
+            if outcome is None:
+                return
             last = outcome
             self.metrics.retries.labels(outcome.reason).inc()
         if last is not None and last.response is not None:
-            return last.response
+            stored = last.response
+            responder.send(stored.status, stored.body, stored.headers, stored.content_type)
+            return
         self.metrics.rejected.labels("no_replica").inc()
         raise APIError(503, "no healthy replica could take the request; retry later", code="no_replica",
                        retry_after=1)  # fmt: skip
 
     async def _route_request(
-        self, request: web.Request, kind: str, body: dict[str, Any], candidates: list[Replica]
+        self, request: HttpRequest, kind: str, body: dict[str, Any], candidates: list[Replica]
     ) -> RouteRequest:
         session_key = request.headers.get(self.config.session_header) or body.get("user")
         token_ids = None
@@ -142,90 +169,46 @@ def _parse_request(raw: bytes, kind: str) -> dict[str, Any]:
     return body
 
 
-# ---------------------------------------------------------------------------- HTTP handlers
+# ---------------------------------------------------------------------------- endpoints
+
+Endpoint = Callable[[Router, HttpRequest, Responder], Awaitable[None]]
 
 
-def create_app(config: RouterConfig, replica_urls: list[str]) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
-
-    async def start(app: web.Application) -> None:
-        router = Router.create(config)
-        for url in replica_urls:
-            router.registry.add(url)
-        app[ROUTER_KEY] = router
-
-    async def stop(app: web.Application) -> None:
-        await app[ROUTER_KEY].close()
-
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
-    app.add_routes([
-        web.post("/v1/completions", _completions),
-        web.post("/v1/chat/completions", _chat_completions),
-        web.get("/v1/models", _models),
-        web.get("/health", _health),
-        web.get("/metrics", _metrics),
-        web.get("/admin/replicas", _list_replicas),
-        web.post("/admin/replicas", _add_replica),
-        web.post("/admin/replicas/drain", _drain_replica),
-        web.delete("/admin/replicas", _remove_replica),
-    ])  # fmt: skip
-    return app
+async def _completions(router: Router, request: HttpRequest, responder: Responder) -> None:
+    await router.route(request, responder, "completion", "/v1/completions")
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except APIError as error:
-        headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-        return web.json_response(error_body(error.status, error.message, error.param, error.code),
-                                 status=error.status, headers=headers)  # fmt: skip
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        return web.json_response(error_body(error.status, f"{request.method} {request.path}: {error.reason}"),
-                                 status=error.status)  # fmt: skip
+async def _chat_completions(router: Router, request: HttpRequest, responder: Responder) -> None:
+    await router.route(request, responder, "chat", "/v1/chat/completions")
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER_KEY].route(request, "completion", "/v1/completions")
-
-
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER_KEY].route(request, "chat", "/v1/chat/completions")
-
-
-async def _models(request: web.Request) -> web.Response:
-    registry = request.app[ROUTER_KEY].registry
-    ids = sorted({model_id for replica in registry.replicas.values() for model_id in replica.model_ids})
+async def _models(router: Router, request: HttpRequest, responder: Responder) -> None:
+    replicas = router.registry.replicas.values()
+    ids = sorted({model_id for replica in replicas for model_id in replica.model_ids})
     cards = [{"id": model_id, "object": "model", "owned_by": "kvyard"} for model_id in ids]
-    return web.json_response({"object": "list", "data": cards})
+    responder.send_json(200, {"object": "list", "data": cards})
 
 
-async def _health(request: web.Request) -> web.Response:
-    if not request.app[ROUTER_KEY].registry.routable():
+async def _health(router: Router, request: HttpRequest, responder: Responder) -> None:
+    if not router.registry.routable():
         raise APIError(503, "no healthy replica", code="no_replica", retry_after=1)
-    return web.json_response({"status": "ok"})
+    responder.send_json(200, {"status": "ok"})
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[ROUTER_KEY].metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+async def _metrics(router: Router, request: HttpRequest, responder: Responder) -> None:
+    responder.send(200, generate_latest(router.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
 
-async def _list_replicas(request: web.Request) -> web.Response:
-    replicas = request.app[ROUTER_KEY].registry.replicas.values()
-    return web.json_response({"replicas": [replica.describe() for replica in replicas]})
+async def _list_replicas(router: Router, request: HttpRequest, responder: Responder) -> None:
+    responder.send_json(200, {"replicas": [replica.describe() for replica in router.registry.replicas.values()]})
 
 
-async def _admin_url(request: web.Request) -> str:
-    url = request.query.get("url")
-    if url is None and request.can_read_body:
+def _admin_url(request: HttpRequest) -> str:
+    url: Any = parse_qs(request.query).get("url", [None])[0]
+    if url is None and request.body:
         try:
-            body = await request.json()
-        except ValueError:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
             raise bad_request("request body is not valid JSON", "url") from None
         url = body.get("url") if isinstance(body, dict) else None
     if not isinstance(url, str) or not url:
@@ -233,27 +216,59 @@ async def _admin_url(request: web.Request) -> str:
     return url
 
 
-async def _add_replica(request: web.Request) -> web.Response:
-    url = await _admin_url(request)
+async def _add_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
     try:
-        replica = request.app[ROUTER_KEY].registry.add(url)
+        replica = router.registry.add(_admin_url(request))
     except ValueError as error:
         raise bad_request(str(error), "url") from None
-    return web.json_response(replica.describe())
+    responder.send_json(200, replica.describe())
 
 
-async def _drain_replica(request: web.Request) -> web.Response:
-    url = await _admin_url(request)
+async def _drain_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
+    url = _admin_url(request)
     try:
-        return web.json_response(request.app[ROUTER_KEY].registry.drain(url).describe())
+        responder.send_json(200, router.registry.drain(url).describe())
     except KeyError:
         raise APIError(404, f"no replica {url!r}", param="url", code="replica_not_found") from None
 
 
-async def _remove_replica(request: web.Request) -> web.Response:
-    url = await _admin_url(request)
+async def _remove_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
+    url = _admin_url(request)
     try:
-        replica = await request.app[ROUTER_KEY].registry.remove(url)
+        replica = await router.registry.remove(url)
     except KeyError:
         raise APIError(404, f"no replica {url!r}", param="url", code="replica_not_found") from None
-    return web.json_response(replica.describe())
+    responder.send_json(200, replica.describe())
+
+
+_ROUTES: dict[str, dict[str, Endpoint]] = {
+    "/v1/completions": {"POST": _completions},
+    "/v1/chat/completions": {"POST": _chat_completions},
+    "/v1/models": {"GET": _models},
+    "/health": {"GET": _health},
+    "/metrics": {"GET": _metrics},
+    "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},
+    "/admin/replicas/drain": {"POST": _drain_replica},
+}
+
+
+# ---------------------------------------------------------------------------- process
+
+
+async def serve(config: RouterConfig, replica_urls: list[str], host: str, port: int) -> None:
+    """Run the router until SIGINT/SIGTERM, then let requests in progress finish."""
+    router = Router.create(config)
+    for url in replica_urls:
+        router.registry.add(url)
+    server = HttpServer(router.handle)
+    await server.start(host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.shutdown(SHUTDOWN_GRACE_S)
+        with contextlib.suppress(Exception):
+            await router.close()

@@ -39,12 +39,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_route(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
-    from aiohttp import web
-
-    from kvyard.router.app import create_app
+    from kvyard.router.app import serve
     from kvyard.router.config import RouterConfig
 
     logging.basicConfig(level=args.log_level.upper())
@@ -55,15 +52,7 @@ def run_route(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    _install_uvloop(asyncio)
-    web.run_app(create_app(config, args.replica), host=args.host, port=args.port, print=None,
-                handler_cancellation=True, access_log=None)  # fmt: skip
+    import uvloop
+
+    uvloop.run(serve(config, args.replica, args.host, args.port))
     return 0
-
-
-def _install_uvloop(asyncio: Any) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -37,7 +37,7 @@ class Registry:
                 replica.state = State.HEALTHY
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks)
-        replica = Replica(url, index=index)
+        replica = Replica(url, index=index, connect_timeout_s=self.config.connect_timeout_s)
         self.replicas[url] = replica
         self._tasks[url] = [
             asyncio.create_task(self._health_loop(replica), name=f"health {url}"),
@@ -60,6 +60,7 @@ class Registry:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        replica.http.close()
         self._refresh_gauge()
         return replica
 

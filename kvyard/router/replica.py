@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.net.http_client import HttpClient
 from kvyard.router.cache_index import CacheIndex
 
 
@@ -39,6 +40,11 @@ class Replica:
     consecutive_failures: int = 0
     ejections: int = 0
     resyncs: int = 0
+    connect_timeout_s: float = 3.0
+    http: HttpClient = field(init=False)  # the proxy's keep-alive connections to this replica
+
+    def __post_init__(self) -> None:
+        self.http = HttpClient(self.url, connect_timeout=self.connect_timeout_s)
 
     @property
     def routable(self) -> bool:

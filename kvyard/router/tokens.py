@@ -8,15 +8,15 @@ remembered for a while and routed without a prefix prediction (the parity metric
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import orjson
 
+from kvyard.net.http_client import HttpError
 from kvyard.router.replica import Replica
 
 _LOG = logging.getLogger(__name__)
@@ -49,9 +49,8 @@ def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class Tokenizer:
-    session: aiohttp.ClientSession
     capacity: int = 8192
-    _cache: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
+    _cache: OrderedDict[bytes, list[int]] = field(default_factory=OrderedDict)
     _unavailable_until: dict[str, float] = field(default_factory=dict)
 
     async def token_ids(self, kind: str, body: dict[str, Any], replicas: list[Replica]) -> list[int] | None:
@@ -64,7 +63,7 @@ class Tokenizer:
         model = str(payload["model"])
         if self._unavailable_until.get(model, 0.0) > time.monotonic():
             return None
-        cache_key = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        cache_key = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
         cached = self._cache.get(cache_key)
         if cached is not None:
             self._cache.move_to_end(cache_key)
@@ -81,17 +80,17 @@ class Tokenizer:
 
     async def _ask(self, replicas: list[Replica], payload: dict[str, Any]) -> tuple[list[int] | None, bool]:
         """(token ids or None, whether the replicas can tokenize at all: a 400 is the request's fault)."""
-        timeout = aiohttp.ClientTimeout(total=10)
         supported = False
+        request = orjson.dumps(payload)
+        headers = {"Content-Type": "application/json"}
         for replica in replicas[:2]:
             try:
-                async with self.session.post(f"{replica.url}/tokenize", json=payload, timeout=timeout) as response:
-                    supported = supported or response.status in (200, 400, 422)
-                    if response.status != 200:
-                        continue
-                    body = await response.json()
-                return [int(token) for token in body["tokens"]], True
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+                response = await replica.http.request("POST", "/tokenize", request, timeout=10, headers=headers)
+                supported = supported or response.status in (200, 400, 422)
+                if response.status != 200:
+                    continue
+                return [int(token) for token in orjson.loads(response.body)["tokens"]], True
+            except (HttpError, TimeoutError, ValueError, KeyError, TypeError) as error:
                 _LOG.debug("tokenize at %s failed: %s", replica.url, error)
                 supported = True  # unreachable is not unsupported
         return None, supported

@@ -1,11 +1,12 @@
 """A minimal HTTP/1.1 client on asyncio protocols: keep-alive pool, chunked and sized bodies, TLS.
 
 Why not aiohttp or httpx: the load client must drive thousands of streamed requests per second
-from one Python process on a small machine without its own queueing showing up in TTFT. Both
-general-purpose clients spend several hundred microseconds of Python per request (header
-multidicts, cookie jars, tracing hooks, a coroutine hop per body chunk); here the response body
-is handed straight from `data_received` to a callback, which costs a fraction of that.
-Only what an OpenAI-compatible endpoint needs is implemented: no redirects, no proxies, no cookies.
+from one Python process on a small machine without its own queueing showing up in TTFT, and the
+router proxies every request through one. Both general-purpose clients spend several hundred
+microseconds of Python per request (header multidicts, cookie jars, tracing hooks, a coroutine hop
+per body chunk); here the response body is handed straight from `data_received` to a callback,
+which costs a fraction of that. Only what an OpenAI-compatible endpoint needs is implemented: no
+redirects, no proxies, no cookies.
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import urlsplit
 
 BodySink = Callable[[bytes, float], None]  # (bytes of the body, time.monotonic() when they arrived)
+HeadCallback = Callable[["Response"], None]  # status and headers are known, no body byte has been handed over
 
 
 class HttpError(Exception):
     """The connection failed or the response was not valid HTTP/1.1."""
+
+
+class ConnectError(HttpError):
+    """No connection could be opened: nothing was sent."""
 
 
 @dataclass(slots=True)
@@ -36,6 +43,7 @@ class _Exchange:
     response: Response
     sink: BodySink | None
     done: asyncio.Future[Response]
+    on_head: HeadCallback | None = None
 
 
 _HEAD, _CHUNK_SIZE, _CHUNK_DATA, _TRAILER, _SIZED, _UNTIL_CLOSE = range(6)
@@ -59,8 +67,7 @@ class _Connection(asyncio.Protocol):
     # asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         if self.exchange is None:
@@ -179,6 +186,8 @@ class _Connection(asyncio.Protocol):
             self.state, self.remaining = _SIZED, 0
         else:
             self.state, self.keep_alive = _UNTIL_CLOSE, False
+        if self.exchange.on_head is not None:
+            self.exchange.on_head(response)
         return True
 
     def _flush(self) -> None:
@@ -218,6 +227,7 @@ class HttpClient:
 
     base_url: str
     headers: dict[str, str] = field(default_factory=dict)
+    connect_timeout: float | None = None
     idle: list[_Connection] = field(default_factory=list)
     host: str = field(init=False)
     port: int = field(init=False)
@@ -234,20 +244,34 @@ class HttpClient:
         self.tls = ssl.create_default_context() if parts.scheme == "https" else None
         default_port = 443 if self.tls else 80
         host_header = self.host if self.port == default_port else f"{self.host}:{self.port}"
-        self.headers = {"Host": host_header, "User-Agent": "kvyard-bench", **self.headers}
+        self.headers = {"Host": host_header, "User-Agent": "kvyard", **self.headers}
 
     async def request(
-        self, method: str, path: str, body: bytes = b"", sink: BodySink | None = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        sink: BodySink | None = None,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+        on_head: HeadCallback | None = None,
     ) -> Response:
         """Send one request and wait for the whole response. With a `sink`, a 200 body goes to the sink as
-        it arrives instead of into `Response.body`. Raises HttpError, or TimeoutError after `timeout` s."""
+        it arrives instead of into `Response.body`; `on_head` runs once the status line and headers are in.
+        Raises HttpError, or TimeoutError after `timeout` s. Cancelling the caller closes the connection,
+        which is how the server learns that nobody waits for the rest."""
         loop = asyncio.get_running_loop()
         connection = await self._connection(loop)
-        exchange = _Exchange(Response(), sink, loop.create_future())
-        connection.send(self._encode(method, path, body), exchange)
+        exchange = _Exchange(Response(), sink, loop.create_future(), on_head)
+        connection.send(self._encode(method, path, body, headers), exchange)
         timer = loop.call_later(timeout, self._expire, connection, exchange) if timeout else None
         try:
             return await exchange.done
+        except asyncio.CancelledError:
+            if connection.exchange is exchange:
+                connection.exchange = None
+                connection.close()
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
@@ -278,15 +302,18 @@ class HttpClient:
         return await self._open(loop)
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+        connecting = loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.tls)
         try:
-            _, protocol = await loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.tls)
-        except OSError as error:
-            raise HttpError(f"cannot connect to {self.host}:{self.port}: {error}") from error
+            _, protocol = await asyncio.wait_for(connecting, self.connect_timeout)
+        except (OSError, asyncio.TimeoutError) as error:
+            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {error or 'timed out'}") from error
         return protocol
 
-    def _encode(self, method: str, path: str, body: bytes) -> bytes:
+    def _encode(self, method: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
         lines = [f"{method} {self.prefix}{path} HTTP/1.1"]
         lines += [f"{name}: {value}" for name, value in self.headers.items()]
+        if headers:
+            lines += [f"{name}: {value}" for name, value in headers.items()]
         if body or method == "POST":
             lines.append(f"Content-Length: {len(body)}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -1,4 +1,4 @@
-"""kvyard bench's HTTP/1.1 client against a real loopback server that answers in every framing it must read."""
+"""kvyard.net's HTTP/1.1 client (bench and router use it) against a loopback server answering in every framing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from kvyard.bench.client import Arrivals, LoadClient, RequestOptions
-from kvyard.bench.http import HttpClient, HttpError
 from kvyard.bench.workloads import LengthRange, TokenSource, random_workload
+from kvyard.net.http_client import HttpClient, HttpError
 
 SSE = b'data: {"choices":[{"text":"a"}]}\r\n\r\ndata: {"choices":[{"text":"b"}]}\r\n\r\n'
 ERROR = b'{"error":"too many"}'

@@ -1,0 +1,299 @@
+"""A small HTTP/1.1 server on asyncio protocols, for a proxy whose every request is on the hot path.
+
+Requests are parsed by `httptools` (the llhttp parser that uvicorn uses): sized and chunked bodies,
+keep-alive and pipelining, `Expect: 100-continue`. Each complete request runs one handler task; the
+next request on the same connection waits for it (HTTP/1.1 answers in order). A handler answers
+through a `Responder`: a whole body with `send`, or `start` + `write`… + `end` for a stream, which
+goes out with chunked transfer encoding unless a length was given. A client that goes away cancels
+its handler task, so work done on its behalf (an upstream request) is cancelled with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, cast
+
+import httptools
+import orjson
+
+_LOG = logging.getLogger(__name__)
+MAX_HEAD_BYTES = 64 << 10
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+
+
+Handler = Callable[[HttpRequest, "Responder"], Awaitable[None]]
+Headers = dict[str, str] | list[tuple[str, str]]
+
+
+class HttpServerError(Exception):
+    """A request that cannot be read as HTTP/1.1: answered with `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Status"
+    return f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")
+
+
+def _header_block(headers: Headers | None, keep_alive: bool, framing: str) -> bytes:
+    items = headers.items() if isinstance(headers, dict) else (headers or ())
+    lines = [f"{name}: {value}\r\n" for name, value in items]
+    lines.append(framing)
+    if not keep_alive:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+class Responder:
+    """The answer to one request. `send` for a whole body; `start`, `write`, `end` to stream one."""
+
+    __slots__ = ("_chunked", "_connection", "finished", "keep_alive", "started")
+
+    def __init__(self, connection: _Connection, keep_alive: bool) -> None:
+        self._connection = connection
+        self.keep_alive = keep_alive
+        self.started = False
+        self.finished = False
+        self._chunked = False
+
+    def send(self, status: int, body: bytes, headers: Headers | None = None,
+             content_type: str = "application/json") -> None:  # fmt: skip
+        framing = f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        self._write_head(status, headers, framing)
+        self._connection.write(body)
+        self._finish()
+
+    def send_json(self, status: int, payload: Any, headers: Headers | None = None) -> None:
+        self.send(status, orjson.dumps(payload), headers)
+
+    def start(self, status: int, headers: Headers | None = None, content_length: int | None = None) -> None:
+        """Send the status line and headers; the body follows with `write` and ends with `end`."""
+        self._chunked = content_length is None
+        framing = "Transfer-Encoding: chunked\r\n" if self._chunked else f"Content-Length: {content_length}\r\n"
+        self._write_head(status, headers, framing)
+
+    def write(self, data: bytes) -> None:
+        if not data or self.finished:
+            return
+        if self._chunked:
+            self._connection.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self._connection.write(data)
+
+    def end(self) -> None:
+        if self.finished:
+            return
+        if self._chunked:
+            self._connection.write(b"0\r\n\r\n")
+        self._finish()
+
+    def abort(self) -> None:
+        """End a response that cannot be completed: the client sees the connection close."""
+        self.finished = True
+        self.keep_alive = False
+        self._connection.close()
+
+    def _write_head(self, status: int, headers: Headers | None, framing: str) -> None:
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        self._connection.write(_status_line(status) + _header_block(headers, self.keep_alive, framing))
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._connection.response_finished(self)
+
+
+@dataclass(slots=True)
+class _Parsed:
+    """Callbacks of httptools' parser, collecting one request at a time."""
+
+    url: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    body: list[bytes] = field(default_factory=list)
+    body_size: int = 0
+    complete: list[HttpRequest] = field(default_factory=list)
+    max_body_bytes: int = 64 << 20
+    head_bytes: int = 0
+    parser: Any = None
+    keep_alive: list[bool] = field(default_factory=list)
+    expect_continue: bool = False
+
+    def on_message_begin(self) -> None:
+        self.url, self.headers, self.body, self.body_size, self.head_bytes = b"", {}, [], 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text
+
+    def on_headers_complete(self) -> None:
+        length = self.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise HttpServerError(413, f"request body is larger than {self.max_body_bytes} bytes")
+        self.expect_continue = self.headers.get("expect", "").lower() == "100-continue"
+
+    def on_body(self, data: bytes) -> None:
+        self.body_size += len(data)
+        if self.body_size > self.max_body_bytes:
+            raise HttpServerError(413, f"request body is larger than {self.max_body_bytes} bytes")
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        path, _, query = self.url.decode("latin-1").partition("?")
+        method = self.parser.get_method().decode("latin-1")
+        self.complete.append(HttpRequest(method, path, query, self.headers, b"".join(self.body)))
+        self.keep_alive.append(self.parser.should_keep_alive())
+
+    def _count_head(self, size: int) -> None:
+        self.head_bytes += size
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise HttpServerError(431, "request head is too large")
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse requests, run their handlers one after another, write the answers."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parsed = _Parsed(max_body_bytes=server.max_body_bytes)
+        self.parser = httptools.HttpRequestParser(self.parsed)
+        self.parsed.parser = self.parser
+        self.pending: list[tuple[HttpRequest, bool]] = []
+        self.task: asyncio.Task[None] | None = None
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        self.pending.clear()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            cause = error.__context__  # what a callback of ours raised, if it was one
+            if isinstance(cause, HttpServerError):
+                self._reject(cause.status, str(cause))
+            else:
+                self._reject(400, f"malformed HTTP request: {error}")
+            return
+        if self.parsed.expect_continue and self.transport is not None:
+            self.parsed.expect_continue = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        for request in self.parsed.complete:
+            self.pending.append((request, self.parsed.keep_alive.pop(0)))
+        self.parsed.complete.clear()
+        self._run_next()
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def response_finished(self, responder: Responder) -> None:
+        if not responder.keep_alive:
+            self.close()
+
+    def _run_next(self) -> None:
+        if self.task is not None or not self.pending or self.closing:
+            return
+        request, keep_alive = self.pending.pop(0)
+        responder = Responder(self, keep_alive and not self.server.shutting_down)
+        self.task = asyncio.get_running_loop().create_task(self._handle(request, responder))
+
+    async def _handle(self, request: HttpRequest, responder: Responder) -> None:
+        try:
+            await self.server.handler(request, responder)
+        except asyncio.CancelledError:
+            responder.abort()
+        except Exception:
+            _LOG.exception("handler failed on %s %s", request.method, request.path)
+            if responder.started:
+                responder.abort()
+            else:
+                responder.send_json(500, _error_payload(500, "internal error"))
+        else:
+            if not responder.finished:
+                responder.end() if responder.started else responder.send(204, b"")
+        finally:
+            self.task = None
+            self._run_next()
+
+    def _reject(self, status: int, message: str) -> None:
+        if self.task is None and self.transport is not None:
+            responder = Responder(self, keep_alive=False)
+            responder.send_json(status, _error_payload(status, message))
+        self.close()
+
+
+def _error_payload(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+@dataclass(slots=True)
+class HttpServer:
+    handler: Handler
+    max_body_bytes: int = 64 << 20
+    connections: set[_Connection] = field(default_factory=set)
+    shutting_down: bool = False
+    _server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting, let requests in progress finish for up to `grace_s`, then close every connection."""
+        self.shutting_down = True
+        if self._server is not None:
+            self._server.close()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c.task is not None for c in self.connections) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for connection in list(self.connections):
+            connection.close()
+        if self._server is not None:
+            await self._server.wait_closed()
