@@ -64,9 +64,12 @@ def _header_block(headers: Headers | None, keep_alive: bool, framing: str) -> by
 
 
 class Responder:
-    """The answer to one request. `send` for a whole body; `start`, `write`, `end` to stream one."""
+    """The answer to one request. `send` for a whole body; `start`, `write`, `end` to stream one.
 
-    __slots__ = ("_chunked", "_connection", "finished", "keep_alive", "started")
+    The head of a streamed response goes out with its first body bytes: one socket write, not two.
+    """
+
+    __slots__ = ("_chunked", "_connection", "_head", "finished", "keep_alive", "started")
 
     def __init__(self, connection: _Connection, keep_alive: bool) -> None:
         self._connection = connection
@@ -74,36 +77,34 @@ class Responder:
         self.started = False
         self.finished = False
         self._chunked = False
+        self._head = b""
 
     def send(self, status: int, body: bytes, headers: Headers | None = None,
              content_type: str = "application/json") -> None:  # fmt: skip
         framing = f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-        self._write_head(status, headers, framing)
-        self._connection.write(body)
+        self._connection.write(self._make_head(status, headers, framing) + body)
         self._finish()
 
     def send_json(self, status: int, payload: Any, headers: Headers | None = None) -> None:
         self.send(status, orjson.dumps(payload), headers)
 
     def start(self, status: int, headers: Headers | None = None, content_length: int | None = None) -> None:
-        """Send the status line and headers; the body follows with `write` and ends with `end`."""
+        """Fix the status line and headers; the body follows with `write` and ends with `end`."""
         self._chunked = content_length is None
         framing = "Transfer-Encoding: chunked\r\n" if self._chunked else f"Content-Length: {content_length}\r\n"
-        self._write_head(status, headers, framing)
+        self._head = self._make_head(status, headers, framing)
 
     def write(self, data: bytes) -> None:
         if not data or self.finished:
             return
         if self._chunked:
-            self._connection.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            self._connection.write(data)
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._connection.write(self._take_head() + data)
 
     def end(self) -> None:
         if self.finished:
             return
-        if self._chunked:
-            self._connection.write(b"0\r\n\r\n")
+        self._connection.write(self._take_head() + (b"0\r\n\r\n" if self._chunked else b""))
         self._finish()
 
     def abort(self) -> None:
@@ -112,11 +113,15 @@ class Responder:
         self.keep_alive = False
         self._connection.close()
 
-    def _write_head(self, status: int, headers: Headers | None, framing: str) -> None:
+    def _make_head(self, status: int, headers: Headers | None, framing: str) -> bytes:
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
-        self._connection.write(_status_line(status) + _header_block(headers, self.keep_alive, framing))
+        return _status_line(status) + _header_block(headers, self.keep_alive, framing)
+
+    def _take_head(self) -> bytes:
+        head, self._head = self._head, b""
+        return head
 
     def _finish(self) -> None:
         self.finished = True
