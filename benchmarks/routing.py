@@ -31,13 +31,14 @@ from typing import Any
 
 import aiohttp
 
+from kvyard.sim.cost_model import CostModel
+
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers"
 TRACE_BLOCK = 512
 MODEL = "kvyard-sim"
-# kvyard sim's default cost model (seconds of simulated time), used only to pick the arrival speed-up.
-PREFILL_TOKEN_S, ATTENTION_PAIR_S, DECODE_SEQ_S, STEP_BASE_S, MAX_BATCH_TOKENS = 5.8e-4, 2.02e-7, 2.32e-3, 3.22e-2, 2048
+MAX_BATCH_TOKENS = 2048  # the sim's default token budget per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +102,13 @@ def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
 
 
 def service_seconds(requests: list[TraceRequest], hit_ratio: float) -> float:
-    """Simulated busy time the trace asks of the fleet, with prefills and decodes batched as the sim does."""
-    prefill = sum(r.input_length * (1 - hit_ratio) for r in requests) * PREFILL_TOKEN_S
-    prefill += sum(r.input_length**2 * (1 - hit_ratio**2) / 2 for r in requests) * ATTENTION_PAIR_S
-    prefill_steps = sum(r.input_length * (1 - hit_ratio) for r in requests) / MAX_BATCH_TOKENS * STEP_BASE_S
-    decode = sum(r.output_length for r in requests) * DECODE_SEQ_S
+    """Simulated busy time the trace asks of the fleet under the sim's default cost model, with prefills and
+    decodes batched as the sim does and a fraction `hit_ratio` of every prompt cached."""
+    cost = CostModel()
+    prefill = sum(r.input_length * (1 - hit_ratio) for r in requests) * cost.prefill_token_s
+    prefill += sum(r.input_length**2 * (1 - hit_ratio**2) / 2 for r in requests) * cost.attention_pair_s
+    prefill_steps = sum(r.input_length * (1 - hit_ratio) for r in requests) / MAX_BATCH_TOKENS * cost.step_base_s
+    decode = sum(r.output_length for r in requests) * cost.decode_seq_s
     return prefill + prefill_steps + decode
 
 
@@ -143,6 +146,8 @@ def targets(selected: list[str]) -> list[Target]:
             "--worker-urls", "{workers}"]  # fmt: skip
     every = [Target(f"kvyard {p}", [*kvyard, "--policy", p])
              for p in ("cache_aware", "least_load", "session", "round_robin")]  # fmt: skip
+    every += [Target(f"kvyard cache_aware sw{w}", [*kvyard, "--policy", "cache_aware", "--session-recompute-weight",
+                     w]) for w in ("10", "1000")]  # fmt: skip
     every += [
         Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
         Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),
@@ -227,6 +232,17 @@ async def replay(
         return list(results), time.perf_counter() - start
 
 
+async def sim_lag(workers: list[str]) -> float:
+    """The most any simulated replica ran behind its cost model (wall seconds): near 0 means the machine kept up."""
+    lags = []
+    async with aiohttp.ClientSession() as session:
+        for url in workers:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+            lags += [float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvyard_sim_lag_seconds")]
+    return max(lags, default=0.0)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -268,6 +284,7 @@ def run_target(target: Target, args: argparse.Namespace, requests: list[TraceReq
         asyncio.run(wait_ready(url, 90))
         results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
         summary = summarize(target.name, results, elapsed)
+        summary["sim_lag_s_max"] = asyncio.run(sim_lag(workers))
         print(json.dumps(summary), flush=True)
         return summary
     except RuntimeError as error:

@@ -5,8 +5,10 @@ Two sources, kept apart so each can be replaced without touching the other:
   no events, or has not been synced yet);
 - `routed`: keys of prompts the router sent there. For a replica without events this is the only source
   (an approximate LRU index of bounded size). For a replica with events these entries only bridge the
-  time until the replica's own `stored` event arrives, so they expire after `routed_ttl_s`; this is what
-  keeps a burst of sibling requests from being routed on a stale index.
+  time until the replica's own `stored` event arrives: they do not expire while the request that put
+  them there waits for its first token (however long its queue), and expire `routed_ttl_s` after it.
+  This keeps a burst of sibling requests, or the next turn of a conversation whose last turn is still
+  queued, from being routed on a stale index.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class CacheIndex:
         return True
 
     def note_routed(self, keys: Iterable[bytes], now: float | None = None) -> None:
+        """Record keys of a prompt routed here; `now=math.inf` keeps them until noted again with a time."""
         stamp = time.monotonic() if now is None else now
         routed = self.routed
         for key in keys:

@@ -34,6 +34,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=4096, help="requests proxied at once before 429")
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried before the first byte")
     parser.add_argument("--health-interval", type=float, default=0.5, help="seconds between health checks")
+    parser.add_argument("--recompute-weight", type=float, default=1.0, help="cache_aware: weight of the "
+                        "prefill work a replica adds to the fleet by not reusing another's cache")  # fmt: skip
+    parser.add_argument("--attention-pair-cost", type=float, default=3.5e-4, help="cache_aware: cost of one "
+                        "(query, key) pair of prefill attention, in prefill-token equivalents")  # fmt: skip
+    parser.add_argument("--session-recompute-weight", type=float, default=300.0, help="cache_aware: the same "
+                        "for moving a session away from the replica that served its last turn")  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(handler=run_route)
 
@@ -48,7 +54,9 @@ def run_route(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(policy=args.policy, session_header=args.session_header.lower(),
                               max_in_flight=args.max_in_flight, max_attempts=args.max_attempts,
-                              health_interval_s=args.health_interval)  # fmt: skip
+                              health_interval_s=args.health_interval, recompute_weight=args.recompute_weight,
+                              attention_pair_cost=args.attention_pair_cost,
+                              session_recompute_weight=args.session_recompute_weight)  # fmt: skip
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ class RouteRequest:
 class Decision:
     replica: Replica
     predicted_cached_tokens: int | None = None
-    prefill_tokens: int = 0  # tokens the replica is predicted to compute before the first token
+    prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
 
 
@@ -100,51 +101,84 @@ def _hash64(data: bytes) -> int:
 class CacheAware:
     """Least predicted time to first token, per request, in prefill-token equivalents:
 
-    queue(replica) + prompt tokens the replica does not hold. The queue counts the prefill tokens of
-    requests the router sent that have not produced a first byte yet (known exactly, so a burst sees its
-    own earlier members), requests other clients queued there (from the load report), and running
-    requests that share each step with a new prefill. There is no global switch between cache and load:
-    a hot prefix whose replica is overloaded costs more there than a full prefill elsewhere, so it moves
-    to a second replica, which then holds it too.
+        queue(replica) + prefill(replica) + recompute_weight * (prefill(replica) - cheapest prefill anywhere)
+
+    prefill(replica) is the cost of the prompt tokens the replica does not hold (linear layers plus causal
+    attention over the cached part, RouterConfig). The queue counts the prefill work of requests the router
+    sent that have not produced a first byte yet (known exactly, so a burst sees its own earlier members),
+    requests other clients queued there (from the load report), and running requests that share each step
+    with a new prefill. The last term charges a replica for the work it adds to the fleet by not reusing a
+    cache another replica holds, which delays everyone queued behind it. Moving a session (a header or the
+    `user` field) away from the replica that served its last turn is charged `session_recompute_weight`
+    times the prefill that replica would have saved: a conversation's history is needed again by its next
+    turn, and a copy elsewhere evicts other sessions' histories, while a prefix shared by many sessions is
+    worth holding twice when its replica is overloaded. There is no global switch between
+    cache and load: a hot prefix whose replica is overloaded costs more there than a full prefill elsewhere,
+    so it moves to a second replica, which then holds it too.
     """
 
     config: RouterConfig
     rng: random.Random = field(default_factory=random.Random)
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
+    _last_replica: OrderedDict[str, str] = field(default_factory=OrderedDict)  # session key -> url
 
     def choose(self, request: RouteRequest, candidates: list[Replica]) -> Decision:
         tokens = request.token_ids
         now = time.monotonic()
         keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
+        options: list[tuple[Replica, int | None, float]] = []  # (replica, predicted cached tokens, prefill cost)
+        for replica in candidates:
+            cached = self._cached_tokens(request, replica, keys_by_root, now) if tokens else None
+            cost = self.prefill_cost(len(tokens) - (cached or 0), cached or 0) if tokens else 0.0
+            options.append((replica, cached, cost))
+        cheapest = min(cost for _, _, cost in options)
+        home_url = self._last_replica.get(request.session_key) if request.session_key else None
+        home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, int, int, float] | None = None
         chosen: Decision | None = None
-        for replica in candidates:
-            prompt_keys = self._prompt_keys(request, replica, keys_by_root) if tokens else None
-            cached = 0
-            if prompt_keys is not None:
-                max_blocks = (len(tokens or ()) - 1) // prompt_keys.block_size  # the last token is always computed
-                blocks = 0
-                while blocks < max_blocks and replica.index.holds(prompt_keys.key(blocks), now):
-                    blocks += 1
-                cached = blocks * prompt_keys.block_size
-            uncached = len(tokens) - cached if tokens else 0
-            score = self._queue_cost(replica) + uncached
-            rank = (score, -cached, replica.in_flight, self.rng.random())
+        for replica, cached, cost in options:
+            extra = self.config.recompute_weight * (cost - cheapest)
+            if home_cost is not None and replica.url != home_url:
+                extra += self.config.session_recompute_weight * max(0.0, cost - home_cost)
+            rank = (self._queue_cost(replica) + cost + extra, -(cached or 0), replica.in_flight, self.rng.random())
             if best is None or rank < best:
-                best = rank
-                predicted = cached if prompt_keys is not None else None
-                chosen = Decision(replica, predicted, uncached, None)
+                best, chosen = rank, Decision(replica, cached, cost, None)
         assert chosen is not None
+        if request.session_key:
+            self._remember_session(request.session_key, chosen.replica.url)
         if tokens:
             chosen.keys = keys_by_root[self._root(request, chosen.replica)].all()
         return chosen
+
+    def _remember_session(self, session_key: str, url: str) -> None:
+        self._last_replica[session_key] = url
+        self._last_replica.move_to_end(session_key)
+        if len(self._last_replica) > self.config.max_sessions:
+            self._last_replica.popitem(last=False)
+
+    def prefill_cost(self, num_new: int, num_cached: int) -> float:
+        pairs = num_new * num_cached + num_new * num_new / 2
+        return num_new + self.config.attention_pair_cost * pairs
+
+    def _cached_tokens(
+        self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys], now: float
+    ) -> int | None:
+        """Prompt tokens the replica holds (None when the prompt has no keys to look up)."""
+        prompt_keys = self._prompt_keys(request, replica, keys_by_root)
+        if prompt_keys is None:
+            return None
+        max_blocks = (len(request.token_ids or ()) - 1) // prompt_keys.block_size  # the last token is computed
+        blocks = 0
+        while blocks < max_blocks and replica.index.holds(prompt_keys.key(blocks), now):
+            blocks += 1
+        return blocks * prompt_keys.block_size
 
     def _queue_cost(self, replica: Replica) -> float:
         config, load = self.config, replica.load
         external_waiting = max(0, load.num_waiting - replica.awaiting_first_byte)
         running = max(load.num_running, replica.streaming)
         return (
-            replica.pending_prefill_tokens
+            replica.pending_prefill_cost
             + external_waiting * config.waiting_request_cost
             + running * config.running_request_cost
         )

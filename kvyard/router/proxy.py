@@ -9,6 +9,7 @@ connection, which is how the replica learns to stop.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,9 +84,9 @@ class Forwarder:
         replica = decision.replica
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
-        replica.pending_prefill_tokens += decision.prefill_tokens
+        replica.pending_prefill_cost += decision.prefill_cost
         if decision.keys:
-            replica.index.note_routed(decision.keys)
+            replica.index.note_routed(decision.keys, math.inf)  # held until the first byte, see CacheIndex
         self.metrics.replica(replica.url).routed.inc()
         first_byte = False
 
@@ -94,7 +95,9 @@ class Forwarder:
             if not first_byte:
                 first_byte = True
                 replica.awaiting_first_byte -= 1
-                replica.pending_prefill_tokens -= decision.prefill_tokens
+                replica.pending_prefill_cost -= decision.prefill_cost
+                if decision.keys:
+                    replica.index.note_routed(decision.keys)
 
         relay = _Relay(responder, replica, on_first_byte, lambda body: self._account_usage(decision, body))
         try:

@@ -32,9 +32,9 @@ class Replica:
     model_ids: tuple[str, ...] = ()
     load: LoadReport = field(default_factory=LoadReport)
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the
-    # last load report: requests waiting for their first byte and their prefill tokens still to compute.
+    # last load report: requests waiting for their first byte and the prefill work still to do for them.
     awaiting_first_byte: int = 0
-    pending_prefill_tokens: int = 0
+    pending_prefill_cost: float = 0.0  # prefill-token equivalents (see RouterConfig)
     streaming: int = 0
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -66,7 +66,7 @@ class Replica:
             "resyncs": self.resyncs,
             "ejections": self.ejections,
             "in_flight": self.in_flight,
-            "pending_prefill_tokens": self.pending_prefill_tokens,
+            "pending_prefill_cost": round(self.pending_prefill_cost, 1),
             "load": {
                 "num_waiting": self.load.num_waiting,
                 "num_running": self.load.num_running,
