@@ -1,0 +1,177 @@
+"""Prefill-chunk attention, one layer: the native kernel against the PyTorch (SDPA) path.
+
+Shapes of the `bench` preset (8 query heads, 4 KV heads, head_dim 64, fp32, block size 16). Each
+case runs `kvyard.models.attention._prefill_attention` (what the model runs per layer and chunk)
+with and without the native kernel on the same inputs: q, k, v as views into one fused qkv
+projection, and a paged cache whose blocks are scattered. The causal mask the PyTorch path needs
+is built once per step in the metadata, outside the timed call, as in the engine.
+
+The two paths alternate within every repetition (order flipped each time) so that drift on a
+shared machine hits both alike; the report gives medians of wall time and of process CPU time
+(all threads), GFLOPS from the median wall time counting 4 * query_len * context_len * heads *
+head_dim flops (masked pairs included), and the median of the per-repetition time ratios.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_attention_micro.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvyard.models.attention import AttentionMetadata, _prefill_attention, build_attention_metadata
+from kvyard.models.cpu_kernels import PagedPrefillKernel, load_native_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
+CACHED_CASES = [(q, c) for c in (1000, 2500, 4000) for q in (64, 130, 512)]  # (query_len, context_len)
+WHOLE_PROMPT_CASES = [(n, n) for n in (130, 512, 1000, 2500)]
+
+
+@dataclass(slots=True)
+class Step:
+    """One prefill chunk's inputs, set up for both paths."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    sdpa_meta: AttentionMetadata
+    kernel_meta: AttentionMetadata
+
+
+@dataclass(slots=True)
+class Timing:
+    wall_s: list[float]
+    cpu_s: list[float]
+
+
+def make_step(query_len: int, context_len: int, kernel: PagedPrefillKernel, seed: int) -> Step:
+    generator = torch.Generator().manual_seed(seed)
+    used_blocks = -(-context_len // BLOCK_SIZE)
+    num_blocks = 2 * used_blocks
+    kv_cache = torch.randn(2, num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    table = torch.randperm(num_blocks, generator=generator)[:used_blocks].tolist()
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    qkv = torch.randn(query_len, q_size + 2 * kv_size, generator=generator)
+    q = qkv[:, :q_size].view(query_len, NUM_HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(query_len, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, q_size + kv_size :].view(query_len, NUM_KV_HEADS, HEAD_DIM)
+    args = ([table], [context_len], [query_len], BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    sdpa_meta = build_attention_metadata(*args)
+    kernel_meta = build_attention_metadata(*args, prefill_kernel=kernel)
+    # Write this chunk's keys where the engine would have put them before attention runs.
+    kv_cache[0].index_copy_(0, sdpa_meta.slot_mapping, k)
+    kv_cache[1].index_copy_(0, sdpa_meta.slot_mapping, v)
+    return Step(q, k, v, kv_cache, sdpa_meta, kernel_meta)
+
+
+def attention_call(step: Step, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
+    span, scale = meta.prefills[0], HEAD_DIM**-0.5
+    return lambda: _prefill_attention(step.q, step.k, step.v, step.kv_cache, span, meta, scale)
+
+
+def time_interleaved(calls: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, Timing]:
+    timings = {name: Timing([], []) for name in calls}
+    names = list(calls)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else reversed(names):
+            cpu_start, wall_start = time.process_time(), time.perf_counter()
+            calls[name]()
+            wall_end, cpu_end = time.perf_counter(), time.process_time()
+            timings[name].wall_s.append(wall_end - wall_start)
+            timings[name].cpu_s.append(cpu_end - cpu_start)
+    return timings
+
+
+def run_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, min_reps: int, budget_s: float) -> dict:
+    step = make_step(query_len, context_len, kernel, seed=query_len * 10_007 + context_len)
+    calls = {"sdpa": attention_call(step, step.sdpa_meta), "kernel": attention_call(step, step.kernel_meta)}
+    max_diff = (calls["sdpa"]() - calls["kernel"]()).abs().max().item()
+    warm = time_interleaved(calls, 2)
+    per_rep = sum(statistics.median(t.wall_s) for t in warm.values())
+    reps = max(min_reps, min(101, int(budget_s / per_rep)))
+    timings = time_interleaved(calls, reps)
+    flops = 4 * query_len * context_len * NUM_HEADS * HEAD_DIM
+    row: dict = {"query_len": query_len, "context_len": context_len, "cached_prefix": context_len > query_len,
+                 "reps": reps, "max_abs_diff": max_diff}  # fmt: skip
+    for name, timing in timings.items():
+        wall = statistics.median(timing.wall_s)
+        row[name] = {
+            "wall_ms_median": wall * 1e3,
+            "wall_ms_min": min(timing.wall_s) * 1e3,
+            "cpu_ms_median": statistics.median(timing.cpu_s) * 1e3,
+            "gflops": flops / wall / 1e9,
+        }
+    row["speedup_median_wall"] = row["sdpa"]["wall_ms_median"] / row["kernel"]["wall_ms_median"]
+    row["speedup_median_paired"] = statistics.median(
+        s / k for s, k in zip(timings["sdpa"].wall_s, timings["kernel"].wall_s)
+    )
+    row["speedup_median_cpu"] = row["sdpa"]["cpu_ms_median"] / row["kernel"]["cpu_ms_median"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-reps", type=int, default=15)
+    parser.add_argument("--budget-s", type=float, default=3.0, help="rough time per case, both paths")
+    parser.add_argument("--quick", action="store_true", help="only query_len 130 / context 2500")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json")
+    args = parser.parse_args()
+    kernels = load_native_kernels()
+    if kernels is None:
+        raise SystemExit("native kernels unavailable (no C compiler, or KVYARD_CPU_KERNELS=0)")
+    cases = [(130, 2500)] if args.quick else CACHED_CASES + WHOLE_PROMPT_CASES
+    load_before = os.getloadavg()
+    rows = []
+    print(f"{'query':>6} {'context':>8} {'SDPA ms':>8} {'kernel ms':>10} {'SDPA GF':>8} {'kernel GF':>10} "
+          f"{'speedup':>8} {'paired':>7}")  # fmt: skip
+    for query_len, context_len in cases:
+        row = run_case(query_len, context_len, kernels.paged_prefill, args.min_reps, args.budget_s)
+        rows.append(row)
+        sdpa, kernel = row["sdpa"], row["kernel"]
+        print(f"{query_len:>6} {context_len:>8} {sdpa['wall_ms_median']:>8.2f} {kernel['wall_ms_median']:>10.2f} "
+              f"{sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} {row['speedup_median_wall']:>7.2f}x "
+              f"{row['speedup_median_paired']:>6.2f}x")  # fmt: skip
+    report = {
+        "benchmark": "prefill_attention_micro",
+        "conditions": {
+            "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+            "dtype": "float32", "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "kvyard_commit": _commit(),
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "timing": "paths interleaved per repetition (order alternating); medians; GFLOPS = "
+                      "4*query_len*context_len*heads*head_dim / median wall time",
+        },
+        "cases": rows,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return result.stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
