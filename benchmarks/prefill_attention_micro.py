@@ -9,7 +9,8 @@ is built once per step in the metadata, outside the timed call, as in the engine
 The two paths alternate within every repetition (order flipped each time) so that drift on a
 shared machine hits both alike; the report gives medians of wall time and of process CPU time
 (all threads), GFLOPS from the median wall time counting 4 * query_len * context_len * heads *
-head_dim flops (masked pairs included), and the median of the per-repetition time ratios.
+head_dim flops (masked pairs included), the median of the per-repetition time ratios, and the share
+of the machine's CPU that other processes used meanwhile (the noise a case ran in).
 
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_attention_micro.py
 """
@@ -96,6 +97,7 @@ def time_interleaved(calls: dict[str, Callable[[], torch.Tensor]], reps: int) ->
 
 def run_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, min_reps: int, budget_s: float) -> dict:
     step = make_step(query_len, context_len, kernel, seed=query_len * 10_007 + context_len)
+    busy_start, own_start, wall_start = _machine_busy_s(), time.process_time(), time.perf_counter()
     calls = {"sdpa": attention_call(step, step.sdpa_meta), "kernel": attention_call(step, step.kernel_meta)}
     max_diff = (calls["sdpa"]() - calls["kernel"]()).abs().max().item()
     warm = time_interleaved(calls, 2)
@@ -118,6 +120,9 @@ def run_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, min_r
         s / k for s, k in zip(timings["sdpa"].wall_s, timings["kernel"].wall_s)
     )
     row["speedup_median_cpu"] = row["sdpa"]["cpu_ms_median"] / row["kernel"]["cpu_ms_median"]
+    # CPU time other processes took during the case, as a share of the machine: the noise it ran in.
+    others = (_machine_busy_s() - busy_start) - (time.process_time() - own_start)
+    row["other_processes_cpu_share"] = max(0.0, others) / ((time.perf_counter() - wall_start) * (os.cpu_count() or 1))
     return row
 
 
@@ -135,14 +140,14 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     print(f"{'query':>6} {'context':>8} {'SDPA ms':>8} {'kernel ms':>10} {'SDPA GF':>8} {'kernel GF':>10} "
-          f"{'speedup':>8} {'paired':>7}")  # fmt: skip
+          f"{'speedup':>8} {'paired':>7} {'others':>7}")  # fmt: skip
     for query_len, context_len in cases:
         row = run_case(query_len, context_len, kernels.paged_prefill, args.min_reps, args.budget_s)
         rows.append(row)
         sdpa, kernel = row["sdpa"], row["kernel"]
         print(f"{query_len:>6} {context_len:>8} {sdpa['wall_ms_median']:>8.2f} {kernel['wall_ms_median']:>10.2f} "
               f"{sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} {row['speedup_median_wall']:>7.2f}x "
-              f"{row['speedup_median_paired']:>6.2f}x")  # fmt: skip
+              f"{row['speedup_median_paired']:>6.2f}x {row['other_processes_cpu_share']:>6.0%}")  # fmt: skip
     report = {
         "benchmark": "prefill_attention_micro",
         "conditions": {
@@ -159,6 +164,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _machine_busy_s() -> float:
+    """Non-idle CPU seconds of the whole machine since boot (all cores)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_name() -> str:
