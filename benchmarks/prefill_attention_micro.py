@@ -6,8 +6,9 @@ with and without the native kernel on the same inputs: q, k, v as views into one
 projection, and a paged cache whose blocks are scattered. The causal mask the PyTorch path needs
 is built once per step in the metadata, outside the timed call, as in the engine.
 
-The two paths alternate within every repetition (order flipped each time) so that drift on a
-shared machine hits both alike; the report gives medians of wall time and of process CPU time
+The two paths alternate within every repetition (order flipped each time) and every case runs once
+per round, so that drift on a shared machine hits both paths, and all cases, alike; the report gives
+medians over all rounds of wall time and of process CPU time
 (all threads), GFLOPS from the median wall time counting 4 * query_len * context_len * heads *
 head_dim flops (masked pairs included), the median of the per-repetition time ratios, and the share
 of the machine's CPU that other processes used meanwhile (the noise a case ran in).
@@ -95,19 +96,47 @@ def time_interleaved(calls: dict[str, Callable[[], torch.Tensor]], reps: int) ->
     return timings
 
 
-def run_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, min_reps: int, budget_s: float) -> dict:
+@dataclass(slots=True)
+class Case:
+    """One shape's calls and everything measured on it so far, over all rounds."""
+
+    query_len: int
+    context_len: int
+    calls: dict[str, Callable[[], torch.Tensor]]
+    reps_per_round: int
+    max_abs_diff: float
+    timings: dict[str, Timing]
+    wall_s: float = 0.0  # time spent in this case: its share of the machine's noise is measured over it
+    own_cpu_s: float = 0.0
+    machine_busy_s: float = 0.0
+
+
+def prepare_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, reps: int, budget_s: float) -> Case:
     step = make_step(query_len, context_len, kernel, seed=query_len * 10_007 + context_len)
-    busy_start, own_start, wall_start = _machine_busy_s(), time.process_time(), time.perf_counter()
     calls = {"sdpa": attention_call(step, step.sdpa_meta), "kernel": attention_call(step, step.kernel_meta)}
     max_diff = (calls["sdpa"]() - calls["kernel"]()).abs().max().item()
     warm = time_interleaved(calls, 2)
     per_rep = sum(statistics.median(t.wall_s) for t in warm.values())
-    reps = max(min_reps, min(101, int(budget_s / per_rep)))
-    timings = time_interleaved(calls, reps)
-    flops = 4 * query_len * context_len * NUM_HEADS * HEAD_DIM
-    row: dict = {"query_len": query_len, "context_len": context_len, "cached_prefix": context_len > query_len,
-                 "reps": reps, "max_abs_diff": max_diff}  # fmt: skip
-    for name, timing in timings.items():
+    reps_per_round = max(reps, min(50, int(budget_s / per_rep)))
+    return Case(query_len, context_len, calls, reps_per_round, max_diff, {name: Timing([], []) for name in calls})
+
+
+def run_round(case: Case) -> None:
+    busy, own, wall = _machine_busy_s(), time.process_time(), time.perf_counter()
+    for name, timing in time_interleaved(case.calls, case.reps_per_round).items():
+        case.timings[name].wall_s.extend(timing.wall_s)
+        case.timings[name].cpu_s.extend(timing.cpu_s)
+    case.wall_s += time.perf_counter() - wall
+    case.own_cpu_s += time.process_time() - own
+    case.machine_busy_s += _machine_busy_s() - busy
+
+
+def summarize(case: Case) -> dict:
+    flops = 4 * case.query_len * case.context_len * NUM_HEADS * HEAD_DIM
+    row: dict = {"query_len": case.query_len, "context_len": case.context_len,
+                 "cached_prefix": case.context_len > case.query_len, "reps": len(case.timings["sdpa"].wall_s),
+                 "max_abs_diff": case.max_abs_diff}  # fmt: skip
+    for name, timing in case.timings.items():
         wall = statistics.median(timing.wall_s)
         row[name] = {
             "wall_ms_median": wall * 1e3,
@@ -115,49 +144,52 @@ def run_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, min_r
             "cpu_ms_median": statistics.median(timing.cpu_s) * 1e3,
             "gflops": flops / wall / 1e9,
         }
+    sdpa, kernel = case.timings["sdpa"], case.timings["kernel"]
     row["speedup_median_wall"] = row["sdpa"]["wall_ms_median"] / row["kernel"]["wall_ms_median"]
-    row["speedup_median_paired"] = statistics.median(
-        s / k for s, k in zip(timings["sdpa"].wall_s, timings["kernel"].wall_s)
-    )
+    row["speedup_median_paired"] = statistics.median(s / k for s, k in zip(sdpa.wall_s, kernel.wall_s))
     row["speedup_median_cpu"] = row["sdpa"]["cpu_ms_median"] / row["kernel"]["cpu_ms_median"]
-    # CPU time other processes took during the case, as a share of the machine: the noise it ran in.
-    others = (_machine_busy_s() - busy_start) - (time.process_time() - own_start)
-    row["other_processes_cpu_share"] = max(0.0, others) / ((time.perf_counter() - wall_start) * (os.cpu_count() or 1))
+    # CPU time other processes took while this case ran, as a share of the machine: the noise it ran in.
+    others = max(0.0, case.machine_busy_s - case.own_cpu_s)
+    row["other_processes_cpu_share"] = others / (case.wall_s * (os.cpu_count() or 1))
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--min-reps", type=int, default=15)
-    parser.add_argument("--budget-s", type=float, default=3.0, help="rough time per case, both paths")
+    parser.add_argument("--rounds", type=int, default=3, help="sweeps over all cases, so each spans the run")
+    parser.add_argument("--reps", type=int, default=7, help="least repetitions per case and round")
+    parser.add_argument("--budget-s", type=float, default=1.0, help="rough time per case and round, both paths")
     parser.add_argument("--quick", action="store_true", help="only query_len 130 / context 2500")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json")
     args = parser.parse_args()
     kernels = load_native_kernels()
     if kernels is None:
         raise SystemExit("native kernels unavailable (no C compiler, or KVYARD_CPU_KERNELS=0)")
-    cases = [(130, 2500)] if args.quick else CACHED_CASES + WHOLE_PROMPT_CASES
+    shapes = [(130, 2500)] if args.quick else CACHED_CASES + WHOLE_PROMPT_CASES
     load_before = os.getloadavg()
-    rows = []
+    cases = [prepare_case(q, c, kernels.paged_prefill, args.reps, args.budget_s) for q, c in shapes]
+    for _ in range(args.rounds):
+        for case in cases:
+            run_round(case)
+    rows = [summarize(case) for case in cases]
     print(f"{'query':>6} {'context':>8} {'SDPA ms':>8} {'kernel ms':>10} {'SDPA GF':>8} {'kernel GF':>10} "
           f"{'speedup':>8} {'paired':>7} {'others':>7}")  # fmt: skip
-    for query_len, context_len in cases:
-        row = run_case(query_len, context_len, kernels.paged_prefill, args.min_reps, args.budget_s)
-        rows.append(row)
+    for row in rows:
         sdpa, kernel = row["sdpa"], row["kernel"]
-        print(f"{query_len:>6} {context_len:>8} {sdpa['wall_ms_median']:>8.2f} {kernel['wall_ms_median']:>10.2f} "
-              f"{sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} {row['speedup_median_wall']:>7.2f}x "
-              f"{row['speedup_median_paired']:>6.2f}x {row['other_processes_cpu_share']:>6.0%}")  # fmt: skip
+        print(f"{row['query_len']:>6} {row['context_len']:>8} {sdpa['wall_ms_median']:>8.2f} "
+              f"{kernel['wall_ms_median']:>10.2f} {sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} "
+              f"{row['speedup_median_wall']:>7.2f}x {row['speedup_median_paired']:>6.2f}x "
+              f"{row['other_processes_cpu_share']:>6.0%}")  # fmt: skip
     report = {
         "benchmark": "prefill_attention_micro",
         "conditions": {
             "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
             "dtype": "float32", "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "kvyard_commit": _commit(),
-            "load_average_before": load_before, "load_average_after": os.getloadavg(),
+            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rounds": args.rounds,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "timing": "paths interleaved per repetition (order alternating); medians; GFLOPS = "
-                      "4*query_len*context_len*heads*head_dim / median wall time",
+            "timing": "paths interleaved per repetition (order alternating), every case once per round; "
+                      "medians over all rounds; GFLOPS = 4*query_len*context_len*heads*head_dim / median wall",
         },
         "cases": rows,
     }  # fmt: skip
