@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvyard.models import cpu_kernels
 from kvyard.models.attention import build_attention_metadata, paged_attention
 from kvyard.models.cpu_kernels import PagedPrefillKernel, SmallLinearKernel, find_compiler, load_native_kernels
 
@@ -167,3 +171,26 @@ def test_paged_prefill_reads_strided_rows_of_a_fused_projection(paged_prefill: P
     ).transpose(0, 1)
     out = paged_prefill.causal(q, k, v, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_portable_prefill_path_matches_too(tmp_path: Path) -> None:
+    """Built without -march=native (on x86-64: without AVX2), the kernel takes its plain C path."""
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path / "prefill_portable.so"
+    source = Path(cpu_kernels.__file__).parent / "csrc" / "prefill_attention.c"
+    command = [compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(library_path)]
+    subprocess.run([*command, "-lm"], check=True, capture_output=True)
+    function = ctypes.CDLL(str(library_path)).kvyard_paged_prefill_attention
+    function.restype = ctypes.c_int
+    pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    function.argtypes = [
+        pointer, int64, pointer, pointer, int64, pointer, integer, int64, int64, integer, integer, integer,
+        ctypes.c_float, pointer, integer,
+    ]  # fmt: skip
+    portable = PagedPrefillKernel(function, 2)
+    for query_len, context_len, head_dim in ((130, 400, 64), (9, 50, 13), (40, 40, 64)):
+        case = _prefill_case(query_len, context_len, 16, num_heads=4, num_kv_heads=2, head_dim=head_dim)
+        expected = _paged_attention_of(case, None)
+        torch.testing.assert_close(_paged_attention_of(case, portable), expected, rtol=1e-5, atol=1e-5)

@@ -41,8 +41,8 @@
 #define USE_AVX2 0
 #endif
 
-/* Measured on Zen 3 (AVX2) for head_dim 64 and 128: 32 and 128 keys per tile, and 8 query tiles per
- * item, were each a few percent slower. */
+/* Measured on Zen 3 (AVX2), head_dim 64 and 128: 32 or 128 keys per tile were a few percent slower,
+ * and 4-8 query tiles per item 5-15% slower (each item packs the keys it needs again). */
 #define LANES 24              /* query rows per tile: three 8-float vectors */
 #define TILE_KEYS 64          /* keys per softmax step and per packed tile */
 #define KEY_STEP 4            /* keys per score micro-kernel */
@@ -177,10 +177,10 @@ static inline void copy_row(float *restrict dst, const float *restrict src, int 
 }
 
 /* Copies keys first_key .. first_key + count - 1 of one KV head (and their values) into the packed
- * tiles, zero-padded to a whole KEY_STEP; returns the padded count. In the cache, one head's rows lie
- * at a power-of-two stride, which folds them onto a quarter of the L1 sets, in scattered blocks;
- * packed, a tile stays in L1 while every query tile of the item uses it. */
-static int pack_key_tile(const Problem *p, int kv_head, int64_t first_key, int count, int64_t end_key,
+ * tiles, zero-padded to a whole KEY_STEP. In the cache, one head's rows lie in scattered blocks at a
+ * stride of num_kv_heads * head_dim floats, usually a power of two, which folds them onto a fraction
+ * of the L1 sets; packed, a tile stays in L1 while every query tile of the item uses it. */
+static void pack_key_tile(const Problem *p, int kv_head, int64_t first_key, int count, int64_t end_key,
                          Workspace *w) {
     const int head_dim = p->head_dim;
     for (int n = 0; n < count; n++) {
@@ -197,7 +197,6 @@ static int pack_key_tile(const Problem *p, int kv_head, int64_t first_key, int c
     const size_t pad_bytes = sizeof(float) * (size_t)head_dim * (size_t)(padded - count);
     memset(w->k_tile + (size_t)count * head_dim, 0, pad_bytes);
     memset(w->v_tile + (size_t)count * head_dim, 0, pad_bytes);
-    return padded;
 }
 
 /* ---------------------------------------------------------------- micro-kernels */
