@@ -1,4 +1,4 @@
-"""Paged attention paths agree with a dense reference: native CPU kernel, PyTorch gather path, chunked prefill."""
+"""Paged attention paths agree with a dense reference: native CPU kernels, PyTorch gather path, chunked prefill."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ def _dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 @pytest.mark.parametrize("use_native", [True, False])
 def test_mixed_step_matches_dense_attention(use_native: bool) -> None:
     kernels = load_native_kernels() if use_native else None
-    kernel = kernels.paged_decode if kernels is not None else None
-    if use_native and kernel is None:
+    if use_native and kernels is None:
         assert find_compiler() is None, "a C compiler is here but the kernels did not build"
         pytest.skip("no C compiler here")
     generator = torch.Generator().manual_seed(0)
@@ -54,8 +53,10 @@ def test_mixed_step_matches_dense_attention(use_native: bool) -> None:
     new_k = torch.cat([h[0][-q:] for h, q in zip(histories, query_lens)])
     new_v = torch.cat([h[1][-q:] for h, q in zip(histories, query_lens)])
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=generator)
-    meta = build_attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu"),
-                                    kernel)  # fmt: skip
+    decode, prefill = (kernels.paged_decode, kernels.paged_prefill) if kernels is not None else (None, None)
+    meta = build_attention_metadata(
+        tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu"), decode, prefill
+    )
     out = paged_attention(q, new_k, new_v, cache, meta, scale=HEAD_DIM**-0.5)
     start = 0
     for (keys, values), context_len, query_len in zip(histories, context_lens, query_lens):

@@ -1,12 +1,19 @@
-"""The native few-row matmul computes what F.linear computes."""
+"""The native kernels compute what their PyTorch counterparts compute."""
 
 from __future__ import annotations
+
+import ctypes
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvyard.models.cpu_kernels import SmallLinearKernel, find_compiler, load_native_kernels
+from kvyard.models import cpu_kernels
+from kvyard.models.attention import build_attention_metadata, paged_attention
+from kvyard.models.cpu_kernels import PagedPrefillKernel, SmallLinearKernel, find_compiler, load_native_kernels
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +84,113 @@ def test_rotary_in_place_matches_the_reference() -> None:
     kernels.elementwise.rotary(x, angles.cos(), angles.sin(), positions)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     torch.testing.assert_close(packed[:, : num_heads * head_dim], untouched, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def paged_prefill() -> PagedPrefillKernel:
+    kernels = load_native_kernels()
+    if kernels is None:
+        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
+        pytest.skip("no C compiler here")
+    return kernels.paged_prefill
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCase:
+    """One sequence's step: the last query_len of context_len tokens, with the earlier ones cached."""
+
+    cache: torch.Tensor  # [2, slots, Hkv, D], every context token already written
+    block_table: list[int]
+    q: torch.Tensor  # [query_len, Hq, D]
+    new_k: torch.Tensor  # [query_len, Hkv, D]
+    new_v: torch.Tensor
+    context_len: int
+    block_size: int
+
+
+def _prefill_case(
+    query_len: int, context_len: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> PrefillCase:
+    generator = torch.Generator().manual_seed(query_len * 7919 + context_len * 31 + block_size + head_dim)
+    used_blocks = -(-context_len // block_size)
+    num_blocks = 2 * used_blocks + 3
+    cache = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    table = torch.randperm(num_blocks, generator=generator)[:used_blocks].tolist()  # scattered blocks
+    positions = torch.arange(context_len)
+    slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+    q = torch.randn(query_len, num_heads, head_dim, generator=generator)
+    new = slots[context_len - query_len :]
+    return PrefillCase(cache, table, q, cache[0][new].clone(), cache[1][new].clone(), context_len, block_size)
+
+
+def _paged_attention_of(case: PrefillCase, kernel: PagedPrefillKernel | None) -> torch.Tensor:
+    """The step through the public attention entry point: kernel=None is the PyTorch reference path."""
+    query_len = case.q.shape[0]
+    meta = build_attention_metadata(
+        [case.block_table], [case.context_len], [query_len], case.block_size, torch.float32, torch.device("cpu"),
+        prefill_kernel=kernel,
+    )  # fmt: skip
+    scale = case.q.shape[-1] ** -0.5
+    return paged_attention(case.q, case.new_k, case.new_v, case.cache.clone(), meta, scale)
+
+
+# query_len 1 and 5 fill one tile of query rows partly; 130 spans several, with a ragged last one.
+# Extra context 0 is a whole-prompt chunk (keys from this step's rows), the others a cached prefix:
+# 37 ends mid-block, 300 crosses several 64-key tiles.
+@pytest.mark.parametrize("query_len", [1, 5, 130])
+@pytest.mark.parametrize("cached", [0, 37, 300])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_prefill_matches_the_pytorch_path(
+    paged_prefill: PagedPrefillKernel, query_len: int, cached: int, block_size: int, group: int, head_dim: int
+) -> None:
+    num_kv_heads = 2
+    case = _prefill_case(query_len, query_len + cached, block_size, num_kv_heads * group, num_kv_heads, head_dim)
+    expected = _paged_attention_of(case, None)
+    torch.testing.assert_close(_paged_attention_of(case, paged_prefill), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_prefill_handles_a_head_dim_off_the_vector_width(paged_prefill: PagedPrefillKernel) -> None:
+    case = _prefill_case(query_len=9, context_len=50, block_size=16, num_heads=3, num_kv_heads=1, head_dim=13)
+    expected = _paged_attention_of(case, None)
+    torch.testing.assert_close(_paged_attention_of(case, paged_prefill), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_prefill_reads_strided_rows_of_a_fused_projection(paged_prefill: PagedPrefillKernel) -> None:
+    """q, k, v as the model hands them over: views into one [T, (Hq + 2 Hkv) * D] qkv matrix."""
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim = 70, 4, 2, 64
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    out = paged_prefill.causal(q, k, v, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_portable_prefill_path_matches_too(tmp_path: Path) -> None:
+    """Built without -march=native (on x86-64: without AVX2), the kernel takes its plain C path."""
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path / "prefill_portable.so"
+    source = Path(cpu_kernels.__file__).parent / "csrc" / "prefill_attention.c"
+    command = [compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(library_path)]
+    subprocess.run([*command, "-lm"], check=True, capture_output=True)
+    function = ctypes.CDLL(str(library_path)).kvyard_paged_prefill_attention
+    function.restype = ctypes.c_int
+    pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    function.argtypes = [
+        pointer, int64, pointer, pointer, int64, pointer, integer, int64, int64, integer, integer, integer,
+        ctypes.c_float, pointer, integer,
+    ]  # fmt: skip
+    portable = PagedPrefillKernel(function, 2)
+    for query_len, context_len, head_dim in ((130, 400, 64), (9, 50, 13), (40, 40, 64)):
+        case = _prefill_case(query_len, context_len, 16, num_heads=4, num_kv_heads=2, head_dim=head_dim)
+        expected = _paged_attention_of(case, None)
+        torch.testing.assert_close(_paged_attention_of(case, portable), expected, rtol=1e-5, atol=1e-5)

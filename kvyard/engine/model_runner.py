@@ -42,6 +42,7 @@ class ModelRunner:
         native = device.type == "cpu" and dtype == torch.float32 and os.environ.get("KVYARD_CPU_KERNELS") != "0"
         kernels = load_native_kernels() if native else None
         self.decode_kernel = kernels.paged_decode if kernels is not None else None
+        self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
         self.uses_cpu_fast_paths = enable_cpu_fast_paths(model, kernels)
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
@@ -68,6 +69,7 @@ class ModelRunner:
             dtype=self.kv_caches[0].dtype,
             device=self.device,
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),

@@ -1,9 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached per machine.
 
-Only what PyTorch lacks or does slowly here: decode attention that reads the paged KV cache in
-place instead of gathering it into a temporary first, and the few-row matmul of a decode step,
-which must stream the weights at memory speed. Without a compiler (or with KVYARD_CPU_KERNELS=0)
-callers use the pure PyTorch path, which computes the same thing.
+Only what PyTorch lacks or does slowly here: decode and prefill-chunk attention that read the
+paged KV cache in place instead of gathering it into a temporary first, and the few-row matmul of
+a decode step, which must stream the weights at memory speed. Without a compiler (or with
+KVYARD_CPU_KERNELS=0) callers use the pure PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvyard.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "small_linear.c", "elementwise.c")
+_SOURCES = ("paged_attention.c", "prefill_attention.c", "small_linear.c", "elementwise.c")
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -57,6 +57,60 @@ class PagedDecodeKernel:
             _ptr(workspace), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
             max_context, ctypes.c_float(scale), self.num_threads,
         )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PagedPrefillKernel:
+    """Causal attention of a prefill chunk (the last query_len of context_len positions), fp32.
+
+    Keys and values are read in place, either from the paged cache through a block table or from
+    contiguous [context_len, Hkv, D] rows; rows may be strided but each row's heads are contiguous."""
+
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    num_threads: int
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_len: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [Tq, Hq, D]; caches: [slots, Hkv, D]; block_table: int64, covering context_len keys."""
+        return self._run(q, k_cache, v_cache, block_table.contiguous(), context_len, block_size, scale)
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Whole-context chunk: q, k, v hold every position ([T, Hq, D], [T, Hkv, D], [T, Hkv, D])."""
+        # Contiguous keys are a paged cache of one block holding all of them.
+        single_block = torch.zeros(1, dtype=torch.long)
+        return self._run(q, k, v, single_block, k.shape[0], max(1, k.shape[0]), scale)
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_len: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        q, k_cache, v_cache = _heads_contiguous(q), _heads_contiguous(k_cache), _heads_contiguous(v_cache)
+        if k_cache.stride(0) != v_cache.stride(0):
+            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        query_len, num_heads, head_dim = q.shape
+        out = q.new_empty(query_len, num_heads, head_dim)
+        status = self.function(
+            _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0), _ptr(block_table), block_size,
+            query_len, context_len, num_heads, k_cache.shape[1], head_dim, ctypes.c_float(scale), _ptr(out),
+            self.num_threads,
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("prefill attention kernel could not allocate its scratch")
         return out
 
 
@@ -109,6 +163,7 @@ class ElementwiseKernels:
 @dataclass(frozen=True, slots=True)
 class NativeKernels:
     paged_decode: PagedDecodeKernel
+    paged_prefill: PagedPrefillKernel
     small_linear: SmallLinearKernel
     elementwise: ElementwiseKernels
 
@@ -129,6 +184,12 @@ def load_native_kernels() -> NativeKernels | None:
     decode = library.kvyard_paged_decode_attention
     decode.restype = None
     decode.argtypes = [pointer] * 7 + [integer] * 6 + [int64, ctypes.c_float, integer]
+    prefill = library.kvyard_paged_prefill_attention
+    prefill.restype = integer
+    prefill.argtypes = [
+        pointer, int64, pointer, pointer, int64, pointer, integer, int64, int64, integer, integer, integer,
+        ctypes.c_float, pointer, integer,
+    ]  # fmt: skip
     linear = library.kvyard_small_linear
     linear.restype = None
     linear.argtypes = [pointer] * 4 + [int64] * 3 + [integer]
@@ -140,7 +201,10 @@ def load_native_kernels() -> NativeKernels | None:
     rotary.argtypes = [pointer] + [int64] * 4 + [pointer] * 3
     threads = torch.get_num_threads()
     return NativeKernels(
-        PagedDecodeKernel(decode, threads), SmallLinearKernel(linear, threads), ElementwiseKernels(add_rms_norm, rotary)
+        PagedDecodeKernel(decode, threads),
+        PagedPrefillKernel(prefill, threads),
+        SmallLinearKernel(linear, threads),
+        ElementwiseKernels(add_rms_norm, rotary),
     )
 
 
@@ -174,6 +238,13 @@ def _machine_fingerprint() -> bytes:
     if cpuinfo.is_file():
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
     return f"{platform.machine()}|{flags}".encode()
+
+
+def _heads_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows, heads, dim] with any row stride, but each row's heads packed back to back."""
+    if tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]:
+        return tensor
+    return tensor.contiguous()
 
 
 def _ptr(tensor: torch.Tensor) -> int:
