@@ -5,7 +5,11 @@ than the working set), start the router in front of them, replay the first `--re
 Mooncake conversation trace at their (sped-up) arrival times as streaming completions, and record TTFT,
 throughput and the fleet-wide prefix hit ratio (cached / prompt tokens, from each response's usage). Each
 512-token trace block becomes 512 bytes of text derived from its hash id (the simulated replica tokenizes one
-token per byte), so every router sees plain text prompts and equal hash ids give equal prefixes.
+token per byte), so every router sees plain text prompts and equal hash ids give equal prefixes. Each
+request carries `user = conv-<its second hash id>` (one id per conversation), as a chat client would. The
+arrival speed-up is chosen so the fleet's simulated work (sim cost model, ideal hit ratio) fills
+`--utilisation` of its capacity; each run reports the sim's lag, the time the replicas ran behind their cost
+model because the machine could not keep up (small against the replay span means the timing held).
 
 A second phase measures router overhead: CPU seconds of the router process per proxied request and
 requests/s, with one simulated replica answering 1-token completions.
@@ -357,11 +361,11 @@ def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--max-output", type=int, default=128, help="cap on each request's output length")
+    parser.add_argument("--requests", type=int, default=1500, help="the first N requests of the trace")
+    parser.add_argument("--max-output", type=int, default=32, help="cap on each request's output length")
     parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--capacity-blocks", type=int, default=4096, help="per replica, 16-token blocks")
-    parser.add_argument("--time-scale", type=float, default=0.05, help="sim: wall seconds per simulated second")
+    parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
+    parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
     parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this")
     parser.add_argument("--overhead-requests", type=int, default=2000)
@@ -396,7 +400,8 @@ def main() -> int:
     results = [run_target(t, args, requests, prompts, speedup, logs) for t in routed]
     overheads = []
     if not args.skip_overhead:
-        measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware")
+        measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware", "smg cache_aware",
+                    "vllm-router cache_aware")  # fmt: skip
         overheads = [overhead(t, args, logs) for t in targets(args.only) if t.name in measured]
     args.out.write_text(json.dumps({"conditions": conditions, "routing": results, "overhead": overheads}, indent=2))
     return 0
