@@ -9,12 +9,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from kvyard.net.http_client import HttpClient
-from kvyard.net.http_server import HttpRequest, HttpServer, Responder
+from kvyard.net.http_server import Handler, HttpRequest, HttpServer, Responder
 
 Scenario = Callable[[HttpServer, list[HttpRequest]], Awaitable[None]]
-
-
-Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
 
 
 async def handler_for(seen: list[HttpRequest], events: list[str]) -> Handler:

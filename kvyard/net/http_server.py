@@ -269,7 +269,7 @@ class _Connection(asyncio.Protocol):
 
 def _error_payload(status: int, message: str) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 @dataclass(slots=True)
