@@ -194,3 +194,79 @@ def test_portable_prefill_path_matches_too(tmp_path: Path) -> None:
         case = _prefill_case(query_len, context_len, 16, num_heads=4, num_kv_heads=2, head_dim=head_dim)
         expected = _paged_attention_of(case, None)
         torch.testing.assert_close(_paged_attention_of(case, portable), expected, rtol=1e-5, atol=1e-5)
+
+
+def _decode_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int):
+    """Per sequence: gather its keys and values through the block table, attend in float64."""
+    num_heads, num_kv_heads = q.shape[1], cache.shape[2]
+    outs = []
+    for row, (table, context_len) in enumerate(zip(tables.tolist(), lens.tolist())):
+        positions = torch.arange(context_len)
+        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        keys = cache[0, slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
+        values = cache[1, slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
+        query = q[row].double()[:, None, :]
+        outs.append(F.scaled_dot_product_attention(query, keys, values)[:, 0, :].float())
+    return torch.stack(outs)
+
+
+def _decode_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 600, (num_seqs,), generator=generator)
+    lens[0] = 7  # shorter than one vector of scores: all scalar tail
+    max_blocks = int(-(-lens.max() // block_size))
+    num_blocks = num_seqs * max_blocks + 5
+    cache = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=generator)
+    return q, cache, tables.contiguous(), lens, max_blocks
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])  # one head per task, and whole sequences per task
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 128), (8, 2, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_matches_dense_attention(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    kernels = load_native_kernels()
+    if kernels is None:
+        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
+        pytest.skip("no C compiler here")
+    q, cache, tables, lens, max_blocks = _decode_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, 11)
+    out = kernels.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5)
+    torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, block_size), rtol=1e-5, atol=2e-6)
+
+
+def test_portable_decode_path_matches_too(tmp_path: Path) -> None:
+    """Built without -march=native (on x86-64: without AVX2), the decode kernel takes its plain C path."""
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path / "decode_portable.so"
+    source = Path(cpu_kernels.__file__).parent / "csrc" / "paged_attention.c"
+    command = [compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(library_path)]
+    subprocess.run([*command, "-lm"], check=True, capture_output=True)
+    function = ctypes.CDLL(str(library_path)).kvyard_paged_decode_attention
+    function.restype = None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    function.argtypes = [pointer] * 7 + [integer] * 6 + [ctypes.c_int64, ctypes.c_float, integer]
+    portable = cpu_kernels.PagedDecodeKernel(function, 2)
+    q, cache, tables, lens, max_blocks = _decode_case(6, 8, 4, 64, 16, 12)
+    out = portable(q, cache[0], cache[1], tables, lens, max_blocks * 16, 16, 64**-0.5)
+    torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, 16), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_fast_paths_match_torch(with_bias: bool) -> None:
+    """Every row count takes one of the fast paths (native kernel, packed oneDNN) and agrees with F.linear."""
+    from kvyard.models.layers import Linear, enable_cpu_fast_paths
+
+    torch.manual_seed(5)
+    layer = Linear(96, 200, bias=with_bias)
+    assert enable_cpu_fast_paths(layer, load_native_kernels())
+    if torch.backends.mkldnn.is_available():
+        assert layer.packed_weight is not None
+    for rows in (1, layer.max_small_rows, layer.max_small_rows + 1, 64, 300):
+        x = torch.randn(rows, 96)
+        expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+        torch.testing.assert_close(layer(x), expected.float(), rtol=1e-5, atol=1e-4)

@@ -26,6 +26,7 @@ from kvyard.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.c", "prefill_attention.c", "small_linear.c", "elementwise.c")
+_HEADERS = ("vec_math.h",)  # included by the sources: part of the build fingerprint
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -217,7 +218,7 @@ def _compiled_library() -> Path:
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
     sources = [_SOURCE_DIR / name for name in _SOURCES]
-    source = b"".join(path.read_bytes() for path in sources)
+    source = b"".join(path.read_bytes() for path in [*sources, *(_SOURCE_DIR / name for name in _HEADERS)])
     fingerprint = hashlib.sha256(source + " ".join(_FLAGS).encode() + _machine_fingerprint()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"kvyard-cpu-{fingerprint}.so"
     if target.is_file():
