@@ -270,3 +270,32 @@ def test_linear_fast_paths_match_torch(with_bias: bool) -> None:
         x = torch.randn(rows, 96)
         expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
         torch.testing.assert_close(layer(x), expected.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_silu_mul_matches_the_reference() -> None:
+    kernels = load_native_kernels()
+    if kernels is None:
+        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
+        pytest.skip("no C compiler here")
+    generator = torch.Generator().manual_seed(4)
+    for rows, dim in ((3, 13), (200, 1408)):  # scalar tail only; vector path over enough rows to go parallel
+        gate_up = torch.randn(rows, 2 * dim, generator=generator) * 8  # reaches far into both tails of silu
+        gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+        gate, up = gate_up.double().split(dim, dim=-1)
+        expected = (F.silu(gate) * up).float()
+        torch.testing.assert_close(kernels.elementwise.silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
+
+
+def test_argmax_rows_picks_the_first_maximum() -> None:
+    kernels = load_native_kernels()
+    if kernels is None:
+        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
+        pytest.skip("no C compiler here")
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(70, 32000, generator=generator)
+    logits[1, 5] = logits[1, 900] = 50.0  # a tie: the first index wins, as in torch
+    logits[2] = float("-inf")
+    logits[2, 31999] = 0.0  # the maximum in the last column
+    logits[3] = float("-inf")  # nothing but -inf: index 0
+    assert torch.equal(kernels.elementwise.argmax(logits), logits.argmax(dim=-1))
+    assert kernels.elementwise.argmax(logits)[1] == 5

@@ -220,7 +220,7 @@ class LLMEngine:
         if not batch.sampling:
             return []
         rows = [self._sampling_row(item) for item in batch.sampling]
-        token_ids, logprobs = sample(batch.logits, rows)
+        token_ids, logprobs = sample(batch.logits, rows, self.runner.argmax)
         now = time.monotonic()
         return [
             self._accept_token(item.request, token_id, token_logprobs, now)

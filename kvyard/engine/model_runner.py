@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvyard.engine.sampler import Argmax, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.models.attention import build_attention_metadata
 from kvyard.models.config import ModelConfig
@@ -44,6 +45,7 @@ class ModelRunner:
         self.decode_kernel = kernels.paged_decode if kernels is not None else None
         self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
         self.uses_cpu_fast_paths = enable_cpu_fast_paths(model, kernels)
+        self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
 
     def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.

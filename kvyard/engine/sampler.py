@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,17 +18,28 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [len(rows), vocab] float32. Returns the sampled ids and, per row, logprobs if asked."""
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], argmax: Argmax = torch_argmax
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [len(rows), vocab] float32. Returns the sampled ids and, per row, logprobs if asked.
+
+    `argmax` picks the greedy tokens (a native kernel on CPU: torch's takes ~3% of a 64-sequence decode step)."""
     for index, row in enumerate(rows):
         if row.banned_token_ids:
             logits[index, list(row.banned_token_ids)] = float("-inf")
-    token_ids = _choose_tokens(logits, rows)
+    token_ids = _choose_tokens(logits, rows, argmax)
     return token_ids.tolist(), _logprobs(logits, token_ids, rows)
 
 
-def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    token_ids = logits.argmax(dim=-1)
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow], argmax: Argmax) -> torch.Tensor:
+    token_ids = argmax(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)

@@ -134,10 +134,12 @@ class SmallLinearKernel:
 
 @dataclass(frozen=True, slots=True)
 class ElementwiseKernels:
-    """Fused residual-add + RMSNorm and in-place rotary embedding, fp32 with contiguous rows."""
+    """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
 
     add_rms_norm_function: ctypes._CFuncPtr  # type: ignore[name-defined]
     rotary_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    silu_mul_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    argmax_function: ctypes._CFuncPtr  # type: ignore[name-defined]
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -159,6 +161,21 @@ class ElementwiseKernels:
         self.rotary_function(
             _ptr(x), x.stride(0), num_tokens, num_heads, head_dim, _ptr(cos_table), _ptr(sin_table), _ptr(positions)
         )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * dim] as [gate | up]; returns silu(gate) * up, [rows, dim]."""
+        gate_up = gate_up.contiguous()
+        rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, dim)
+        self.silu_mul_function(_ptr(gate_up), _ptr(out), rows, dim)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of a 2-D fp32 tensor (first index of the maximum; rows must hold no NaN)."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self.argmax_function(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,12 +217,18 @@ def load_native_kernels() -> NativeKernels | None:
     rotary = library.kvyard_rotary
     rotary.restype = None
     rotary.argtypes = [pointer] + [int64] * 4 + [pointer] * 3
+    silu_mul = library.kvyard_silu_mul
+    silu_mul.restype = None
+    silu_mul.argtypes = [pointer] * 2 + [int64] * 2
+    argmax = library.kvyard_argmax_rows
+    argmax.restype = None
+    argmax.argtypes = [pointer, int64, int64, pointer]
     threads = torch.get_num_threads()
     return NativeKernels(
         PagedDecodeKernel(decode, threads),
         PagedPrefillKernel(prefill, threads),
         SmallLinearKernel(linear, threads),
-        ElementwiseKernels(add_rms_norm, rotary),
+        ElementwiseKernels(add_rms_norm, rotary, silu_mul, argmax),
     )
 
 

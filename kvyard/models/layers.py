@@ -60,7 +60,7 @@ def enable_cpu_fast_paths(model: nn.Module, kernels: NativeKernels | None) -> bo
         if pack:
             linear.pack_for_onednn()
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
             module.native = kernels.elementwise if usable and kernels is not None else None
     return usable
 
@@ -111,6 +111,8 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
 
+    native: ElementwiseKernels | None = None
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
@@ -118,7 +120,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
