@@ -158,7 +158,12 @@ def targets(selected: list[str]) -> list[Target]:
         Target("vllm-router cache_aware", [*vllm, "--policy", "cache_aware"]),
         Target("vllm-router round_robin", [*vllm, "--policy", "round_robin"]),
     ]
-    return [t for t in every if not selected or any(s in t.name for s in selected)]
+    return [t for t in every if not selected or any(_selects(s, t.name) for s in selected)]
+
+
+def _selects(pattern: str, name: str) -> bool:
+    """`--only` matches names containing the pattern, or exactly the name when it ends with '$'."""
+    return name == pattern[:-1] if pattern.endswith("$") else pattern in name
 
 
 def expand(command: list[str], port: int, workers: list[str]) -> list[str]:
@@ -367,7 +372,7 @@ def main() -> int:
     parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
     parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
-    parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this")
+    parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this (or is exactly this, with a trailing $)")
     parser.add_argument("--overhead-requests", type=int, default=2000)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--overhead-only", action="store_true", help="measure router overhead only")
