@@ -372,7 +372,9 @@ def main() -> int:
     parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
     parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
-    parser.add_argument("--only", action="append", default=[], help="run only routers whose name contains this (or is exactly this, with a trailing $)")
+    parser.add_argument(
+        "--only", action="append", default=[], help="run only routers whose name contains this (is it, with a final $)"
+    )
     parser.add_argument("--overhead-requests", type=int, default=2000)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--overhead-only", action="store_true", help="measure router overhead only")

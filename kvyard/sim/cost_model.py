@@ -41,11 +41,11 @@ def prefill_pairs(num_new: int, num_context: int) -> int:
 class CostModel:
     # Defaults: `calibrate_from_json(benchmarks/results/offline_throughput.json)` (kvyard engine, bench
     # preset, fp32, 2 CPU cores), rounded. tests/test_sim_cost_model.py checks they still agree.
-    step_base_s: float = 1.94e-2
-    prefill_token_s: float = 5.50e-4
-    attention_pair_s: float = 1.91e-7
-    decode_seq_s: float = 2.11e-3
-    decode_context_s: float = 1.91e-7
+    step_base_s: float = 1.58e-2
+    prefill_token_s: float = 4.33e-4
+    attention_pair_s: float = 1.50e-7
+    decode_seq_s: float = 1.83e-3
+    decode_context_s: float = 1.50e-7
 
     def __post_init__(self) -> None:
         for item in fields(self):
