@@ -3,26 +3,47 @@
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvyard.models import cpu_kernels
 from kvyard.models.attention import build_attention_metadata, paged_attention
-from kvyard.models.cpu_kernels import PagedPrefillKernel, SmallLinearKernel, find_compiler, load_native_kernels
+from kvyard.models.cpu_kernels import (
+    NativeKernels,
+    PagedPrefillKernel,
+    SmallLinearKernel,
+    bind_kernels,
+    compile_kernels,
+    find_compiler,
+    load_native_kernels,
+)
 
 
 @pytest.fixture(scope="module")
-def small_linear() -> SmallLinearKernel:
+def native() -> NativeKernels:
     kernels = load_native_kernels()
     if kernels is None:
         assert find_compiler() is None, "a C compiler is here but the kernels did not build"
         pytest.skip("no C compiler here")
-    return kernels.small_linear
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    """The kernels built without -march=native (on x86-64: without AVX2), so they take their plain C paths."""
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path_factory.mktemp("portable") / "kernels_portable.so"
+    compile_kernels(compiler, ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"], library_path)
+    return bind_kernels(ctypes.CDLL(str(library_path)), 2)
+
+
+@pytest.fixture(scope="module")
+def small_linear(native: NativeKernels) -> SmallLinearKernel:
+    return native.small_linear
 
 
 # Shapes cover whole 4-row tiles with k % 8 == 0 (vector path), ragged tiles, and odd k (scalar path),
@@ -48,29 +69,21 @@ def test_small_linear_reads_a_non_contiguous_input(small_linear: SmallLinearKern
     torch.testing.assert_close(small_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
-def test_fused_add_rms_norm_matches_the_reference() -> None:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
+def test_fused_add_rms_norm_matches_the_reference(native: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(300, 96, generator=generator)  # enough rows to take the multi-threaded path
     residual = torch.randn(300, 96, generator=generator)
     weight = torch.randn(96, generator=generator)
     total = x + residual
     expected = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
-    out = kernels.elementwise.add_rms_norm(x, residual, weight, 1e-6)
+    out = native.elementwise.add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(residual, total, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    norm_only = kernels.elementwise.add_rms_norm(None, total.clone(), weight, 1e-6)
+    norm_only = native.elementwise.add_rms_norm(None, total.clone(), weight, 1e-6)
     torch.testing.assert_close(norm_only, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rotary_in_place_matches_the_reference() -> None:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
+def test_rotary_in_place_matches_the_reference(native: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(3)
     num_tokens, num_heads, head_dim = 5, 3, 16
     packed = torch.randn(num_tokens, 2 * num_heads * head_dim, generator=generator)
@@ -81,18 +94,14 @@ def test_rotary_in_place_matches_the_reference() -> None:
     first, second = x.chunk(2, dim=-1)
     expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     untouched = packed[:, : num_heads * head_dim].clone()
-    kernels.elementwise.rotary(x, angles.cos(), angles.sin(), positions)
+    native.elementwise.rotary(x, angles.cos(), angles.sin(), positions)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     torch.testing.assert_close(packed[:, : num_heads * head_dim], untouched, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
-def paged_prefill() -> PagedPrefillKernel:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
-    return kernels.paged_prefill
+def paged_prefill(native: NativeKernels) -> PagedPrefillKernel:
+    return native.paged_prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,30 +182,16 @@ def test_paged_prefill_reads_strided_rows_of_a_fused_projection(paged_prefill: P
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_portable_prefill_path_matches_too(tmp_path: Path) -> None:
-    """Built without -march=native (on x86-64: without AVX2), the kernel takes its plain C path."""
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library_path = tmp_path / "prefill_portable.so"
-    source = Path(cpu_kernels.__file__).parent / "csrc" / "prefill_attention.c"
-    command = [compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(library_path)]
-    subprocess.run([*command, "-lm"], check=True, capture_output=True)
-    function = ctypes.CDLL(str(library_path)).kvyard_paged_prefill_attention
-    function.restype = ctypes.c_int
-    pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    function.argtypes = [
-        pointer, int64, pointer, pointer, int64, pointer, integer, int64, int64, integer, integer, integer,
-        ctypes.c_float, pointer, integer,
-    ]  # fmt: skip
-    portable = PagedPrefillKernel(function, 2)
+def test_portable_prefill_path_matches_too(portable: NativeKernels) -> None:
     for query_len, context_len, head_dim in ((130, 400, 64), (9, 50, 13), (40, 40, 64)):
         case = _prefill_case(query_len, context_len, 16, num_heads=4, num_kv_heads=2, head_dim=head_dim)
         expected = _paged_attention_of(case, None)
-        torch.testing.assert_close(_paged_attention_of(case, portable), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_paged_attention_of(case, portable.paged_prefill), expected, rtol=1e-5, atol=1e-5)
 
 
-def _decode_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int):
+def _decode_reference(
+    q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Per sequence: gather its keys and values through the block table, attend in float64."""
     num_heads, num_kv_heads = q.shape[1], cache.shape[2]
     outs = []
@@ -210,7 +205,9 @@ def _decode_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor
     return torch.stack(outs)
 
 
-def _decode_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+def _decode_case(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     generator = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, 600, (num_seqs,), generator=generator)
     lens[0] = 7  # shorter than one vector of scores: all scalar tail
@@ -226,44 +223,27 @@ def _decode_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 128), (8, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_decode_matches_dense_attention(
-    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    native: NativeKernels, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
     q, cache, tables, lens, max_blocks = _decode_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, 11)
-    out = kernels.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5)
+    out = native.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5)
     torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, block_size), rtol=1e-5, atol=2e-6)
 
 
-def test_portable_decode_path_matches_too(tmp_path: Path) -> None:
-    """Built without -march=native (on x86-64: without AVX2), the decode kernel takes its plain C path."""
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library_path = tmp_path / "decode_portable.so"
-    source = Path(cpu_kernels.__file__).parent / "csrc" / "paged_attention.c"
-    command = [compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(source), "-o", str(library_path)]
-    subprocess.run([*command, "-lm"], check=True, capture_output=True)
-    function = ctypes.CDLL(str(library_path)).kvyard_paged_decode_attention
-    function.restype = None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    function.argtypes = [pointer] * 7 + [integer] * 6 + [ctypes.c_int64, ctypes.c_float, integer]
-    portable = cpu_kernels.PagedDecodeKernel(function, 2)
+def test_portable_decode_path_matches_too(portable: NativeKernels) -> None:
     q, cache, tables, lens, max_blocks = _decode_case(6, 8, 4, 64, 16, 12)
-    out = portable(q, cache[0], cache[1], tables, lens, max_blocks * 16, 16, 64**-0.5)
+    out = portable.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * 16, 16, 64**-0.5)
     torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, 16), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_fast_paths_match_torch(with_bias: bool) -> None:
+def test_linear_fast_paths_match_torch(native: NativeKernels, with_bias: bool) -> None:
     """Every row count takes one of the fast paths (native kernel, packed oneDNN) and agrees with F.linear."""
     from kvyard.models.layers import Linear, enable_cpu_fast_paths
 
     torch.manual_seed(5)
     layer = Linear(96, 200, bias=with_bias)
-    assert enable_cpu_fast_paths(layer, load_native_kernels())
+    assert enable_cpu_fast_paths(layer, native)
     if torch.backends.mkldnn.is_available():
         assert layer.packed_weight is not None
     for rows in (1, layer.max_small_rows, layer.max_small_rows + 1, 64, 300):
@@ -272,30 +252,22 @@ def test_linear_fast_paths_match_torch(with_bias: bool) -> None:
         torch.testing.assert_close(layer(x), expected.float(), rtol=1e-5, atol=1e-4)
 
 
-def test_silu_mul_matches_the_reference() -> None:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
+def test_silu_mul_matches_the_reference(native: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(4)
     for rows, dim in ((3, 13), (200, 1408)):  # scalar tail only; vector path over enough rows to go parallel
         gate_up = torch.randn(rows, 2 * dim, generator=generator) * 8  # reaches far into both tails of silu
         gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
         gate, up = gate_up.double().split(dim, dim=-1)
         expected = (F.silu(gate) * up).float()
-        torch.testing.assert_close(kernels.elementwise.silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(native.elementwise.silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
 
 
-def test_argmax_rows_picks_the_first_maximum() -> None:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
+def test_argmax_rows_picks_the_first_maximum(native: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(6)
     logits = torch.randn(70, 32000, generator=generator)
     logits[1, 5] = logits[1, 900] = 50.0  # a tie: the first index wins, as in torch
     logits[2] = float("-inf")
     logits[2, 31999] = 0.0  # the maximum in the last column
     logits[3] = float("-inf")  # nothing but -inf: index 0
-    assert torch.equal(kernels.elementwise.argmax(logits), logits.argmax(dim=-1))
-    assert kernels.elementwise.argmax(logits)[1] == 5
+    assert torch.equal(native.elementwise.argmax(logits), logits.argmax(dim=-1))
+    assert native.elementwise.argmax(logits)[1] == 5

@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached per machine.
 
 Only what PyTorch lacks or does slowly here: decode and prefill-chunk attention that read the
-paged KV cache in place instead of gathering it into a temporary first, and the few-row matmul of
-a decode step, which must stream the weights at memory speed. Without a compiler (or with
+paged KV cache in place instead of gathering it into a temporary first, the few-row matmul of
+a decode step, which must stream the weights at memory speed, and fused elementwise work. Without a compiler (or with
 KVYARD_CPU_KERNELS=0) callers use the pure PyTorch path, which computes the same thing.
 """
 
@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,11 @@ def load_native_kernels() -> NativeKernels | None:
     except (OSError, FileNotFoundError) as error:
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", error)
         return None
+    return bind_kernels(library, torch.get_num_threads())
+
+
+def bind_kernels(library: ctypes.CDLL, threads: int) -> NativeKernels:
+    """Declare the C signatures of a built kernel library and wrap its functions."""
     pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     decode = library.kvyard_paged_decode_attention
     decode.restype = None
@@ -223,7 +229,6 @@ def load_native_kernels() -> NativeKernels | None:
     argmax = library.kvyard_argmax_rows
     argmax.restype = None
     argmax.argtypes = [pointer, int64, int64, pointer]
-    threads = torch.get_num_threads()
     return NativeKernels(
         PagedDecodeKernel(decode, threads),
         PagedPrefillKernel(prefill, threads),
@@ -240,8 +245,7 @@ def _compiled_library() -> Path:
     compiler = find_compiler()
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    sources = [_SOURCE_DIR / name for name in _SOURCES]
-    source = b"".join(path.read_bytes() for path in [*sources, *(_SOURCE_DIR / name for name in _HEADERS)])
+    source = b"".join((_SOURCE_DIR / name).read_bytes() for name in (*_SOURCES, *_HEADERS))
     fingerprint = hashlib.sha256(source + " ".join(_FLAGS).encode() + _machine_fingerprint()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"kvyard-cpu-{fingerprint}.so"
     if target.is_file():
@@ -249,10 +253,15 @@ def _compiled_library() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"]
-        subprocess.run(command, check=True, capture_output=True)
+        compile_kernels(compiler, _FLAGS, built)
         built.replace(target)  # atomic: concurrent builders each install a complete file
     return target
+
+
+def compile_kernels(compiler: str, flags: Sequence[str], output: Path) -> None:
+    """Build every kernel source into one shared library (the tests also build it without -march=native)."""
+    sources = [str(_SOURCE_DIR / name) for name in _SOURCES]
+    subprocess.run([compiler, *flags, *sources, "-o", str(output), "-lm"], check=True, capture_output=True)
 
 
 def _machine_fingerprint() -> bytes:

@@ -2,8 +2,8 @@
  * The per-layer elementwise work of a decoder step, fused so that a decode step pays one call
  * instead of a dozen small PyTorch ops each: residual add + RMSNorm, rotary embedding, the gated
  * MLP's SiLU-and-multiply; and the greedy sampler's row-wise argmax.
- * fp32, row-major, contiguous rows. Products are not contracted into FMAs, so each rounds
- * exactly where the PyTorch reference rounds.
+ * fp32, row-major, contiguous rows. In the norm and the rotation, products are not contracted into
+ * FMAs, so each rounds exactly where the PyTorch reference rounds; SiLU uses its own exponential.
  */
 #include <math.h>
 #include <stddef.h>

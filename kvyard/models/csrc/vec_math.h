@@ -1,4 +1,4 @@
-/* Vector math shared by the AVX2 paths of the attention kernels. */
+/* Vector math shared by the AVX2 paths of the kernels. */
 #ifndef KVYARD_VEC_MATH_H
 #define KVYARD_VEC_MATH_H
 
