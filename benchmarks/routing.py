@@ -11,6 +11,11 @@ arrival speed-up is chosen so the fleet's simulated work (sim cost model, ideal 
 `--utilisation` of its capacity; each run reports the sim's lag, the time the replicas ran behind their cost
 model because the machine could not keep up (small against the replay span means the timing held).
 
+Hit ratios are written next to two references computed from the requests alone, at the sim's block size: an
+unlimited cache, and one LRU cache as large as the whole fleet (`pooled_lru_hit_ratio`), which is about what a
+router that keeps conversations home on balanced LRU replicas can reach. Hit ratios move by about ±0.005 from
+run to run, so `--repeats N` runs every router N times (round by round) and `summary` gives mean, min and max.
+
 A second phase measures router overhead: CPU seconds of the router process per proxied request and
 requests/s, with one simulated replica answering 1-token completions.
 
@@ -29,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,7 @@ class Result:
 class Target:
     name: str
     command: list[str] = field(default_factory=list)  # {port} and {workers} are filled in
+    by_default: bool = True  # variants that only run when `--only` names them
 
 
 def load_trace(path: Path, count: int, max_output: int) -> list[TraceRequest]:
@@ -102,6 +109,35 @@ def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
             hits += hash_id in seen
             total += 1
             seen.add(hash_id)
+    return hits / max(1, total)
+
+
+def pooled_lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int, block_size: int = 16) -> float:
+    """Hit ratio of one LRU prefix cache of `capacity_blocks` serving the requests in arrival order, evicting a
+    released prompt's tail before its prefix as the sim does. With every conversation kept on one replica and the
+    work balanced, each replica's LRU evicts at the fleet's average rate, so the fleet behaves about like one LRU
+    of the fleet's total size: this is the reference a router's hit ratio is read against (not a strict bound)."""
+    per_trace_block = TRACE_BLOCK // block_size
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    hits = total = 0
+    for request in requests:
+        chain, chains = 0, []
+        for hash_id in request.hash_ids:
+            chain = hash((chain, hash_id))
+            chains.append(chain)
+        keys = [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
+        matched = 0
+        for key in keys[: (request.input_length - 1) // block_size]:
+            if key not in cache:
+                break
+            matched += 1
+        hits += matched * block_size
+        total += request.input_length
+        for key in reversed(keys):
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
     return hits / max(1, total)
 
 
@@ -151,14 +187,16 @@ def targets(selected: list[str]) -> list[Target]:
     every = [Target(f"kvyard {p}", [*kvyard, "--policy", p])
              for p in ("cache_aware", "least_load", "session", "round_robin")]  # fmt: skip
     every += [Target(f"kvyard cache_aware sw{w}", [*kvyard, "--policy", "cache_aware", "--session-recompute-weight",
-                     w]) for w in ("10", "1000")]  # fmt: skip
+                     w], by_default=False) for w in ("10", "1000")]  # fmt: skip
     every += [
         Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
         Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),
         Target("vllm-router cache_aware", [*vllm, "--policy", "cache_aware"]),
         Target("vllm-router round_robin", [*vllm, "--policy", "round_robin"]),
     ]
-    return [t for t in every if not selected or any(_selects(s, t.name) for s in selected)]
+    if not selected:
+        return [t for t in every if t.by_default]
+    return [t for t in every if any(_selects(s, t.name) for s in selected)]
 
 
 def _selects(pattern: str, name: str) -> bool:
@@ -257,6 +295,22 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def across_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per router: mean, min and max of each headline number over the rounds it completed."""
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        if "skipped" not in run:
+            by_router.setdefault(run["router"], []).append(run)
+    summary = []
+    for router, completed in by_router.items():
+        row: dict[str, Any] = {"router": router, "rounds": len(completed)}
+        for metric in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "requests_per_s"):
+            values = [run[metric] for run in completed]
+            row[metric] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+        summary.append(row)
+    return summary
 
 
 def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any]:
@@ -375,6 +429,7 @@ def main() -> int:
     parser.add_argument(
         "--only", action="append", default=[], help="run only routers whose name contains this (is it, with a final $)"
     )
+    parser.add_argument("--repeats", type=int, default=1, help="rounds; each round runs every router once")
     parser.add_argument("--overhead-requests", type=int, default=2000)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--overhead-only", action="store_true", help="measure router overhead only")
@@ -386,6 +441,8 @@ def main() -> int:
     blocks: dict[int, str] = {}
     prompts = [prompt_text(r, blocks) for r in requests]
     ideal = ideal_hit_ratio(requests)
+    pooled = pooled_lru_hit_ratio(requests, args.replicas * args.capacity_blocks)
+    unlimited = pooled_lru_hit_ratio(requests, sys.maxsize)
     trace_span = max(r.arrival_s for r in requests) or 1.0
     # utilisation = work (wall) / (replicas * replay span); work (wall) = simulated work * time_scale
     work = service_seconds(requests, ideal)
@@ -398,19 +455,25 @@ def main() -> int:
         "capacity_blocks_per_replica": args.capacity_blocks, "block_size": 16,
         "working_set_blocks": len(blocks) * TRACE_BLOCK // 16, "time_scale": args.time_scale,
         "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
-        "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366, "cpus": os.cpu_count(),
+        "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366,
+        "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
+        "cpus": os.cpu_count(),
     }  # fmt: skip
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
         return 0
     routed = [] if args.overhead_only else targets(args.only)
-    results = [run_target(t, args, requests, prompts, speedup, logs) for t in routed]
+    results = []
+    for round_number in range(1, args.repeats + 1):
+        for target in routed:
+            results.append({**run_target(target, args, requests, prompts, speedup, logs), "round": round_number})
     overheads = []
     if not args.skip_overhead:
         measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware", "smg cache_aware",
                     "vllm-router cache_aware")  # fmt: skip
         overheads = [overhead(t, args, logs) for t in targets(args.only) if t.name in measured]
-    args.out.write_text(json.dumps({"conditions": conditions, "routing": results, "overhead": overheads}, indent=2))
+    report = {"conditions": conditions, "summary": across_rounds(results), "routing": results, "overhead": overheads}
+    args.out.write_text(json.dumps(report, indent=2))
     return 0
 
 
