@@ -117,17 +117,12 @@ def pooled_lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int, blo
     released prompt's tail before its prefix as the sim does. With every conversation kept on one replica and the
     work balanced, each replica's LRU evicts at the fleet's average rate, so the fleet behaves about like one LRU
     of the fleet's total size: this is the reference a router's hit ratio is read against (not a strict bound)."""
-    per_trace_block = TRACE_BLOCK // block_size
     cache: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = total = 0
     for request in requests:
-        chain, chains = 0, []
-        for hash_id in request.hash_ids:
-            chain = hash((chain, hash_id))
-            chains.append(chain)
-        keys = [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
+        keys = block_keys(request, block_size)
         matched = 0
-        for key in keys[: (request.input_length - 1) // block_size]:
+        for key in keys[: (request.input_length - 1) // block_size]:  # the last token is always computed
             if key not in cache:
                 break
             matched += 1
@@ -139,6 +134,16 @@ def pooled_lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int, blo
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
     return hits / max(1, total)
+
+
+def block_keys(request: TraceRequest, block_size: int) -> list[tuple[int, int]]:
+    """One key per full block of the prompt: (the chain of trace hash ids up to its trace block, its offset)."""
+    per_trace_block = TRACE_BLOCK // block_size
+    chain, chains = 0, []
+    for hash_id in request.hash_ids:
+        chain = hash((chain, hash_id))
+        chains.append(chain)
+    return [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
 
 
 def service_seconds(requests: list[TraceRequest], hit_ratio: float) -> float:
