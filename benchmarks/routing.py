@@ -12,7 +12,7 @@ arrival speed-up is chosen so the fleet's simulated work (sim cost model, ideal 
 model because the machine could not keep up (small against the replay span means the timing held).
 
 Hit ratios are written next to two references computed from the requests alone, at the sim's block size: an
-unlimited cache, and one LRU cache as large as the whole fleet (`pooled_lru_hit_ratio`), which is about what a
+unlimited cache, and one LRU cache as large as the whole fleet (`lru_hit_ratios`), which is about what a
 router that keeps conversations home on balanced LRU replicas can reach. Hit ratios move by about ±0.005 from
 run to run, so `--repeats N` runs every router N times (round by round) and `summary` gives mean, min and max.
 
@@ -112,28 +112,34 @@ def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
     return hits / max(1, total)
 
 
-def pooled_lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int, block_size: int = 16) -> float:
-    """Hit ratio of one LRU prefix cache of `capacity_blocks` serving the requests in arrival order, evicting a
-    released prompt's tail before its prefix as the sim does. With every conversation kept on one replica and the
-    work balanced, each replica's LRU evicts at the fleet's average rate, so the fleet behaves about like one LRU
-    of the fleet's total size: this is the reference a router's hit ratio is read against (not a strict bound)."""
-    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
-    hits = total = 0
+def lru_hit_ratios(requests: list[TraceRequest], capacities: list[int], block_size: int = 16) -> list[float]:
+    """Hit ratio of one LRU prefix cache of each capacity (in blocks) serving the requests in arrival order,
+    evicting a released prompt's tail before its prefix as the sim does. With every conversation kept on one
+    replica and the work balanced, each replica's LRU evicts at the fleet's average rate, so the fleet behaves
+    about like one LRU of the fleet's total size: the reference a router's hit ratio is read against (not a
+    strict bound)."""
+    caches: list[OrderedDict[tuple[int, int], None]] = [OrderedDict() for _ in capacities]
+    hits = [0] * len(capacities)
+    total = 0
     for request in requests:
         keys = block_keys(request, block_size)
-        matched = 0
-        for key in keys[: (request.input_length - 1) // block_size]:  # the last token is always computed
-            if key not in cache:
-                break
-            matched += 1
-        hits += matched * block_size
+        matchable = keys[: (request.input_length - 1) // block_size]  # the last token is always computed
         total += request.input_length
-        for key in reversed(keys):
-            cache[key] = None
-            cache.move_to_end(key)
-        while len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-    return hits / max(1, total)
+        for index, (cache, capacity) in enumerate(zip(caches, capacities, strict=True)):
+            hits[index] += _matched_blocks(cache, matchable) * block_size
+            for key in reversed(keys):
+                cache[key] = None
+                cache.move_to_end(key)
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+    return [h / max(1, total) for h in hits]
+
+
+def _matched_blocks(cache: OrderedDict[tuple[int, int], None], keys: list[tuple[int, int]]) -> int:
+    for matched, key in enumerate(keys):
+        if key not in cache:
+            return matched
+    return len(keys)
 
 
 def block_keys(request: TraceRequest, block_size: int) -> list[tuple[int, int]]:
@@ -446,8 +452,7 @@ def main() -> int:
     blocks: dict[int, str] = {}
     prompts = [prompt_text(r, blocks) for r in requests]
     ideal = ideal_hit_ratio(requests)
-    pooled = pooled_lru_hit_ratio(requests, args.replicas * args.capacity_blocks)
-    unlimited = pooled_lru_hit_ratio(requests, sys.maxsize)
+    pooled, unlimited = lru_hit_ratios(requests, [args.replicas * args.capacity_blocks, sys.maxsize])
     trace_span = max(r.arrival_s for r in requests) or 1.0
     # utilisation = work (wall) / (replicas * replay span); work (wall) = simulated work * time_scale
     work = service_seconds(requests, ideal)
