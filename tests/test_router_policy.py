@@ -45,3 +45,17 @@ def test_a_session_stays_on_the_replica_of_its_last_turn_under_the_same_queue() 
     assert route(policy, (a, b), "conversation-2") is b  # a new session has no home yet
     a.pending_prefill_cost = 400 * saved  # an overloaded home still lets the session go
     assert route(policy, (a, b), "conversation-1") is b
+
+
+def test_new_conversations_take_turns_over_equal_idle_replicas() -> None:
+    policy = CacheAware(RouterConfig())
+    replicas = [Replica(f"http://{name}") for name in "abc"]
+    for replica in replicas:
+        replica.index.reset([], seq=0)
+    chosen = []
+    for conversation in range(6):
+        request = RouteRequest(
+            "completion", {"model": "m"}, None, list(range(conversation * 100, conversation * 100 + 64)), None
+        )
+        chosen.append(policy.choose(request, replicas).replica.url)
+    assert chosen == ["http://a", "http://b", "http://c"] * 2

@@ -118,7 +118,8 @@ class CacheAware:
     """
 
     config: RouterConfig
-    rng: random.Random = field(default_factory=random.Random)
+    _decisions: itertools.count[int] = field(default_factory=itertools.count)
+    _last_chosen: dict[str, int] = field(default_factory=dict)  # url -> number of the decision that last chose it
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
     _last_replica: OrderedDict[str, str] = field(default_factory=OrderedDict)  # session key -> url
 
@@ -134,16 +135,19 @@ class CacheAware:
         cheapest = min(cost for _, _, cost in options)
         home_url = self._last_replica.get(request.session_key) if request.session_key else None
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
-        best: tuple[float, int, int, float] | None = None
+        best: tuple[float, int, int, int] | None = None
         chosen: Decision | None = None
         for replica, cached, cost in options:
             extra = self.config.recompute_weight * (cost - cheapest)
             if home_cost is not None and replica.url != home_url:
                 extra += self.config.session_recompute_weight * max(0.0, cost - home_cost)
-            rank = (self._queue_cost(replica) + cost + extra, -(cached or 0), replica.in_flight, self.rng.random())
+            # Equal replicas (e.g. idle ones for a new conversation) take turns: the least recently chosen wins.
+            last_chosen = self._last_chosen.get(replica.url, -1)
+            rank = (self._queue_cost(replica) + cost + extra, -(cached or 0), replica.in_flight, last_chosen)
             if best is None or rank < best:
                 best, chosen = rank, Decision(replica, cached, cost, None)
         assert chosen is not None
+        self._last_chosen[chosen.replica.url] = next(self._decisions)
         if request.session_key:
             self._remember_session(request.session_key, chosen.replica.url)
         if tokens:
