@@ -42,7 +42,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. between benchmark runs); call between generate calls."""
-        self.engine.block_pool.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
 
     def generate(
         self,

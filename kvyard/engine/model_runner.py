@@ -1,13 +1,16 @@
-"""Owns the model and its paged KV cache; turns a scheduled batch into logits."""
+"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvyard.engine.sampler import Argmax, torch_argmax
+from kvyard.engine.core import SampledToken
+from kvyard.engine.request import Request
+from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.models.attention import build_attention_metadata
 from kvyard.models.config import ModelConfig
@@ -46,8 +49,33 @@ class ModelRunner:
         self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
         self.uses_cpu_fast_paths = enable_cpu_fast_paths(model, kernels)
         self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
+        self._generators: dict[str, torch.Generator] = {}  # per-request seeded generators
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> BatchLogits:
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
+        """One forward pass, then a sampled token for every request whose sequence it completes."""
+        batch = self.forward(scheduled)
+        if not batch.sampling:
+            return []
+        rows = [self._sampling_row(item.request) for item in batch.sampling]
+        token_ids, logprobs = sample(batch.logits, rows, self.argmax)
+        return [
+            SampledToken(item.request, token_id, token_logprobs)
+            for item, token_id, token_logprobs in zip(batch.sampling, token_ids, logprobs)
+        ]
+
+    def release(self, request: Request) -> None:
+        self._generators.pop(request.request_id, None)
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        generator = self._generators.get(request.request_id)
+        if generator is None and params.seed is not None:
+            generator = self._generators[request.request_id] = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        return SamplingRow(params, generator, tuple(request.banned_token_ids()))
+
+    def forward(self, scheduled: Sequence[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.
 
         The caller holds torch.inference_mode (the sampler then edits logits in place)."""

@@ -54,6 +54,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_table entered into the prefix cache
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # the request's stop ids plus EOS unless ignore_eos
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -74,6 +75,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def banned_token_ids(self) -> frozenset[int]:
+        """Tokens the sampler must not pick now: the stop tokens, until `min_tokens` are out."""
+        if self.num_output_tokens < self.sampling_params.min_tokens:
+            return self.stop_token_ids
+        return frozenset()
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

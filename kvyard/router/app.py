@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
@@ -28,7 +29,6 @@ from kvyard.router.proxy import Forwarder, Retry
 from kvyard.router.registry import Registry
 from kvyard.router.replica import Replica
 from kvyard.router.tokens import Tokenizer
-from kvyard.server.errors import APIError, bad_request, error_body
 
 _LOG = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 30.0

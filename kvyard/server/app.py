@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvyard.api.errors import APIError, bad_request
 from kvyard.engine.llm_engine import EngineConfig, LLMEngine
 from kvyard.server.async_engine import AsyncEngine, EngineDeadError
 from kvyard.server.completions import CompletionRunner, PreparedRequest, build_sampling_params, new_request_id
-from kvyard.server.errors import APIError, bad_request, error_response
 from kvyard.server.kv_events import kv_event_routes
 from kvyard.server.kv_tier_metrics import KVTierCollector
 from kvyard.server.metrics import ServerMetrics
@@ -128,7 +128,7 @@ async def _load(replica: Replica, engine: LLMEngine | None) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
+        return error_response(error.status, error.message, error.param, error.code, error.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -137,6 +137,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
         return error_response(503, str(error), code="engine_dead")
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None
+) -> JSONResponse:
+    error = APIError(status, message, param, code, retry_after)
+    return JSONResponse(error.body(), status_code=status, headers=error.headers())
 
 
 def _validation_response(errors: Any) -> JSONResponse:
@@ -202,6 +209,7 @@ def _add_info_routes(app: FastAPI, replica: Replica) -> None:
     @app.get("/load")
     async def load() -> dict[str, Any]:
         stats = replica.ready_engine().stats
+        assert stats is not None  # published before the engine thread starts
         return {
             "num_waiting": stats.num_waiting,
             "num_running": stats.num_running,
@@ -232,6 +240,8 @@ def _refresh_gauges(replica: Replica) -> None:
     if replica.engine is None:
         return
     stats, m = replica.engine.stats, replica.metrics
+    if stats is None:
+        return
     m.waiting.set(stats.num_waiting)
     m.running.set(stats.num_running)
     m.kv_blocks_used.set(stats.kv_blocks_used)
@@ -273,7 +283,7 @@ async def _serve(replica: Replica, request: Request, prepared: PreparedRequest) 
 def _admit(replica: Replica) -> None:
     if replica.draining:
         raise APIError(503, "server is shutting down", code="draining", retry_after=1)
-    limit = replica.llm.config.max_num_seqs + replica.config.max_queued_requests
+    limit = replica.llm.config.scheduler.max_num_seqs + replica.config.max_queued_requests
     if replica.in_flight >= limit:
         replica.metrics.requests.labels(outcome="rejected_overload").inc()
         raise APIError(429, f"too many requests in flight ({replica.in_flight}); retry later",

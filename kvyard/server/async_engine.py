@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.engine.llm_engine import LLMEngine, RequestOutput
+from kvyard.engine.core import EngineStats, RequestOutput
+from kvyard.engine.llm_engine import LLMEngine
 from kvyard.engine.sampling_params import SamplingParams
 
 
@@ -29,24 +30,10 @@ class _Command:
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Counters read by the HTTP layer without entering the engine thread."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    tokens_in_flight: int = 0
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    num_preemptions: int = 0
-
-
-@dataclass(slots=True)
 class AsyncEngine:
     engine: LLMEngine
     loop: asyncio.AbstractEventLoop
-    stats: EngineStats = field(default_factory=EngineStats)
+    stats: EngineStats | None = None
     error: BaseException | None = None
     _commands: queue.Queue[_Command | None] = field(default_factory=queue.Queue)
     _streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = field(default_factory=dict)
@@ -140,18 +127,7 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(_set_result, command.future, result)
 
     def _publish_stats(self) -> None:
-        engine = self.engine
-        scheduler = engine.scheduler
-        self.stats = EngineStats(
-            num_waiting=scheduler.num_waiting,
-            num_running=scheduler.num_running,
-            kv_blocks_used=engine.block_pool.num_used_blocks,
-            kv_blocks_total=engine.num_kv_blocks,
-            tokens_in_flight=sum(r.num_tokens for r in scheduler.running),
-            prefix_cache_queried_tokens=engine.kv_manager.num_queried_tokens,
-            prefix_cache_hit_tokens=engine.kv_manager.num_hit_tokens,
-            num_preemptions=scheduler.num_preemptions,
-        )
+        self.stats = self.engine.stats()
 
     # ----------------------------------------------------------------- event loop side
 

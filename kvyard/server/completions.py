@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvyard.api.errors import APIError, bad_request
 from kvyard.engine.llm_engine import RequestOutput
 from kvyard.engine.request import TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.server.async_engine import AsyncEngine
-from kvyard.server.errors import APIError, bad_request
 from kvyard.server.metrics import ServerMetrics
 from kvyard.server.protocol import SamplingFields
 

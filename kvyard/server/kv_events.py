@@ -17,17 +17,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvyard.engine.llm_engine import LLMEngine
+from kvyard.api.errors import APIError
+from kvyard.engine.core import KVSnapshot
 from kvyard.kvcache.events import KVEventLog, event_json
 from kvyard.server.async_engine import AsyncEngine
-from kvyard.server.errors import APIError
 
 POLL_INTERVAL_S = 0.02
 
 
 def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine], shutting_down: Callable[[], bool]) -> None:
     def event_log() -> KVEventLog:
-        log = ready_engine().engine.kv_events
+        log = ready_engine().engine.kv_event_log()
         if log is None:
             raise APIError(404, "this replica does not record KV events", code="kv_events_disabled")
         return log
@@ -44,16 +44,10 @@ def kv_event_routes(app: FastAPI, ready_engine: Callable[[], AsyncEngine], shutt
     async def kv_snapshot() -> dict[str, Any]:
         engine = ready_engine()
         event_log()
-        seq, keys = await engine.call(_snapshot)
-        namespace = asdict(engine.engine.namespace)
+        snapshot: KVSnapshot = await engine.call(lambda core: core.kv_snapshot())
+        namespace = asdict(snapshot.namespace)
         namespace.pop("cache_salt")
-        return {"seq": seq, "block_keys": [k.hex() for k in keys], "namespace": namespace}
-
-
-def _snapshot(engine: LLMEngine) -> tuple[int, list[bytes]]:
-    """Runs on the engine thread between steps, so the keys and the sequence number agree."""
-    assert engine.kv_events is not None
-    return engine.kv_events.last_seq, engine.block_pool.cached_block_keys()
+        return {"seq": snapshot.seq, "block_keys": [k.hex() for k in snapshot.block_keys], "namespace": namespace}
 
 
 async def _event_stream(

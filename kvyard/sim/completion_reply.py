@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from kvyard.server.errors import APIError, error_body
+from kvyard.api.errors import APIError, error_body
 from kvyard.sim.http_io import json_response, sse_bytes
 from kvyard.sim.replica import RequestStream
 from kvyard.sim.tokens import decode

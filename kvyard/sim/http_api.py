@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from kvyard import __version__
+from kvyard.api.errors import APIError, bad_request
 from kvyard.kvcache.events import event_json
-from kvyard.server.errors import APIError, bad_request
 from kvyard.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest
 from kvyard.sim.completion_reply import Reply
 from kvyard.sim.http_io import error_json, int_query, json_response, parse_body, read_json, take_token_ids, validate

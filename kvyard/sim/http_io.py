@@ -8,7 +8,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from kvyard.server.errors import APIError, bad_request, error_body
+from kvyard.api.errors import APIError, bad_request, error_body
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 

@@ -1,0 +1,306 @@
+"""The engine's core: requests, scheduling, prefix cache and stopping, with the model behind a `Runner`.
+
+Every step the scheduler picks a batch (decode tokens and prefill chunks under a token budget), the
+runner computes it and returns one sampled token for every request whose known tokens are now all
+computed, and the core registers the newly full blocks in the prefix cache, appends the tokens and
+decides which requests stop. The core imports no torch: `ModelRunner` (a real model) and the
+simulator's `CostRunner` (a cost model) plug into the same loop, so the simulator schedules, caches
+and evicts exactly as the engine does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt
+from kvyard.engine.block_pool import BlockPool
+from kvyard.engine.detokenizer import Decoder, IncrementalDetokenizer
+from kvyard.engine.kv_cache_manager import BlockTier, KVCacheManager
+from kvyard.engine.request import Request, RequestStatus, TokenLogprobs
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.events import KVEventLog
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    request: Request
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Runner(Protocol):
+    """Computes scheduled batches: a model on a device, or a cost model in the simulator."""
+
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
+        """Compute every scheduled token (decodes come first in `scheduled`); return a token for each item
+        that completes its sequence, in order. Request state is as before the step."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request has finished or was aborted: drop anything kept for it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """The limits the core enforces; `EngineConfig` and `SimConfig` derive them."""
+
+    limits: ContextLimits
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enable_prefix_caching: bool = True
+    record_kv_events: bool = False
+    event_log_capacity: int = 65536
+
+    @property
+    def block_size(self) -> int:
+        return self.limits.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """time.monotonic() stamps of a request's life, for latency metrics (TTFT = first_token - arrival)."""
+
+    arrival: float
+    first_token: float | None
+    finished: float | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | str | None = None
+    times: RequestTimes | None = None
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """`later` (the same request's next output) with this one's new tokens and text in front of its own."""
+        later.new_token_ids = self.new_token_ids + later.new_token_ids
+        later.new_text = self.new_text + later.new_text
+        return later
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The core's counters at one moment; what load reports and gauges are made of."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_in_flight: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    kv_tier_hit_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """The cached block keys and the KV-event sequence number they are current at."""
+
+    seq: int
+    block_keys: list[bytes]
+    namespace: KeyNamespace
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: CoreConfig,
+        namespace: KeyNamespace,
+        runner: Runner,
+        tokenizer: Decoder | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if namespace.block_size != config.block_size:
+            raise ValueError(f"namespace block size {namespace.block_size} != engine's {config.block_size}")
+        self.config = config
+        self.limits = config.limits
+        self.namespace = namespace
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._events = KVEventLog(config.event_log_capacity) if config.record_kv_events else None
+        self.block_pool = BlockPool(config.limits.num_kv_blocks, config.enable_prefix_caching, self._events)
+        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._root_keys: dict[str, bytes] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.namespace.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_prompt(prompt_token_ids, self.limits)
+        check_kv_room(len(prompt_token_ids) + params.max_tokens, self.limits)
+        detokenizer = self._make_detokenizer(params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            cache_root_key=self._root_key(cache_salt),
+            block_size=self.config.block_size,
+            stop_token_ids=self._stop_token_ids(params),
+        )
+        self._requests[request_id] = request
+        if detokenizer is not None:
+            self._detokenizers[request_id] = detokenizer
+        self.scheduler.add(request)
+        return request
+
+    def _root_key(self, cache_salt: str | None) -> bytes:
+        salt = cache_salt or ""
+        key = self._root_keys.get(salt)
+        if key is None:
+            if len(self._root_keys) >= 4096:  # a bound, not a policy: salts are cheap to recompute
+                self._root_keys.clear()
+            key = self._root_keys[salt] = self.namespace.with_salt(salt).root_key()
+        return key
+
+    def _make_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            if params.stop:
+                raise ValueError("stop strings need a tokenizer, and this model directory has none")
+            return None
+        return IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output)
+
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        return frozenset(stop)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that produced a token."""
+        schedule = self.scheduler.schedule()
+        if not schedule.scheduled:
+            return []
+        scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
+        sampled = self.runner.execute(scheduled)
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.kv_manager.register_computed_blocks(item.request)
+        now = time.monotonic()
+        return [self._accept_token(token, now) for token in sampled]
+
+    def _accept_token(self, token: SampledToken, now: float) -> RequestOutput:
+        request = token.request
+        request.append_token(token.token_id)
+        if token.logprobs is not None:
+            request.output_logprobs.append(token.logprobs)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detokenizer = self._detokenizers.get(request.request_id)
+        new_text, stop_string = "", None
+        if detokenizer is not None:
+            new_text, stop_string = detokenizer.push(token.token_id)
+        status = self._finish_status(request, token.token_id, stop_string)
+        if status is not None:
+            if detokenizer is not None and stop_string is None:
+                new_text += detokenizer.finish()
+            self._finish(request, status)
+        text = detokenizer.text if detokenizer is not None else ""
+        return _output(request, [token.token_id], text, new_text)
+
+    def _finish_status(self, request: Request, token_id: int, stop_string: str | None) -> RequestStatus | None:
+        params = request.sampling_params
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in request.stop_token_ids and request.num_output_tokens >= params.min_tokens:
+            request.stop_reason = token_id if token_id not in self.eos_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request)
+        del self._requests[request.request_id]
+        self._detokenizers.pop(request.request_id, None)
+
+    # ----------------------------------------------------------------- cache and statistics
+
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.kv_manager
+        return EngineStats(
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+            kv_blocks_used=self.block_pool.num_used_blocks,
+            kv_blocks_total=self.block_pool.num_blocks,
+            tokens_in_flight=sum(r.num_tokens for r in scheduler.running),
+            prefix_cache_queried_tokens=kv.num_queried_tokens,
+            prefix_cache_hit_tokens=kv.num_hit_tokens,
+            kv_tier_hit_tokens=kv.num_tier_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    def kv_event_log(self) -> KVEventLog | None:
+        """The `stored`/`removed` event log (thread-safe to read), or None when events are not recorded."""
+        return self._events
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Call between steps (on the engine's thread), so keys and sequence number agree."""
+        seq = self._events.last_seq if self._events is not None else 0
+        return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
+
+    def attach_tier(self, tier: BlockTier | None) -> None:
+        """Put a lower KV tier below the device cache (None detaches it)."""
+        self.kv_manager.tier = tier if self.config.enable_prefix_caching else None
+
+
+def _output(request: Request, new_token_ids: list[int], text: str, new_text: str) -> RequestOutput:
+    finished = request.is_finished
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=list(request.output_token_ids),
+        text=text,
+        finished=finished,
+        finish_reason=request.status.value if finished else None,
+        num_cached_tokens=max(0, request.num_cached_tokens),
+        new_token_ids=new_token_ids,
+        new_text=new_text,
+        logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,
+        stop_reason=request.stop_reason,
+        times=RequestTimes(request.arrival_time, request.first_token_time, time.monotonic() if finished else None),
+    )
