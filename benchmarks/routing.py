@@ -173,7 +173,7 @@ def free_port() -> int:
 def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     ports_file = log.with_suffix(".ports.json")
     ports_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "kvyard.sim", "--replicas", str(args.replicas), "--port", "0",
+    command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--port", "0",
                "--ports-file", str(ports_file), "--capacity-blocks", str(args.capacity_blocks),
                "--time-scale", str(args.time_scale), "--stream-interval-ms", "5"]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sim_overhead.py [--replicas 8] [--requests 1000] [--concurrency 32]
         [--prompt-len 2048] [--max-tokens 64] [--stream] [--time-scale 0.05] [--stream-interval-ms 2]
 
-Starts `python -m kvyard.sim` with N replicas, sends token-id prompts (half of each from a pool of
+Starts `python -m kvyard sim` with N replicas, sends token-id prompts (half of each from a pool of
 32 shared prefixes) round-robin from an aiohttp client in this process, and prints one JSON line:
 the sim process's CPU seconds (user + system, from /proc) per request and the replicas' total
 `kvyard_sim_lag_seconds` (how far they ran behind their cost model; near 0 means the process kept
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         ports = Path(scratch) / "ports.json"
-        command = [sys.executable, "-m", "kvyard.sim", "--port", "0", "--replicas", str(args.replicas),
+        command = [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", str(args.replicas),
                    "--ports-file", str(ports), "--time-scale", str(args.time_scale), "--stream-interval-ms",
                    str(args.stream_interval_ms), "--tick-ms", str(args.tick_ms), "--block-size", str(args.block_size),
                    "--capacity-blocks", "100000"]  # fmt: skip

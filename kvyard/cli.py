@@ -37,7 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_create_model(commands)
     _add_generate(commands)
     _add_serve(commands)
-    add_sim_command(commands)
+    add_sim_command(commands).set_defaults(handler=_run_sim)
     _add_bench(commands)
     add_route_command(commands)
     return parser
@@ -209,7 +209,8 @@ def _add_serve(commands: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvyard.engine.llm_engine import EngineConfig
-    from kvyard.server.app import ServerConfig, serve
+    from kvyard.server.app import ServerOptions
+    from kvyard.server.model_server import ModelServerConfig, serve_model
 
     try:
         kv_tier = kv_tier_config(args)
@@ -223,9 +224,29 @@ def _serve(args: argparse.Namespace) -> int:
         kv_tier=kv_tier,
         **engine_options(args),
     )
-    config = ServerConfig(engine, args.max_queued_requests, args.cache_salt_per_api_key)
-    serve(config, args.host, args.port, args.log_level)
-    return 0
+    options = ServerOptions(args.max_queued_requests, args.cache_salt_per_api_key)
+    return serve_model(ModelServerConfig(engine, options), args.host, args.port)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvyard.server.serve import serve_replicas
+    from kvyard.sim.cli import sim_config
+    from kvyard.testing.sim_cluster import sim_replica_specs, sim_server_options
+
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        config = sim_config(args)
+        options = sim_server_options(args.max_queued_requests)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("error: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    return serve_replicas(lambda: sim_replica_specs([config] * args.replicas), options, args.host, args.port,
+                          args.ports_file)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- bench

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvyard.sim.replica import SimConfig
-from kvyard.sim.serve import SimCluster
+from kvyard.sim.config import SimConfig
+from kvyard.testing.sim_cluster import SimCluster
 from tests.router_utils import labelled_metric, replica_state, replicas_of, start_router, wait_for
 from tests.server_utils import ServerProcess
 

@@ -12,7 +12,6 @@ import pytest
 from kvyard.sim.calibration import CalibrationError, _batch_lengths, _replay_seconds, attention_ratio, calibrate
 from kvyard.sim.calibration import calibrate_from_json as calibrate_file
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
-from kvyard.sim.scheduler import SchedulerLimits
 
 BENCHMARK_JSON = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "offline_throughput.json"
 MODEL = CostModel(step_base_s=0.03, prefill_token_s=5e-4, attention_pair_s=2e-7, decode_seq_s=2e-3,
@@ -68,7 +67,7 @@ def _report_from(cost: CostModel) -> dict[str, Any]:
     context = kvyard["decode"]["input_tokens"] + (kvyard["decode"]["output_tokens"] + 1) // 2
     kvyard["decode"]["decode_tok_s"] = 1 / cost.decode_step_seconds(1, context)
     lengths = _batch_lengths(kvyard["batch"], report["conditions"]["workload"]["batch"])
-    kvyard["batch"]["wall_s"] = _replay_seconds(cost, lengths, SchedulerLimits(max_num_batched_tokens=2048))
+    kvyard["batch"]["wall_s"] = _replay_seconds(cost, lengths, 2048)
     return report
 
 

@@ -16,13 +16,11 @@ import httpx
 import openai
 import pytest
 
-from kvyard.cli import _build_parser
+from kvyard.api.metrics import ServerMetrics
 from kvyard.kvcache.block_key import chain_block_keys
-from kvyard.server.metrics import ServerMetrics
 from kvyard.sim.calibration import calibrate_from_json
-from kvyard.sim.cli import run_sim
-from kvyard.sim.replica import SimConfig
-from kvyard.sim.serve import SimCluster
+from kvyard.sim.config import SimConfig
+from kvyard.testing.sim_cluster import SimCluster, sim_server_options
 from tests.server_utils import metric_value
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +126,7 @@ def test_lru_eviction_at_capacity_shows_up_as_removed_events() -> None:
     with SimCluster([config]) as sim:
         url, client = sim.urls[0], client_for(sim.urls[0])
         first, second = prompt(3, 13), prompt(4, 13)
-        namespace_root = sim.replicas[0].root_key(None)
+        namespace_root = sim.replicas[0].core.root_key(None)
         first_keys = [k.hex() for k in chain_block_keys(namespace_root, first, 4)]
         client.completions.create(model="sim-model", prompt=first, max_tokens=1)
         assert [e["type"] for e in events_page(url)["events"]] == ["stored"]
@@ -189,7 +187,7 @@ def test_replicas_in_one_process_are_independent(cluster: SimCluster) -> None:
     after = [events_page(url)["last_seq"] for url in cluster.urls]
     assert after[0] > before[0] and after[1] > before[1] and after[2] == before[2]
     keys = [set(httpx.get(f"{url}/kv/snapshot").json()["block_keys"]) for url in cluster.urls[:2]]
-    first_blocks = {k.hex() for k in chain_block_keys(cluster.replicas[0].root_key(None), tokens, 4)}
+    first_blocks = {k.hex() for k in chain_block_keys(cluster.replicas[0].core.root_key(None), tokens, 4)}
     assert first_blocks <= keys[0] and first_blocks <= keys[1]  # equal keys for equal tokens on every replica
 
 
@@ -197,14 +195,14 @@ def test_replicas_in_one_process_are_independent(cluster: SimCluster) -> None:
 
 
 BAD_REQUESTS = [
-    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"{not json", 400, "body"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 40000], "max_tokens": 2}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2000}, 400, "max_tokens"),  # 501 blocks > 256
-    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
@@ -240,8 +238,8 @@ def test_unknown_paths_and_query_values_get_openai_errors(cluster: SimCluster) -
 
 
 def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
-    config = replace(CONFIG, max_num_seqs=1, max_queued_requests=0, time_scale=1.0)
-    with SimCluster([config]) as sim:
+    config = replace(CONFIG, max_num_seqs=1, time_scale=1.0)
+    with SimCluster([config], sim_server_options(max_queued_requests=0)) as sim:
         url = sim.urls[0]
         body = {"prompt": prompt(40, 40), "max_tokens": 900, "stream": True}  # about 30 simulated seconds
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as first:
@@ -311,9 +309,7 @@ def test_kvyard_sim_command_serves_calibrated_replicas(tmp_path: Path) -> None:
     calibration = REPO / "benchmarks" / "results" / "offline_throughput.json"
     arguments = ["--port", "0", "--replicas", "2", "--ports-file", str(ports_file), "--calibrate", str(calibration),
                  "--time-scale", "0.01", "--model-name", "m"]  # fmt: skip
-    parsed = _build_parser().parse_args(["sim", *arguments])  # `kvyard sim` takes the same arguments
-    assert (parsed.replicas, parsed.time_scale, parsed.handler) == (2, 0.01, run_sim)
-    process = subprocess.Popen([sys.executable, "-m", "kvyard.sim", *arguments], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_for(lambda: ports_file.exists() or process.poll() is not None, timeout=60)
@@ -407,7 +403,7 @@ def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
     [(["--calibrate", "/nonexistent.json"], "cannot read benchmark JSON"), (["--time-scale", "0"], "time_scale")],
 )
 def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard.sim", "--port", "0", *arguments], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "kvyard", "sim", "--port", "0", *arguments], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and message in result.stderr
 

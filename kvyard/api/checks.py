@@ -58,10 +58,12 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: C
     """The API's rule: no `max_tokens` means as many as the context and the KV pool allow; asking for more
     than the context holds is an error (the offline engine instead stops at the context's end)."""
     if max_tokens is None:
-        max_tokens = min(limits.max_model_len, limits.kv_capacity_tokens) - num_prompt_tokens
+        room = min(limits.max_model_len, limits.kv_capacity_tokens)
+        max_tokens = room - num_prompt_tokens
         if max_tokens < 1:
-            raise InputError(f"prompt has {num_prompt_tokens} tokens: no room left in the KV cache", "prompt",
-                             "kv_capacity_exceeded")  # fmt: skip
+            raise InputError(f"prompt has {num_prompt_tokens} tokens; the model's context (and KV pool) holds {room} "
+                             "tokens and at least one must be left to generate", "prompt",
+                             "context_length_exceeded")  # fmt: skip
     if num_prompt_tokens + max_tokens > limits.max_model_len:
         raise InputError(f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
                          f"{num_prompt_tokens} prompt tokens and max_tokens {max_tokens}", "max_tokens",

@@ -3,15 +3,15 @@
 A block with reference count 0 sits in the free queue. If it also holds a registered block key it
 stays findable in the prefix cache until it is reused for something else (evicted). The free queue
 is ordered by eviction preference: blocks without a key first, then cached blocks least recently
-freed first.
+freed first. Every call that stores or evicts keys records them as one KV event.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.events import EventKind, KVEventLog
 
 
 class BlockPoolError(RuntimeError):
@@ -54,12 +54,15 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise BlockPoolError(f"asked for {count} blocks with {len(self._free)} free")
-        blocks = []
+        blocks, evicted = [], []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            key = self._evict(block_id)
+            if key is not None:
+                evicted.append(key)
             self._ref_counts[block_id] = 1
             blocks.append(block_id)
+        self._record("removed", evicted)
         return blocks
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -83,28 +86,38 @@ class BlockPool:
 
     def register(self, block_id: int, key: bytes) -> bool:
         """Make a full, computed block findable by its key. False if another block holds the key."""
-        if not self.enable_caching or key in self._cached:
-            return False
-        if self._block_keys[block_id] is not None:
-            raise BlockPoolError(f"block {block_id} registered twice")
-        self._cached[key] = block_id
-        self._block_keys[block_id] = key
-        if self.events is not None:
-            self.events.record("stored", [key])
-        return True
+        return bool(self.register_blocks([block_id], [key]))
+
+    def register_blocks(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> list[tuple[int, bytes]]:
+        """`register` each (block, key) pair; returns the pairs newly registered, recorded as one event."""
+        if not self.enable_caching:
+            return []
+        registered: list[tuple[int, bytes]] = []
+        for block_id, key in zip(block_ids, keys):
+            if key in self._cached:
+                continue
+            if self._block_keys[block_id] is not None:
+                raise BlockPoolError(f"block {block_id} registered twice")
+            self._cached[key] = block_id
+            self._block_keys[block_id] = key
+            registered.append((block_id, key))
+        self._record("stored", [key for _, key in registered])
+        return registered
 
     def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached.values()):
-            self._evict(block_id)
+        self._record("removed", [key for key in map(self._evict, list(self._cached.values())) if key is not None])
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int) -> bytes | None:
+        """Forget the block's key (its KV is about to be overwritten); returns the key it held."""
         key = self._block_keys[block_id]
-        if key is None:
-            return
-        self._block_keys[block_id] = None
-        del self._cached[key]
-        if self.events is not None:
-            self.events.record("removed", [key])
+        if key is not None:
+            self._block_keys[block_id] = None
+            del self._cached[key]
+        return key
+
+    def _record(self, kind: EventKind, keys: list[bytes]) -> None:
+        if self.events is not None and keys:
+            self.events.record(kind, keys)
 
     def check_invariants(self) -> None:
         """Raise if the accounting is inconsistent (used by tests)."""

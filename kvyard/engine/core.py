@@ -163,7 +163,7 @@ class EngineCore:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            cache_root_key=self._root_key(cache_salt),
+            cache_root_key=self.root_key(cache_salt),
             block_size=self.config.block_size,
             stop_token_ids=self._stop_token_ids(params),
         )
@@ -173,7 +173,8 @@ class EngineCore:
         self.scheduler.add(request)
         return request
 
-    def _root_key(self, cache_salt: str | None) -> bytes:
+    def root_key(self, cache_salt: str | None) -> bytes:
+        """The namespace root of a tenant's block keys."""
         salt = cache_salt or ""
         key = self._root_keys.get(salt)
         if key is None:

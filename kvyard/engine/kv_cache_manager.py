@@ -56,8 +56,7 @@ class KVCacheManager:
             fetched = self.tier.fetch(request.cache_root_key, keys)
             loaded = self.pool.allocate(len(fetched))
             self.tier.install(loaded, fetched)
-            for block_id, key in zip(loaded, keys):
-                self.pool.register(block_id, key)
+            self.pool.register_blocks(loaded, keys)
         finally:
             self.pool.free(reversed(device_blocks + loaded))
         self.num_tier_hit_tokens += len(loaded) * self.block_size
@@ -86,16 +85,13 @@ class KVCacheManager:
     def register_computed_blocks(self, request: Request) -> None:
         """Enter every full, computed block of `request` into the prefix cache."""
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
-        new_ids: list[int] = []
-        new_keys: list[bytes] = []
-        for index in range(request.num_registered_blocks, num_full):
-            block_id, key = request.block_table[index], request.block_keys[index]
-            if self.pool.register(block_id, key):
-                new_ids.append(block_id)
-                new_keys.append(key)
-        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
-        if self.tier is not None and new_ids:
-            self.tier.offload(request.cache_root_key, new_keys, new_ids)
+        start = request.num_registered_blocks
+        if num_full <= start:
+            return
+        registered = self.pool.register_blocks(request.block_table[start:num_full], request.block_keys[start:num_full])
+        request.num_registered_blocks = num_full
+        if self.tier is not None and registered:
+            self.tier.offload(request.cache_root_key, [key for _, key in registered], [b for b, _ in registered])
 
     def free(self, request: Request) -> None:
         # Tail blocks first, so they are evicted before the shared-prefix blocks.

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 EventKind = Literal["stored", "removed"]
 
@@ -56,13 +56,3 @@ class KVEventLog:
             complete = seq >= first - 1
             start = max(0, seq + 1 - first)
             return list(self._events)[start:], complete
-
-
-def event_json(event: KVEvent) -> dict[str, Any]:
-    """The wire form of an event, as `/kv/events` sends it (keys in hex)."""
-    return {
-        "seq": event.seq,
-        "type": event.kind,
-        "block_keys": [key.hex() for key in event.block_keys],
-        "timestamp": event.timestamp,
-    }

@@ -20,6 +20,8 @@ from typing import Any, cast
 import httptools
 import orjson
 
+from kvyard.api.errors import error_body
+
 _LOG = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 << 10
 
@@ -93,6 +95,12 @@ class Responder:
         self._chunked = content_length is None
         framing = "Transfer-Encoding: chunked\r\n" if self._chunked else f"Content-Length: {content_length}\r\n"
         self._head = self._make_head(status, headers, framing)
+
+    def flush_head(self) -> None:
+        """Send the status line and headers now, before any body (a stream that may stay quiet a long time)."""
+        head = self._take_head()
+        if head:
+            self._connection.write(head)
 
     def write(self, data: bytes) -> None:
         if not data or self.finished:
@@ -268,8 +276,30 @@ class _Connection(asyncio.Protocol):
 
 
 def _error_payload(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return error_body(status, message)
+
+
+Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class RouteTable:
+    """Endpoints by path and method."""
+
+    routes: dict[str, dict[str, Endpoint]] = field(default_factory=dict)
+
+    def add(self, method: str, path: str, endpoint: Endpoint) -> None:
+        self.routes.setdefault(path, {})[method] = endpoint
+
+    def find(self, request: HttpRequest) -> Endpoint:
+        """The endpoint for the request; HttpServerError 404 or 405 when there is none."""
+        methods = self.routes.get(request.path)
+        if methods is None:
+            raise HttpServerError(404, f"{request.method} {request.path}: not found")
+        endpoint = methods.get(request.method)
+        if endpoint is None:
+            raise HttpServerError(405, f"{request.method} {request.path}: method not allowed")
+        return endpoint
 
 
 @dataclass(slots=True)

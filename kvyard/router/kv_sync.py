@@ -9,14 +9,13 @@ no events: its index stays the approximate one learned from routing.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.api.kv_events import GapError, parse_event_line, parse_snapshot
 from kvyard.router.replica import Replica
 
 _LOG = logging.getLogger(__name__)
@@ -45,6 +44,8 @@ class KVSync:
                 reason = "reconnect"
             except _Resync as resync:
                 reason = resync.reason
+            except GapError:
+                reason = "gap"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
                 _LOG.debug("kv events of %s: %s", self.replica.url, error)
                 self.replica.index.clear()  # it may be restarting: what we knew may be gone
@@ -59,11 +60,10 @@ class KVSync:
                 index.forget_events()
                 return False
             response.raise_for_status()
-            snapshot = await response.json()
+            seq, keys, namespace = parse_snapshot(await response.json())
         previous_seq = index.seq
-        keys = [bytes.fromhex(key) for key in snapshot["block_keys"]]
-        index.reset(keys, int(snapshot["seq"]))
-        self.replica.namespace = KeyNamespace(**snapshot["namespace"])
+        index.reset(keys, seq)
+        self.replica.namespace = namespace
         if reason == "reconnect" and index.seq < previous_seq:
             reason = "restart"
         self.on_resync(self.replica, reason)
@@ -75,14 +75,10 @@ class KVSync:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         async with self.session.get(url, params={"since": str(index.seq)}, timeout=timeout) as response:
             response.raise_for_status()
-            async for raw in response.content:
-                line = raw.strip()
-                if line.startswith(b"event: gap"):
-                    raise _Resync("gap")
-                if not line.startswith(b"data:"):
+            async for line in response.content:
+                event = parse_event_line(line)
+                if event is None:
                     continue
-                event = json.loads(line[5:])
-                seq = int(event["seq"])
-                if seq != index.seq + 1:
-                    raise _Resync("gap" if seq > index.seq + 1 else "restart")
-                index.apply(seq, event["type"], [bytes.fromhex(key) for key in event["block_keys"]])
+                if event.seq != index.seq + 1:
+                    raise _Resync("gap" if event.seq > index.seq + 1 else "restart")
+                index.apply(event.seq, event.kind, event.block_keys)

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvyard.api.load import LoadReport
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
 from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
-from kvyard.router.replica import LoadReport, Replica, State
+from kvyard.router.replica import Replica, State
 
 _LOG = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Registry:
                 return await self._health_only(replica, timeout)
             response.raise_for_status()
             body = await response.json()
-        return LoadReport(int(body["num_waiting"]), int(body["num_running"]), float(body.get("kv_usage", 0.0)))
+        return LoadReport.from_json(body)
 
     async def _health_only(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
         async with self.session.get(f"{replica.url}/health", timeout=timeout) as response:

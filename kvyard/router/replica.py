@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.net.http_client import HttpClient
 from kvyard.router.cache_index import CacheIndex
@@ -14,13 +15,6 @@ class State(enum.StrEnum):
     HEALTHY = "healthy"
     EJECTED = "ejected"  # failed health checks or requests; probed until it answers again
     DRAINING = "draining"  # finishes what it has, gets nothing new (admin API)
-
-
-@dataclass(slots=True)
-class LoadReport:
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -67,9 +61,5 @@ class Replica:
             "ejections": self.ejections,
             "in_flight": self.in_flight,
             "pending_prefill_cost": round(self.pending_prefill_cost, 1),
-            "load": {
-                "num_waiting": self.load.num_waiting,
-                "num_running": self.load.num_running,
-                "kv_usage": self.load.kv_usage,
-            },
+            "load": self.load.to_json(),
         }

@@ -14,13 +14,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.engine.core import EngineStats, RequestOutput
+from prometheus_client.registry import Collector
+
+from kvyard.api.checks import ContextLimits
+from kvyard.api.errors import APIError
+from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.events import KVEventLog
+from kvyard.server.kv_tier_metrics import KVTierCollector
+from kvyard.server.vocabulary import HFVocabulary
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(APIError):
     """The engine thread stopped after an internal error; the server must be restarted."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(503, f"engine stopped: {cause}", code="engine_dead")
 
 
 @dataclass(slots=True)
@@ -33,41 +43,73 @@ class _Command:
 class AsyncEngine:
     engine: LLMEngine
     loop: asyncio.AbstractEventLoop
-    stats: EngineStats | None = None
     error: BaseException | None = None
+    _stats: EngineStats | None = None
     _commands: queue.Queue[_Command | None] = field(default_factory=queue.Queue)
     _streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = field(default_factory=dict)
     _thread: threading.Thread | None = None
     _wake: threading.Event = field(default_factory=threading.Event)
+    _vocabulary: HFVocabulary | None = None
 
     def start(self) -> None:
+        if self.engine.tokenizer is not None:
+            self._vocabulary = HFVocabulary(self.engine.tokenizer)
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="kvyard-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._commands.put(None)
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.engine.close()
 
-    # ----------------------------------------------------------------- API for coroutines
+    # ----------------------------------------------------------------- the replica engine interface
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def limits(self) -> ContextLimits:
+        return self.engine.limits
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.scheduler.max_num_seqs
+
+    @property
+    def vocabulary(self) -> HFVocabulary | None:
+        return self._vocabulary
+
+    def check_ready(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(self.error)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; closing the iterator early aborts the request."""
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
         try:
             await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, cache_salt))
+            pending: RequestOutput | None = None
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield item
+                pending = item if pending is None else pending.merge(item)
+                if finished or not final_only:
+                    yield pending
+                    pending = None
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -76,10 +118,26 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(_Command(lambda engine: engine.abort_request(request_id)))
 
+    def stats(self) -> EngineStats:
+        assert self._stats is not None, "stats() before start()"
+        return self._stats
+
+    def kv_event_log(self) -> KVEventLog | None:
+        return self.engine.kv_event_log()
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        snapshot: KVSnapshot = await self.call(lambda engine: engine.kv_snapshot())
+        return snapshot
+
+    def collectors(self) -> list[Collector]:
+        return [KVTierCollector(self.engine.kv_tier_snapshot)]
+
+    def server_info(self) -> dict[str, Any]:
+        return {"model_path": self.engine.engine_config.model, "dtype": str(self.engine.dtype).removeprefix("torch.")}
+
     async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
         """Run `function(engine)` on the engine thread between steps and return its result."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine stopped: {self.error}")
+        self.check_ready()
         future: asyncio.Future[Any] = self.loop.create_future()
         self._submit(_Command(function, future))
         return await future
@@ -127,7 +185,7 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(_set_result, command.future, result)
 
     def _publish_stats(self) -> None:
-        self.stats = self.engine.stats()
+        self._stats = self.engine.stats()
 
     # ----------------------------------------------------------------- event loop side
 
@@ -139,7 +197,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(EngineDeadError(f"engine stopped: {error}"))
+            stream.put_nowait(EngineDeadError(error))
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

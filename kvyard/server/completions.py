@@ -1,42 +1,21 @@
-"""`/v1/completions` and `/v1/chat/completions`: prompts in, choices (streamed or not) out."""
+"""`/v1/completions` and `/v1/chat/completions`: run a prepared request's choices, answer whole or streamed."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.api.errors import APIError, bad_request
-from kvyard.engine.llm_engine import RequestOutput
+import orjson
+
+from kvyard.api.errors import APIError, InputError
+from kvyard.api.metrics import ServerMetrics
+from kvyard.engine.core import RequestOutput
 from kvyard.engine.request import TokenLogprobs
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.server.async_engine import AsyncEngine
-from kvyard.server.metrics import ServerMetrics
-from kvyard.server.protocol import SamplingFields
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated API request: token prompts and one SamplingParams per choice."""
-
-    kind: str  # "completion" | "chat"
-    request_id: str
-    model: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]  # one per choice within a prompt (n entries)
-    cache_salt: str | None
-    stream: bool
-    include_usage: bool
-    logprobs: int | None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * len(self.params)
+from kvyard.server.backend import ReplicaEngine
+from kvyard.server.prepare import PreparedRequest
 
 
 @dataclass(slots=True)
@@ -56,44 +35,13 @@ class ChoiceState:
     last_token_time: float | None = None
 
 
-def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i uses seed + i so the n choices differ."""
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    result = []
-    for choice in range(body.n):
-        try:
-            result.append(
-                SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    top_k=body.top_k,
-                    seed=None if body.seed is None else body.seed + choice,
-                    stop=stops,
-                    stop_token_ids=list(body.stop_token_ids or []),
-                    ignore_eos=body.ignore_eos,
-                    include_stop_str_in_output=body.include_stop_str_in_output,
-                    logprobs=logprobs,
-                    min_tokens=min(body.min_tokens, max_tokens),
-                )
-            )
-        except ValueError as error:
-            raise bad_request(str(error)) from error
-    return result
-
-
-def new_request_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-# ---------------------------------------------------------------------------- running
+Merged = asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None]
 
 
 @dataclass(slots=True)
 class CompletionRunner:
-    engine: AsyncEngine
+    engine: ReplicaEngine
     metrics: ServerMetrics
-    tokenizer: Any
 
     async def stream_outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
         """Run every choice concurrently; yield (choice, output) as outputs arrive."""
@@ -102,7 +50,11 @@ class CompletionRunner:
             for p in range(len(prepared.prompts))
             for i in range(len(prepared.params))
         ]
-        merged: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None] = asyncio.Queue()
+        if len(choices) == 1:  # the common case, without a task and a queue
+            async for output in self._generate(prepared, choices[0]):
+                yield choices[0], output
+            return
+        merged: Merged = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(prepared, choice, merged)) for choice in choices]
         try:
             remaining = len(tasks)
@@ -119,18 +71,18 @@ class CompletionRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pump(
-        self,
-        prepared: PreparedRequest,
-        choice: ChoiceState,
-        merged: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None],
-    ) -> None:
+    async def _generate(self, prepared: PreparedRequest, choice: ChoiceState) -> AsyncIterator[RequestOutput]:
         prompt = prepared.prompts[choice.prompt_index]
         params = prepared.params[choice.index % len(prepared.params)]
         request_id = f"{prepared.request_id}-{choice.index}"
+        outputs = self.engine.generate(request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream)
+        async for output in outputs:
+            self._record(choice, output)
+            yield output
+
+    async def _pump(self, prepared: PreparedRequest, choice: ChoiceState, merged: Merged) -> None:
         try:
-            async for output in self.engine.generate(request_id, prompt, params, prepared.cache_salt):
-                self._record(choice, output)
+            async for output in self._generate(prepared, choice):
                 merged.put_nowait((choice, output))
         except Exception as error:
             merged.put_nowait(error)
@@ -139,10 +91,14 @@ class CompletionRunner:
 
     def _record(self, choice: ChoiceState, output: RequestOutput) -> None:
         now = time.monotonic()
+        num_new = len(output.new_token_ids)
         if choice.last_token_time is None:
             self.metrics.ttft.observe(now - choice.started)
-        else:
-            self.metrics.inter_token.observe(now - choice.last_token_time)
+            num_new -= 1
+        if num_new > 0 and choice.last_token_time is not None:
+            gap = (now - choice.last_token_time) / num_new
+            for _ in range(num_new):
+                self.metrics.inter_token.observe(gap)
         choice.last_token_time = now
         choice.text = output.text
         choice.token_ids = output.token_ids
@@ -167,8 +123,7 @@ class CompletionRunner:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def count_prompt(self, prepared: PreparedRequest, choices: list[ChoiceState]) -> None:
-        usage = self.usage(prepared, choices)
+    def count_prompt(self, usage: dict[str, Any]) -> None:
         self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
         self.metrics.cached_prompt_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
 
@@ -179,14 +134,15 @@ class CompletionRunner:
         async for choice, _ in self.stream_outputs(prepared):
             choices[choice.index] = choice
         ordered = [choices[i] for i in sorted(choices)]
-        self.count_prompt(prepared, ordered)
+        usage = self.usage(prepared, ordered)
+        self.count_prompt(usage)
         return {
             "id": prepared.request_id,
             "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created,
             "model": prepared.model,
             "choices": [self._full_choice(prepared, c) for c in ordered],
-            "usage": self.usage(prepared, ordered),
+            "usage": usage,
         }
 
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
@@ -199,8 +155,9 @@ class CompletionRunner:
 
     # ------------------------------------------------------------------ streaming
 
-    async def sse_events(self, prepared: PreparedRequest, stop_holdback: int) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per new piece of text, then usage (if asked) and [DONE]."""
+    async def sse_events(self, prepared: PreparedRequest) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per new piece of text, then usage (if asked) and [DONE]. An error after
+        the stream started ends it with an error event and no [DONE]."""
         choices: dict[int, ChoiceState] = {}
         if prepared.kind == "chat":
             for index in range(prepared.num_choices):
@@ -208,24 +165,26 @@ class CompletionRunner:
         try:
             async for choice, output in self.stream_outputs(prepared):
                 choices[choice.index] = choice
-                chunk = self._delta_chunk(prepared, choice, output, stop_holdback)
+                chunk = self._delta_chunk(prepared, choice, output)
                 if chunk is not None:
                     yield _sse(chunk)
-        except APIError as error:
-            yield _sse({"error": {"message": error.message, "type": "invalid_request_error", "param": error.param}})
+        except (APIError, InputError) as error:
+            yield _sse((error if isinstance(error, APIError) else APIError.from_input(error)).body())
             return
         ordered = [choices[i] for i in sorted(choices)]
-        self.count_prompt(prepared, ordered)
+        usage = self.usage(prepared, ordered)
+        self.count_prompt(usage)
         if prepared.include_usage:
-            yield _sse({**self._envelope(prepared), "choices": [], "usage": self.usage(prepared, ordered)})
-        yield "data: [DONE]\n\n"
+            yield _sse({**self._envelope(prepared), "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
 
     def _delta_chunk(
-        self, prepared: PreparedRequest, choice: ChoiceState, output: RequestOutput, stop_holdback: int
+        self, prepared: PreparedRequest, choice: ChoiceState, output: RequestOutput
     ) -> dict[str, Any] | None:
         # Hold back the last few characters until they cannot start a stop string, so a client never
         # sees text that a later stop match removes.
-        limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - stop_holdback)
+        holdback = prepared.stop_holdback
+        limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - holdback)
         delta = choice.text[choice.sent_chars : limit]
         choice.sent_chars = limit
         new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
@@ -280,11 +239,9 @@ class CompletionRunner:
         }
 
     def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        text: str = self.tokenizer.decode([token_id])
-        return text
+        vocabulary = self.engine.vocabulary
+        return vocabulary.decode([token_id]) if vocabulary is not None else f"token_id:{token_id}"
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

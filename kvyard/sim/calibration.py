@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, prefill_pairs
-from kvyard.sim.prefix_cache import PrefixCache
-from kvyard.sim.scheduler import SchedulerLimits, SimRequest, SimScheduler
-from kvyard.sim.virtual_run import run_virtual
+from kvyard.sim.virtual_run import Arrival, run_virtual
 
 # FLOP ratio of the `bench` preset (hidden 512, 8 layers, 8/4 heads of 64, intermediate 1408).
 DEFAULT_ATTENTION_RATIO = 16384 / 47185920
@@ -67,13 +66,12 @@ def calibrate(report: Mapping[str, Any], engine: str = "kvyard") -> Calibration:
     workload = report.get("conditions", {}).get("workload", {}).get("batch", {})
     lengths = _batch_lengths(batch, workload)
     target_s = float(_field(batch, "wall_s"))
-    limits = SchedulerLimits(max_num_batched_tokens=budget)
-    cost = fit.cost(_solve(lambda seq_s: _replay_seconds(fit.cost(seq_s), lengths, limits) - target_s, decode_step_s))
+    cost = fit.cost(_solve(lambda seq_s: _replay_seconds(fit.cost(seq_s), lengths, budget) - target_s, decode_step_s))
     source = {
         "engine": engine,
         "prefill": {"tokens": prefill_tokens, "seconds": prefill_s},
         "decode": {"step_seconds": decode_step_s, "context_tokens": decode_context},
-        "batch": {"prompts": len(lengths), "seconds": target_s, "fit_seconds": _replay_seconds(cost, lengths, limits)},
+        "batch": {"prompts": len(lengths), "seconds": target_s, "fit_seconds": _replay_seconds(cost, lengths, budget)},
         "attention_ratio": ratio,
         "max_num_batched_tokens": budget,
     }
@@ -143,17 +141,18 @@ def _solve(error: Callable[[float], float], high: float) -> float:
     return (low + high) / 2
 
 
-def _replay_seconds(cost: CostModel, lengths: list[tuple[int, int]], limits: SchedulerLimits) -> float:
+def _replay_seconds(cost: CostModel, lengths: list[tuple[int, int]], max_num_batched_tokens: int) -> float:
+    """Wall time of the batch on the simulated engine: every prompt at once, a cache that holds them all."""
     total_tokens = sum(i + o for i, o in lengths)
-    cache = PrefixCache(capacity_blocks=-(-total_tokens // limits.block_size) + len(lengths))
-    scheduler = SimScheduler(limits, cache)
-    arrivals = []
-    offset = 0
+    block_size = SimConfig().block_size
+    config = SimConfig(capacity_blocks=-(-total_tokens // block_size) + len(lengths), cost=cost,
+                       max_num_batched_tokens=max_num_batched_tokens, vocab_size=total_tokens + 1)  # fmt: skip
+    arrivals, offset = [], 0
     for index, (input_len, output_len) in enumerate(lengths):
         prompt = list(range(offset, offset + input_len))  # distinct tokens: a cold cache, as measured
         offset += input_len
-        arrivals.append((0.0, SimRequest(f"c{index}", prompt, output_len, b"calibration", 0, limits.block_size)))
-    times = run_virtual(scheduler, cost, arrivals)
+        arrivals.append(Arrival(0.0, f"c{index}", prompt, output_len))
+    times = run_virtual(*config.build_core(), arrivals)
     return max(t.finished or 0.0 for t in times.values())
 
 

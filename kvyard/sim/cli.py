@@ -7,28 +7,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvyard.sim.replica import SimConfig
+    from kvyard.sim.config import SimConfig
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
 
 
-def add_sim_command(commands: Any) -> None:
-    parser = commands.add_parser(
+def add_sim_command(commands: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
         "sim", help="simulated replicas: the replica API and KV events, with a cost model", description=DESCRIPTION
     )
     add_sim_arguments(parser)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvyard.sim", description=DESCRIPTION)
-    add_sim_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_sim(args)
+    return parser
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,30 +56,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tick-ms", type=float, default=2.0, help="timing resolution: steps ending less than this "
                        "ahead run without sleeping (longer: fewer wake-ups, less CPU)")  # fmt: skip
     parser.add_argument("--log-level", default="warning")
-    parser.set_defaults(handler=run_sim)
-
-
-def run_sim(args: argparse.Namespace) -> int:
-    import logging
-
-    from kvyard.sim.serve import serve_forever
-
-    logging.basicConfig(level=args.log_level.upper())
-    try:
-        config = sim_config(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if args.replicas < 1:
-        print("error: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    return serve_forever([config] * args.replicas, args.host, args.port, args.ports_file)
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
     from kvyard.sim.calibration import calibrate_from_json
+    from kvyard.sim.config import SimConfig
     from kvyard.sim.cost_model import CostModel
-    from kvyard.sim.replica import SimConfig
 
     cost, budget = CostModel(), 2048
     if args.calibrate is not None:
@@ -112,7 +87,6 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         vocab_size=args.vocab_size,
-        max_queued_requests=args.max_queued_requests,
         time_scale=args.time_scale,
         stream_interval_s=args.stream_interval_ms / 1000,
         tick_s=args.tick_ms / 1000,

@@ -9,6 +9,7 @@ answer text back as part of its next prompt tokenizes it to exactly the generate
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 BYTE_VOCAB = 256
 _SPACE = 0x20
@@ -39,3 +40,18 @@ def output_token(request_seed: int, index: int) -> int:
     if index % _WORD_LENGTH == _WORD_LENGTH - 1:
         return _SPACE
     return _LETTER_A + (request_seed + index * 7) % 26
+
+
+class ByteTokenizer:
+    """The functions above as a tokenizer object, for the engine's detokenizer and the replica API."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return encode(text)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        return encode(render_chat([(str(m["role"]), str(m["content"])) for m in messages], add_generation_prompt))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return decode(token_ids)

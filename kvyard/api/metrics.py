@@ -1,12 +1,33 @@
-"""Prometheus metrics of one replica, in a registry owned by the app (no global state)."""
+"""Prometheus metrics of one replica, in a registry owned by the app (no global state): the names every
+replica exports, real or simulated."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineCounters(Protocol):
+    """The engine's statistics the gauges show (the engine's `EngineStats`)."""
+
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def prefix_cache_queried_tokens(self) -> int: ...
+    @property
+    def prefix_cache_hit_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -49,3 +70,13 @@ class ServerMetrics:
         self.prefix_hits = Gauge("kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache (total since "
                                  "start)", registry=r)  # fmt: skip
         self.preemptions = Gauge("kvyard_num_preemptions", "Requests preempted (total since start)", registry=r)
+
+    def refresh(self, stats: EngineCounters) -> None:
+        """Set the gauges from the engine's statistics (at scrape time)."""
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.prefix_queried.set(stats.prefix_cache_queried_tokens)
+        self.prefix_hits.set(stats.prefix_cache_hit_tokens)
+        self.preemptions.set(stats.num_preemptions)

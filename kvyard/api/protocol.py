@@ -1,12 +1,68 @@
-"""Request bodies of the OpenAI-compatible API, validated field by field."""
+"""Request bodies of the OpenAI-compatible API, validated field by field, and how a raw body becomes one."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvyard.api.errors import APIError, bad_request
 
 MAX_N = 16
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise bad_request(f"request body is not valid JSON: {error}", "body") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "body")
+    return body
+
+
+def validate(body: dict[str, Any], model: type[Model], ignore_unknown: bool = False) -> Model:
+    """`body` as `model`, or a 400 naming the first bad field. `ignore_unknown` drops fields the model does
+    not know instead of refusing them (for clients, such as other routers, that add their engine's fields)."""
+    if ignore_unknown:
+        body = {name: value for name, value in body.items() if name in model.model_fields}
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    param = _param_name(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, first.get("type"))
+
+
+def _param_name(location: Any) -> str | None:
+    """`messages.0.role` from pydantic's location, without the union-member tags it adds (`prompt.str`)."""
+    parts = []
+    for part in location:
+        text = str(part)
+        if text in _UNION_TAGS or "[" in text or text.startswith("function-"):
+            continue
+        parts.append(text)
+    return ".".join(parts) or None
+
+
+def take_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """A long token-id `prompt`, taken out of `body` so that validating the rest stays cheap (pydantic checks
+    a list of ints element by element); the caller checks the ids against the vocabulary instead."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and set(map(type, prompt)) == {int}:
+        body["prompt"] = prompt[:1]
+        return prompt
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -126,7 +182,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | list[int] | None = None  # token ids come back as they are (checked against the vocabulary)
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True

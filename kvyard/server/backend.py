@@ -1,0 +1,75 @@
+"""What the replica API serves: an engine, real or simulated, seen from the event loop.
+
+`AsyncEngine` (the model on its own thread) and `kvyard.sim.SimEngine` (the engine core with a cost
+model, stepped on the event loop) both have this shape, so one set of handlers serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client.registry import Collector
+
+from kvyard.api.checks import ContextLimits
+from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.events import KVEventLog
+
+
+class Vocabulary(Protocol):
+    """Text to token ids and back, with the model's chat template."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        """The prompt of a chat; raises `InputError` when the template cannot render these messages."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class ReplicaEngine(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def limits(self) -> ContextLimits: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def vocabulary(self) -> Vocabulary | None: ...
+
+    def check_ready(self) -> None:
+        """Raise `APIError` 503 when the engine cannot take requests now."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        final_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs (only the last when `final_only`); closing the iterator early
+        aborts the request. Raises `InputError` for a request the engine refuses."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def kv_event_log(self) -> KVEventLog | None: ...
+
+    async def kv_snapshot(self) -> KVSnapshot: ...
+
+    def collectors(self) -> list[Collector]:
+        """Engine-specific Prometheus collectors (the KV tier's counters, the simulator's lag)."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """Engine-specific fields for `/server_info`."""
+        ...

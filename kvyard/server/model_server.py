@@ -1,0 +1,70 @@
+"""`kvyard serve`: one replica of a model, over the replica API.
+
+It listens at once (`/health` answers 503 while the model loads on a worker thread), says on stderr what
+it is doing, and on SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight
+requests finish for up to `shutdown_grace_s`, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvyard.engine.llm_engine import EngineConfig, LLMEngine
+from kvyard.server.app import ReplicaApp, ServerOptions
+from kvyard.server.async_engine import AsyncEngine
+from kvyard.server.serve import host, say, wait_for_stop_signal
+
+
+@dataclass(frozen=True, slots=True)
+class ModelServerConfig:
+    engine: EngineConfig
+    options: ServerOptions = field(default_factory=ServerOptions)
+    shutdown_grace_s: float = 60.0
+
+
+def serve_model(config: ModelServerConfig, host_name: str, port: int) -> int:
+    """Run `kvyard serve` until SIGINT/SIGTERM; the exit code."""
+    import uvloop
+
+    return uvloop.run(_serve_model(config, host_name, port))
+
+
+async def _serve_model(config: ModelServerConfig, host_name: str, port: int) -> int:
+    app = ReplicaApp(config.options)
+    try:
+        hosted = await host(app, host_name, port)
+    except OSError as error:
+        say(f"cannot listen on {host_name}:{port}: {error}")
+        return 1
+    say(f"listening on http://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
+    engine_box: list[AsyncEngine] = []
+    loader = asyncio.create_task(_load(app, config.engine, engine_box))
+    await wait_for_stop_signal()
+    say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {config.shutdown_grace_s:g} s)")
+    loader.cancel()
+    await hosted.stop(config.shutdown_grace_s)
+    for engine in engine_box:
+        await asyncio.to_thread(engine.stop)
+    say("stopped")
+    return 0
+
+
+async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> None:
+    say(f"loading {config.model} ...")
+    started = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(LLMEngine, config)
+    except Exception as error:
+        app.load_error = error
+        say(f"error: the model failed to load: {error}")
+        return
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
+    async_engine.start()
+    engine_box.append(async_engine)
+    app.set_engine(async_engine)
+    say(f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
+        f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready")  # fmt: skip
+
+

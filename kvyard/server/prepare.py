@@ -1,0 +1,173 @@
+"""From a validated request body to what the engine runs: token prompts, sampling parameters, a cache salt."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from kvyard.api.checks import check_token_ids, resolve_max_tokens
+from kvyard.api.errors import APIError, bad_request
+from kvyard.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.server.backend import ReplicaEngine, Vocabulary
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated API request: token prompts and one SamplingParams per choice."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice within a prompt (n entries)
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * len(self.params)
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream holds back so that a client never sees text a later stop match removes."""
+        return max((len(s) for s in self.params[0].stop), default=1) - 1
+
+
+def prepare_completion(
+    engine: ReplicaEngine, body: CompletionRequest, token_ids: list[int] | None, authorization: str | None,
+    salt_per_key: bool,
+) -> PreparedRequest:  # fmt: skip
+    """`token_ids`: the prompt when it was taken out of `body` before validation (see `take_token_ids`)."""
+    check_model(engine, body.model)
+    _reject_unsupported(body.unsupported())
+    prompts = [token_ids] if token_ids is not None else _prompt_list(body.prompt)
+    tokens = [_tokens_of(engine, prompt, index, len(prompts)) for index, prompt in enumerate(prompts)]
+    cache_salt = request_cache_salt(body.cache_salt, authorization, salt_per_key)
+    return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
+
+
+def prepare_chat(
+    engine: ReplicaEngine, body: ChatCompletionRequest, authorization: str | None, salt_per_key: bool
+) -> PreparedRequest:
+    check_model(engine, body.model)
+    _reject_unsupported(body.unsupported())
+    prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    cache_salt = request_cache_salt(body.cache_salt, authorization, salt_per_key)
+    return _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt)
+
+
+def _prepared(
+    kind: str,
+    engine: ReplicaEngine,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    cache_salt: str | None,
+) -> PreparedRequest:
+    max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
+    return PreparedRequest(
+        kind=kind,
+        request_id=new_request_id(kind),
+        model=engine.model_name,
+        prompts=prompts,
+        params=build_sampling_params(body, max_tokens, logprobs),
+        cache_salt=cache_salt,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage) or not body.stream,
+        logprobs=logprobs,
+    )
+
+
+def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the n choices differ."""
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    result = []
+    for choice in range(body.n):
+        try:
+            result.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    seed=None if body.seed is None else body.seed + choice,
+                    stop=stops,
+                    stop_token_ids=list(body.stop_token_ids or []),
+                    ignore_eos=body.ignore_eos,
+                    include_stop_str_in_output=body.include_stop_str_in_output,
+                    logprobs=logprobs,
+                    min_tokens=min(body.min_tokens, max_tokens),
+                )
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+    return result
+
+
+def new_request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def check_model(engine: ReplicaEngine, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{engine.model_name}'",
+                       "model", "model_not_found")  # fmt: skip
+
+
+def vocabulary_of(engine: ReplicaEngine, param: str) -> Vocabulary:
+    if engine.vocabulary is None:
+        raise bad_request("this model directory has no tokenizer; send token ids", param)
+    return engine.vocabulary
+
+
+def render_chat(
+    engine: ReplicaEngine, messages: list[ChatMessage], add_generation_prompt: bool,
+    template_kwargs: dict[str, object] | None,
+) -> list[int]:  # fmt: skip
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    tokens = vocabulary_of(engine, "messages").render_chat(conversation, add_generation_prompt, template_kwargs)
+    if not tokens:
+        raise bad_request("messages render to an empty prompt", "messages")
+    return tokens
+
+
+def request_cache_salt(salt: str | None, authorization: str | None, per_key: bool) -> str | None:
+    """The request's own salt, else (when asked to) one derived from its bearer token."""
+    if salt is not None or not per_key or not authorization or not authorization.lower().startswith("bearer "):
+        return salt
+    return "key:" + hashlib.sha256(authorization[7:].strip().encode()).hexdigest()[:32]
+
+
+def _reject_unsupported(problem: tuple[str, str] | None) -> None:
+    if problem is not None:
+        raise bad_request(problem[1], problem[0], "unsupported_parameter")
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _tokens_of(engine: ReplicaEngine, prompt: str | list[int], index: int, count: int) -> list[int]:
+    what = f"prompt {index}" if count > 1 else "prompt"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request(f"{what} is empty", "prompt")
+        tokens = vocabulary_of(engine, "prompt").encode(prompt)  # adds BOS where the tokenizer wants one
+    else:
+        tokens = prompt
+    check_token_ids(tokens, engine.limits.vocab_size, what)  # the length is checked with max_tokens
+    return tokens

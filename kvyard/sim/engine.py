@@ -1,0 +1,213 @@
+"""One simulated replica's engine in real time: the engine core with a cost runner, stepped on the event loop.
+
+The loop runs a step, advances a wall-clock deadline by the step's cost (times `time_scale`), sleeps
+until then and hands the step's outputs to their requests. While the deadline is less than `tick_s`
+ahead, steps run back to back without sleeping (their tokens may arrive up to `tick_s` early): a
+longer tick means fewer wake-ups, so less CPU, at the cost of timing resolution. Outputs reach a
+stream at most every `stream_interval_s` (a first token at once), merged, which bounds the HTTP
+writes. When the process cannot keep up, the replica runs late, never faster; the total delay is
+`lag_s`, exported as `kvyard_sim_lag_seconds` so a benchmark can tell.
+
+Many of these run in one process and one event loop (`kvyard sim --replicas N`), so nothing here
+blocks: a step is arithmetic on the scheduler's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvyard.api.checks import ContextLimits
+from kvyard.api.errors import APIError
+from kvyard.engine.core import EngineCore, EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.events import KVEventLog
+from kvyard.sim.config import SimConfig
+from kvyard.sim.cost_runner import CostRunner
+from kvyard.sim.tokens import ByteTokenizer
+
+# A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
+LAG_TOLERANCE_S = 0.005
+RESTARTED = "the replica restarted while serving this request"
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Outputs of one request waiting for its reader, merged into one."""
+
+    final_only: bool  # the reader wants the whole answer: wake it only at the end
+    pending: RequestOutput | None = None
+    error: BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, output: RequestOutput) -> None:
+        self.pending = output if self.pending is None else self.pending.merge(output)
+        if output.finished or not self.final_only:
+            self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def next(self) -> RequestOutput:
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.pending is not None and (self.pending.finished or not self.final_only):
+                output, self.pending = self.pending, None
+                return output
+            self.ready.clear()
+            await self.ready.wait()
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig, index: int = 0) -> None:
+        self.config = config
+        self.index = index
+        self.healthy = True  # False (set through the fault-injection API) answers 503
+        self.started = time.time()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._vocabulary = ByteTokenizer()
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """An empty cache and a new event log (sequence from 1): a newly started replica."""
+        core, runner = self.config.build_core()
+        self.core: EngineCore = core
+        self.runner: CostRunner = runner
+        self.lag_s = 0.0
+        self.busy_s = 0.0
+
+    def restart(self) -> None:
+        """Behave like a replica that crashed and came back: every request in flight fails, the cache is gone."""
+        for stream in self._streams.values():
+            stream.fail(APIError(503, RESTARTED, code="replica_restarted"))
+        self._streams.clear()
+        self._fresh_state()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the replica engine interface
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def limits(self) -> ContextLimits:
+        return self.core.limits
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def vocabulary(self) -> ByteTokenizer:
+        return self._vocabulary
+
+    def check_ready(self) -> None:
+        if not self.healthy:
+            raise APIError(503, "this simulated replica is set unhealthy", code="unhealthy", retry_after=1)
+
+    def server_info(self) -> dict[str, Any]:
+        config = self.config
+        return {"chunked_prefill_size": config.max_num_batched_tokens, "simulated": True, "replica_index": self.index,
+                "time_scale": config.time_scale, "cost_model": config.cost.to_json()}  # fmt: skip
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        final_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; closing the iterator early aborts the request."""
+        self.check_ready()
+        self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+        stream = self._streams[request_id] = _Stream(final_only)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                output = await stream.next()
+                finished = output.finished
+                yield output
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                if not finished:
+                    self.core.abort_request(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def kv_event_log(self) -> KVEventLog | None:
+        return self.core.kv_event_log()
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        return self.core.kv_snapshot()
+
+    def collectors(self) -> list[Collector]:
+        return [_SimCollector(self)]
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_end = last_delivery = loop.time()
+        pending: list[RequestOutput] = []
+        while True:
+            core, runner = self.core, self.runner
+            steps_before = runner.num_steps
+            outputs = core.step()
+            if runner.num_steps == steps_before:
+                if core.has_unfinished_requests():
+                    await asyncio.sleep(0)  # only preemptions: the next schedule admits them again
+                    continue
+                self._deliver(pending)
+                self._wake.clear()
+                await self._wake.wait()
+                step_end = loop.time()
+                continue
+            now = loop.time()
+            if step_end < now - LAG_TOLERANCE_S:
+                self.lag_s += now - step_end
+                step_end = now
+            seconds = runner.last_step_seconds * self.config.time_scale
+            step_end += seconds
+            self.busy_s += seconds
+            pending.extend(outputs)
+            delay = step_end - loop.time()
+            # Between back-to-back steps, still let the HTTP side run.
+            await asyncio.sleep(delay if delay >= self.config.tick_s else 0)
+            now = loop.time()
+            if any(len(o.token_ids) == 1 for o in outputs) or now - last_delivery >= self.config.stream_interval_s:
+                self._deliver(pending)
+                last_delivery = now
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.push(output)
+        outputs.clear()
+
+
+class _SimCollector(Collector):
+    """The simulator's own counters, read at scrape time."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost "
+                                  "model (the process could not keep up)", value=self.engine.lag_s)  # fmt: skip
+        yield GaugeMetricFamily("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps "
+                                  "(cost model times time scale)", value=self.engine.busy_s)  # fmt: skip

@@ -1,0 +1,2 @@
+"""What tests, benchmarks and the demo build on: small models with random weights, a local tokenizer,
+and simulated replicas served from a background thread."""
