@@ -30,7 +30,7 @@ from redis_utils import start_redis  # noqa: E402
 
 from kvyard import LLM, SamplingParams  # noqa: E402
 from kvyard.kvcache import KVTierConfig  # noqa: E402
-from kvyard.models.create import ensure_default_model  # noqa: E402
+from kvyard.testing.create_model import ensure_default_model  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from server_utils import ServerProcess, start_server  # noqa: E402
 
-from kvyard.models.create import ensure_default_model  # noqa: E402
+from kvyard.testing.create_model import ensure_default_model  # noqa: E402
 
 WORDS = (
     "cache", "block", "token", "prefix", "replica", "router", "decode", "prefill", "latency", "batch",

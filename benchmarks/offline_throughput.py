@@ -145,7 +145,7 @@ def ensure_model(args: argparse.Namespace, kvyard_python: Path) -> Path:
     log = args.work_dir / "logs" / "create_model.log"
     for entry in (
         ["kvyard.cli", "create-model"],
-        ["kvyard.models.create"],
+        ["kvyard.testing.create_model"],
     ):  # the CLI, else the creator module itself
         cmd = [str(kvyard_python), "-m", *entry, *model_args]
         print("creating bench model:", " ".join(cmd), flush=True)

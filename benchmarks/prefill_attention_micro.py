@@ -1,8 +1,8 @@
 """Prefill-chunk attention, one layer: the native kernel against the PyTorch (SDPA) path.
 
 Shapes of the `bench` preset (8 query heads, 4 KV heads, head_dim 64, fp32, block size 16). Each
-case runs `kvyard.models.attention._prefill_attention` (what the model runs per layer and chunk)
-with and without the native kernel on the same inputs: q, k, v as views into one fused qkv
+case runs the `prefill` of both attention backends (what the model runs per layer and chunk),
+`TorchSDPABackend` and `CPUNativeBackend`, on the same inputs: q, k, v as views into one fused qkv
 projection, and a paged cache whose blocks are scattered. The causal mask the PyTorch path needs
 is built once per step in the metadata, outside the timed call, as in the engine.
 
@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kvyard.models.attention import AttentionMetadata, _prefill_attention, build_attention_metadata
-from kvyard.models.cpu_kernels import PagedPrefillKernel, load_native_kernels
+from kvyard.kernels.build import KernelsUnavailable
+from kvyard.kernels.ops import load_native_kernels
+from kvyard.models.attention import AttentionMetadata, build_attention_metadata
+from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
@@ -58,7 +60,7 @@ class Timing:
     cpu_s: list[float]
 
 
-def make_step(query_len: int, context_len: int, kernel: PagedPrefillKernel, seed: int) -> Step:
+def make_step(query_len: int, context_len: int, native: CPUNativeBackend, seed: int) -> Step:
     generator = torch.Generator().manual_seed(seed)
     used_blocks = -(-context_len // BLOCK_SIZE)
     num_blocks = 2 * used_blocks
@@ -70,8 +72,8 @@ def make_step(query_len: int, context_len: int, kernel: PagedPrefillKernel, seed
     k = qkv[:, q_size : q_size + kv_size].view(query_len, NUM_KV_HEADS, HEAD_DIM)
     v = qkv[:, q_size + kv_size :].view(query_len, NUM_KV_HEADS, HEAD_DIM)
     args = ([table], [context_len], [query_len], BLOCK_SIZE, torch.float32, torch.device("cpu"))
-    sdpa_meta = build_attention_metadata(*args)
-    kernel_meta = build_attention_metadata(*args, prefill_kernel=kernel)
+    sdpa_meta = build_attention_metadata(TorchSDPABackend(), *args)
+    kernel_meta = build_attention_metadata(native, *args)
     # Write this chunk's keys where the engine would have put them before attention runs.
     kv_cache[0].index_copy_(0, sdpa_meta.slot_mapping, k)
     kv_cache[1].index_copy_(0, sdpa_meta.slot_mapping, v)
@@ -80,7 +82,7 @@ def make_step(query_len: int, context_len: int, kernel: PagedPrefillKernel, seed
 
 def attention_call(step: Step, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
     span, scale = meta.prefills[0], HEAD_DIM**-0.5
-    return lambda: _prefill_attention(step.q, step.k, step.v, step.kv_cache, span, meta, scale)
+    return lambda: meta.backend.prefill(step.q, step.k, step.v, step.kv_cache, span, meta, scale)
 
 
 def time_interleaved(calls: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, Timing]:
@@ -111,8 +113,8 @@ class Case:
     machine_busy_s: float = 0.0
 
 
-def prepare_case(query_len: int, context_len: int, kernel: PagedPrefillKernel, reps: int, budget_s: float) -> Case:
-    step = make_step(query_len, context_len, kernel, seed=query_len * 10_007 + context_len)
+def prepare_case(query_len: int, context_len: int, native: CPUNativeBackend, reps: int, budget_s: float) -> Case:
+    step = make_step(query_len, context_len, native, seed=query_len * 10_007 + context_len)
     calls = {"sdpa": attention_call(step, step.sdpa_meta), "kernel": attention_call(step, step.kernel_meta)}
     max_diff = (calls["sdpa"]() - calls["kernel"]()).abs().max().item()
     warm = time_interleaved(calls, 2)
@@ -162,12 +164,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only query_len 130 / context 2500")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json")
     args = parser.parse_args()
-    kernels = load_native_kernels()
-    if kernels is None:
-        raise SystemExit("native kernels unavailable (no C compiler, or KVYARD_CPU_KERNELS=0)")
+    try:
+        native = CPUNativeBackend(load_native_kernels())
+    except KernelsUnavailable as error:
+        raise SystemExit(f"native kernels unavailable: {error}") from None
     shapes = [(130, 2500)] if args.quick else CACHED_CASES + WHOLE_PROMPT_CASES
     load_before = os.getloadavg()
-    cases = [prepare_case(q, c, kernels.paged_prefill, args.reps, args.budget_s) for q, c in shapes]
+    cases = [prepare_case(q, c, native, args.reps, args.budget_s) for q, c in shapes]
     for _ in range(args.rounds):
         for case in cases:
             run_round(case)

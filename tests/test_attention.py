@@ -1,4 +1,4 @@
-"""Paged attention paths agree with a dense reference: native CPU kernels, PyTorch gather path, chunked prefill."""
+"""Both attention backends agree with a dense reference: native CPU kernels, PyTorch SDPA, chunked prefill."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvyard.models.attention import build_attention_metadata, paged_attention
-from kvyard.models.cpu_kernels import find_compiler, load_native_kernels
+from kvyard.models.attention import AttentionBackend, build_attention_metadata, paged_attention
+from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -23,12 +23,14 @@ def _dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
-@pytest.mark.parametrize("use_native", [True, False])
-def test_mixed_step_matches_dense_attention(use_native: bool) -> None:
-    kernels = load_native_kernels() if use_native else None
-    if use_native and kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
+@pytest.fixture(params=["native", "torch"])
+def backend(request: pytest.FixtureRequest) -> AttentionBackend:
+    if request.param == "torch":
+        return TorchSDPABackend()
+    return CPUNativeBackend(request.getfixturevalue("native_kernels"))
+
+
+def test_mixed_step_matches_dense_attention(backend: AttentionBackend) -> None:
     generator = torch.Generator().manual_seed(0)
     # Two decodes, one fresh prefill, one prefill chunk continuing after 9 cached tokens.
     context_lens, query_lens = [7, 13, 5, 15], [1, 1, 5, 6]
@@ -44,7 +46,7 @@ def test_mixed_step_matches_dense_attention(use_native: bool) -> None:
         )  # fmt: skip
     # Earlier tokens are already in the cache; this step's tokens arrive as k, v.
     meta_all = build_attention_metadata(
-        tables, context_lens, context_lens, BLOCK_SIZE, torch.float32, torch.device("cpu")
+        backend, tables, context_lens, context_lens, BLOCK_SIZE, torch.float32, torch.device("cpu")
     )
     all_k = torch.cat([h[0] for h in histories])
     all_v = torch.cat([h[1] for h in histories])
@@ -53,9 +55,8 @@ def test_mixed_step_matches_dense_attention(use_native: bool) -> None:
     new_k = torch.cat([h[0][-q:] for h, q in zip(histories, query_lens)])
     new_v = torch.cat([h[1][-q:] for h, q in zip(histories, query_lens)])
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=generator)
-    decode, prefill = (kernels.paged_decode, kernels.paged_prefill) if kernels is not None else (None, None)
     meta = build_attention_metadata(
-        tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu"), decode, prefill
+        backend, tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu")
     )
     out = paged_attention(q, new_k, new_v, cache, meta, scale=HEAD_DIM**-0.5)
     start = 0

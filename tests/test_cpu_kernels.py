@@ -1,49 +1,45 @@
-"""The native kernels compute what their PyTorch counterparts compute."""
+"""The native kernels compute what their PyTorch counterparts compute, and are bound only as their header says."""
 
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvyard.models.attention import build_attention_metadata, paged_attention
-from kvyard.models.cpu_kernels import (
-    NativeKernels,
-    PagedPrefillKernel,
-    SmallLinearKernel,
-    bind_kernels,
-    compile_kernels,
-    find_compiler,
-    load_native_kernels,
-)
+from kvyard.kernels.bindings import KernelBindingError, bind_functions
+from kvyard.kernels.build import HEADER, PORTABLE_FLAGS, compile_kernels, compiled_library, find_compiler
+from kvyard.kernels.header import HeaderSyntaxError, parse_prototypes
+from kvyard.kernels.ops import NativeKernels, SmallLinearKernel, bind_kernels
+from kvyard.models.attention import AttentionBackend, build_attention_metadata, paged_attention
+from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
+from kvyard.models.layers import Linear
 
 
 @pytest.fixture(scope="module")
-def native() -> NativeKernels:
-    kernels = load_native_kernels()
-    if kernels is None:
-        assert find_compiler() is None, "a C compiler is here but the kernels did not build"
-        pytest.skip("no C compiler here")
-    return kernels
-
-
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+def portable_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The kernels built without -march=native (on x86-64: without AVX2), so they take their plain C paths."""
     compiler = find_compiler()
     if compiler is None:
         pytest.skip("no C compiler here")
     library_path = tmp_path_factory.mktemp("portable") / "kernels_portable.so"
-    compile_kernels(compiler, ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"], library_path)
-    return bind_kernels(ctypes.CDLL(str(library_path)), 2)
+    compile_kernels(compiler, PORTABLE_FLAGS, library_path)
+    return library_path
 
 
 @pytest.fixture(scope="module")
-def small_linear(native: NativeKernels) -> SmallLinearKernel:
-    return native.small_linear
+def portable(portable_library: Path) -> NativeKernels:
+    return bind_kernels(ctypes.CDLL(str(portable_library)), 2)
+
+
+@pytest.fixture(scope="module")
+def small_linear(native_kernels: NativeKernels) -> SmallLinearKernel:
+    return native_kernels.small_linear
 
 
 # Shapes cover whole 4-row tiles with k % 8 == 0 (vector path), ragged tiles, and odd k (scalar path),
@@ -69,21 +65,21 @@ def test_small_linear_reads_a_non_contiguous_input(small_linear: SmallLinearKern
     torch.testing.assert_close(small_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
-def test_fused_add_rms_norm_matches_the_reference(native: NativeKernels) -> None:
+def test_fused_add_rms_norm_matches_the_reference(native_kernels: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(300, 96, generator=generator)  # enough rows to take the multi-threaded path
     residual = torch.randn(300, 96, generator=generator)
     weight = torch.randn(96, generator=generator)
     total = x + residual
     expected = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
-    out = native.elementwise.add_rms_norm(x, residual, weight, 1e-6)
+    out = native_kernels.elementwise.add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(residual, total, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    norm_only = native.elementwise.add_rms_norm(None, total.clone(), weight, 1e-6)
+    norm_only = native_kernels.elementwise.add_rms_norm(None, total.clone(), weight, 1e-6)
     torch.testing.assert_close(norm_only, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rotary_in_place_matches_the_reference(native: NativeKernels) -> None:
+def test_rotary_in_place_matches_the_reference(native_kernels: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(3)
     num_tokens, num_heads, head_dim = 5, 3, 16
     packed = torch.randn(num_tokens, 2 * num_heads * head_dim, generator=generator)
@@ -94,14 +90,14 @@ def test_rotary_in_place_matches_the_reference(native: NativeKernels) -> None:
     first, second = x.chunk(2, dim=-1)
     expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     untouched = packed[:, : num_heads * head_dim].clone()
-    native.elementwise.rotary(x, angles.cos(), angles.sin(), positions)
+    native_kernels.elementwise.rotary(x, angles.cos(), angles.sin(), positions)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     torch.testing.assert_close(packed[:, : num_heads * head_dim], untouched, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
-def paged_prefill(native: NativeKernels) -> PagedPrefillKernel:
-    return native.paged_prefill
+def native_backend(native_kernels: NativeKernels) -> CPUNativeBackend:
+    return CPUNativeBackend(native_kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +128,12 @@ def _prefill_case(
     return PrefillCase(cache, table, q, cache[0][new].clone(), cache[1][new].clone(), context_len, block_size)
 
 
-def _paged_attention_of(case: PrefillCase, kernel: PagedPrefillKernel | None) -> torch.Tensor:
-    """The step through the public attention entry point: kernel=None is the PyTorch reference path."""
+def _paged_attention_of(case: PrefillCase, backend: AttentionBackend) -> torch.Tensor:
+    """The step through the public attention entry point; TorchSDPABackend is the reference."""
     query_len = case.q.shape[0]
     meta = build_attention_metadata(
-        [case.block_table], [case.context_len], [query_len], case.block_size, torch.float32, torch.device("cpu"),
-        prefill_kernel=kernel,
+        backend, [case.block_table], [case.context_len], [query_len], case.block_size, torch.float32,
+        torch.device("cpu"),
     )  # fmt: skip
     scale = case.q.shape[-1] ** -0.5
     return paged_attention(case.q, case.new_k, case.new_v, case.cache.clone(), meta, scale)
@@ -152,21 +148,21 @@ def _paged_attention_of(case: PrefillCase, kernel: PagedPrefillKernel | None) ->
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_prefill_matches_the_pytorch_path(
-    paged_prefill: PagedPrefillKernel, query_len: int, cached: int, block_size: int, group: int, head_dim: int
+    native_backend: CPUNativeBackend, query_len: int, cached: int, block_size: int, group: int, head_dim: int
 ) -> None:
     num_kv_heads = 2
     case = _prefill_case(query_len, query_len + cached, block_size, num_kv_heads * group, num_kv_heads, head_dim)
-    expected = _paged_attention_of(case, None)
-    torch.testing.assert_close(_paged_attention_of(case, paged_prefill), expected, rtol=1e-5, atol=1e-5)
+    expected = _paged_attention_of(case, TorchSDPABackend())
+    torch.testing.assert_close(_paged_attention_of(case, native_backend), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_prefill_handles_a_head_dim_off_the_vector_width(paged_prefill: PagedPrefillKernel) -> None:
+def test_paged_prefill_handles_a_head_dim_off_the_vector_width(native_backend: CPUNativeBackend) -> None:
     case = _prefill_case(query_len=9, context_len=50, block_size=16, num_heads=3, num_kv_heads=1, head_dim=13)
-    expected = _paged_attention_of(case, None)
-    torch.testing.assert_close(_paged_attention_of(case, paged_prefill), expected, rtol=1e-5, atol=1e-5)
+    expected = _paged_attention_of(case, TorchSDPABackend())
+    torch.testing.assert_close(_paged_attention_of(case, native_backend), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_prefill_reads_strided_rows_of_a_fused_projection(paged_prefill: PagedPrefillKernel) -> None:
+def test_paged_prefill_reads_strided_rows_of_a_fused_projection(native_backend: CPUNativeBackend) -> None:
     """q, k, v as the model hands them over: views into one [T, (Hq + 2 Hkv) * D] qkv matrix."""
     generator = torch.Generator().manual_seed(5)
     num_tokens, num_heads, num_kv_heads, head_dim = 70, 4, 2, 64
@@ -178,15 +174,17 @@ def test_paged_prefill_reads_strided_rows_of_a_fused_projection(paged_prefill: P
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
     ).transpose(0, 1)
-    out = paged_prefill.causal(q, k, v, head_dim**-0.5)
+    out = native_backend.kernels.paged_prefill.causal(q, k, v, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_portable_prefill_path_matches_too(portable: NativeKernels) -> None:
     for query_len, context_len, head_dim in ((130, 400, 64), (9, 50, 13), (40, 40, 64)):
         case = _prefill_case(query_len, context_len, 16, num_heads=4, num_kv_heads=2, head_dim=head_dim)
-        expected = _paged_attention_of(case, None)
-        torch.testing.assert_close(_paged_attention_of(case, portable.paged_prefill), expected, rtol=1e-5, atol=1e-5)
+        expected = _paged_attention_of(case, TorchSDPABackend())
+        torch.testing.assert_close(
+            _paged_attention_of(case, CPUNativeBackend(portable)), expected, rtol=1e-5, atol=1e-5
+        )
 
 
 def _decode_reference(
@@ -223,10 +221,12 @@ def _decode_case(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 128), (8, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_decode_matches_dense_attention(
-    native: NativeKernels, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    native_kernels: NativeKernels, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     q, cache, tables, lens, max_blocks = _decode_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, 11)
-    out = native.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5)
+    out = native_kernels.paged_decode(
+        q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5
+    )
     torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, block_size), rtol=1e-5, atol=2e-6)
 
 
@@ -237,37 +237,138 @@ def test_portable_decode_path_matches_too(portable: NativeKernels) -> None:
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_fast_paths_match_torch(native: NativeKernels, with_bias: bool) -> None:
+def test_linear_fast_paths_match_torch(native_kernels: NativeKernels, with_bias: bool) -> None:
     """Every row count takes one of the fast paths (native kernel, packed oneDNN) and agrees with F.linear."""
-    from kvyard.models.layers import Linear, enable_cpu_fast_paths
-
     torch.manual_seed(5)
     layer = Linear(96, 200, bias=with_bias)
-    assert enable_cpu_fast_paths(layer, native)
-    if torch.backends.mkldnn.is_available():
-        assert layer.packed_weight is not None
+    onednn = torch.backends.mkldnn.is_available()
+    layer.use_cpu_fast_paths(native_kernels.small_linear, onednn=onednn, pack=onednn)
+    assert (layer.packed_weight is not None) == onednn
     for rows in (1, layer.max_small_rows, layer.max_small_rows + 1, 64, 300):
         x = torch.randn(rows, 96)
         expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
         torch.testing.assert_close(layer(x), expected.float(), rtol=1e-5, atol=1e-4)
 
 
-def test_silu_mul_matches_the_reference(native: NativeKernels) -> None:
+def test_silu_mul_matches_the_reference(native_kernels: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(4)
     for rows, dim in ((3, 13), (200, 1408)):  # scalar tail only; vector path over enough rows to go parallel
         gate_up = torch.randn(rows, 2 * dim, generator=generator) * 8  # reaches far into both tails of silu
         gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
         gate, up = gate_up.double().split(dim, dim=-1)
         expected = (F.silu(gate) * up).float()
-        torch.testing.assert_close(native.elementwise.silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(native_kernels.elementwise.silu_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
 
 
-def test_argmax_rows_picks_the_first_maximum(native: NativeKernels) -> None:
+def test_argmax_rows_picks_the_first_maximum(native_kernels: NativeKernels) -> None:
     generator = torch.Generator().manual_seed(6)
     logits = torch.randn(70, 32000, generator=generator)
     logits[1, 5] = logits[1, 900] = 50.0  # a tie: the first index wins, as in torch
     logits[2] = float("-inf")
     logits[2, 31999] = 0.0  # the maximum in the last column
     logits[3] = float("-inf")  # nothing but -inf: index 0
-    assert torch.equal(native.elementwise.argmax(logits), logits.argmax(dim=-1))
-    assert native.elementwise.argmax(logits)[1] == 5
+    assert torch.equal(native_kernels.elementwise.argmax(logits), logits.argmax(dim=-1))
+    assert native_kernels.elementwise.argmax(logits)[1] == 5
+
+
+# ---------------------------------------------------------------- the header and the bindings
+
+
+def _header_with(old: str, new: str) -> str:
+    text = HEADER.read_text()
+    assert old in text, f"{old!r} is not in the header any more: update this test"
+    return text.replace(old, new)
+
+
+@pytest.fixture(scope="module")
+def library(native_kernels: NativeKernels) -> ctypes.CDLL:
+    """The library load_native_kernels bound (a fresh handle, so argtypes set here stay here)."""
+    return ctypes.CDLL(str(compiled_library()))
+
+
+def test_argtypes_come_from_the_header(library: ctypes.CDLL) -> None:
+    functions = bind_functions(library, HEADER.read_text(), HEADER.read_text())
+    assert set(functions) == set(parse_prototypes(HEADER.read_text()))
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    assert functions["kvyard_rotary"].argtypes == [pointer, int64, int64, int64, int64, pointer, pointer, pointer]
+    assert functions["kvyard_paged_prefill_attention"].restype is ctypes.c_int
+    assert functions["kvyard_paged_prefill_attention"].argtypes[12] is ctypes.c_float  # scale
+    assert functions["kvyard_silu_mul"].restype is None
+
+
+# Each edit makes the header disagree with what the Python wrappers call, in one way.
+HEADER_EDITS = {
+    "narrower integer": ("float *out, int64_t rows, int64_t dim);", "float *out, int rows, int64_t dim);"),
+    "swapped names": ("int64_t rows, int64_t cols, int64_t *out", "int64_t cols, int64_t rows, int64_t *out"),
+    "dropped const": ("void kvyard_silu_mul(const float *gate_up", "void kvyard_silu_mul(float *gate_up"),
+    "return type": ("int kvyard_paged_prefill_attention(", "void kvyard_paged_prefill_attention("),
+    "extra parameter": ("int64_t k, int num_threads);", "int64_t k, int num_threads, int chunk);"),
+    "undeclared": ("void kvyard_rotary(", "void kvyard_rotate("),
+}
+EDITED_FUNCTION = {
+    "narrower integer": "kvyard_silu_mul",
+    "swapped names": "kvyard_argmax_rows",
+    "dropped const": "kvyard_silu_mul",
+    "return type": "kvyard_paged_prefill_attention",
+    "extra parameter": "kvyard_small_linear",
+    "undeclared": "kvyard_rotary",
+}
+
+
+@pytest.mark.parametrize("edit", list(HEADER_EDITS))
+def test_a_header_that_disagrees_with_the_bindings_is_refused(library: ctypes.CDLL, edit: str) -> None:
+    header = _header_with(*HEADER_EDITS[edit])
+    with pytest.raises(KernelBindingError, match=EDITED_FUNCTION[edit]):
+        bind_kernels(library, 1, header_text=header)
+
+
+def test_a_mismatch_names_the_parameter() -> None:
+    header = _header_with(*HEADER_EDITS["narrower integer"])
+    with pytest.raises(KernelBindingError) as error:
+        bind_kernels(ctypes.CDLL(None), 1, header_text=header)  # refused before any symbol is looked up
+    assert "kvyard_silu_mul: parameter 3 is `int rows` in the header, `int64_t rows` in the bindings" in str(
+        error.value
+    )
+
+
+def test_a_function_missing_from_the_library_is_an_error_not_a_crash(library: ctypes.CDLL) -> None:
+    prototype = "void kvyard_not_built(const float *x, int64_t rows);"
+    with pytest.raises(KernelBindingError, match="kvyard_not_built: declared in the kernel header, but the library"):
+        bind_functions(library, prototype, prototype)
+
+
+@pytest.mark.parametrize(
+    "declaration",
+    [
+        "void f(double x);",  # a type the bindings cannot map
+        "void f(int x)",  # no semicolon
+        "void f(int);",  # unnamed parameter
+        "void f(int **x);",  # pointer to pointer
+        "void f(const int x);",  # const value: only pointees may be const
+        "void f(int x[4]);",  # array syntax
+        "void f(void x);",
+        "void f(int x); void f(int x);",  # declared twice
+    ],
+)
+def test_the_header_reader_refuses_what_it_does_not_understand(declaration: str) -> None:
+    with pytest.raises(HeaderSyntaxError):
+        parse_prototypes(declaration)
+
+
+def test_the_header_reader_reports_where() -> None:
+    with pytest.raises(HeaderSyntaxError, match=r"line 3: 'void g\(size_t n\)': type 'size_t'"):
+        parse_prototypes("/* two\n lines */ void f(void);\nvoid g(size_t n);\n")
+
+
+def test_prototypes_print_as_they_parse() -> None:
+    prototypes = parse_prototypes(HEADER.read_text())
+    assert parse_prototypes("".join(f"{p};\n" for p in prototypes.values())) == prototypes
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="no nm here")
+def test_the_library_exports_exactly_what_the_header_declares(portable_library: Path) -> None:
+    listing = subprocess.run(
+        ["nm", "-D", "--defined-only", str(portable_library)], check=True, capture_output=True, text=True
+    ).stdout
+    exported = {line.split()[-1] for line in listing.splitlines() if line.split()[1:2] == ["T"]}
+    assert exported == set(parse_prototypes(HEADER.read_text()))

@@ -1,4 +1,4 @@
-"""Tests for kvyard.models.create: random-weight HF models with a locally trained tokenizer."""
+"""Tests for kvyard.testing.create_model: random-weight HF models with a locally trained tokenizer."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from kvyard.models import create
-from kvyard.models.create import ARCHITECTURES, create_model, default_model_dir, ensure_default_model
+from kvyard.testing import create_model as create
+from kvyard.testing.create_model import ARCHITECTURES, create_model, default_model_dir, ensure_default_model
 
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 END_OF_TURN = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>"}

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvyard.engine.detokenizer import IncrementalDetokenizer
-from kvyard.models.create import create_model
+from kvyard.testing.create_model import create_model
 
 TEXTS = [
     "héllo wörld — 你好 🙂",

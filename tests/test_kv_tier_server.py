@@ -25,8 +25,8 @@ from kvyard.kvcache import KVTierConfig
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.kvcache.disk_tier import DiskTier
 from kvyard.kvcache.redis_tier import RedisTier
-from kvyard.models.create import create_model
 from kvyard.models.loader import model_digest
+from kvyard.testing.create_model import create_model
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 8

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,11 +11,10 @@ from kvyard.engine.core import SampledToken
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
-from kvyard.models.attention import build_attention_metadata
+from kvyard.models.attention import AttentionBackend, build_attention_metadata
+from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
-from kvyard.models.cpu_kernels import load_native_kernels
 from kvyard.models.decoder import CausalLM
-from kvyard.models.layers import enable_cpu_fast_paths
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -34,8 +32,17 @@ class BatchLogits:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
     ) -> None:
+        """`attention_backend`: "torch" (PyTorch SDPA, and no native code at all), "native" (the native
+        CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error saying why), or
+        "auto" (native where it can run, else torch). Chosen here, once: `self.attention_backend.name`."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -43,11 +50,9 @@ class ModelRunner:
         shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        native = device.type == "cpu" and dtype == torch.float32 and os.environ.get("KVYARD_CPU_KERNELS") != "0"
-        kernels = load_native_kernels() if native else None
-        self.decode_kernel = kernels.paged_decode if kernels is not None else None
-        self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
-        self.uses_cpu_fast_paths = enable_cpu_fast_paths(model, kernels)
+        self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
+        kernels = self.attention_backend.kernels if isinstance(self.attention_backend, CPUNativeBackend) else None
+        self.uses_cpu_fast_paths = model.use_cpu_fast_paths(kernels)
         self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded generators
 
@@ -92,14 +97,13 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(item)
         meta = build_attention_metadata(
+            self.attention_backend,
             block_tables=[item.request.block_table for item in scheduled],
             context_lens=[item.request.num_computed_tokens + item.num_new_tokens for item in scheduled],
             query_lens=[item.num_new_tokens for item in scheduled],
             block_size=self.block_size,
             dtype=self.kv_caches[0].dtype,
             device=self.device,
-            decode_kernel=self.decode_kernel,
-            prefill_kernel=self.prefill_kernel,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),

@@ -1,1 +1,5 @@
 """Model definitions (Llama, Qwen2, Qwen3 dense families) and Hugging Face checkpoint loading."""
+
+# The attention backends a model can run with (kvyard.models.attention_backends), named here, without torch,
+# so that settings can offer them.
+ATTENTION_BACKENDS = ("auto", "native", "torch")

@@ -1,19 +1,55 @@
-"""Paged attention in plain PyTorch (CPU and CUDA).
+"""Paged attention: the layout of a step that every layer shares, and the backend interface.
 
 The KV cache of one layer is a tensor `[2, num_slots, num_kv_heads, head_dim]` where a slot is
 `block_id * block_size + offset`. A step's tokens are laid out decodes first (one query token per
 sequence), then prefill chunks. Everything that depends only on the batch layout (slot indices,
-masks) is computed once per step in `AttentionMetadata` and shared by all layers.
+masks) is computed once per step in `AttentionMetadata` and shared by all layers. How attention is
+computed over the cache is an `AttentionBackend` (implementations in `attention_backends`), chosen
+once by the ModelRunner and carried by each step's metadata, so every layer of a step uses it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from kvyard.models.cpu_kernels import PagedDecodeKernel, PagedPrefillKernel
+
+class AttentionBackend(Protocol):
+    """Attention of this step's queries over the paged KV cache.
+
+    Writing the step's keys and values into the cache is not part of it: the cache layout is shared
+    with the block pool and the KV tier, which copy whole blocks, so every backend reads that layout
+    and `paged_attention` writes it the same way for all."""
+
+    @property
+    def name(self) -> str:
+        """How the choice is spelt (`attention_backend="torch"`), for logs and tests."""
+        ...
+
+    @property
+    def uses_masks(self) -> bool:
+        """Whether it reads the additive masks in the metadata; without, they are not built at all."""
+        ...
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [num_decodes, Hq, D], one query per sequence, against the keys of `meta.decode_block_tables`."""
+        ...
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One sequence's chunk, causal: q [query_len, Hq, D]; k, v [query_len, Hkv, D], this chunk's
+        projections (already in the cache too). Returns [query_len, Hq, D]."""
+        ...
 
 
 @dataclass(slots=True)
@@ -25,55 +61,48 @@ class PrefillSpan:
     context_len: int
     # Blocks of the whole context (cached prefix + this chunk) and the additive causal mask
     # [query_len, context_len]; both None when the chunk is the whole context, so keys come
-    # straight from this step's projections. The mask is also None with a native prefill kernel,
-    # which takes causality from positions.
+    # straight from this step's projections. The mask is also None for a backend without masks.
     block_table: torch.Tensor | None
     mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    backend: AttentionBackend
     slot_mapping: torch.Tensor  # [num_tokens] slot written by each new token
     block_size: int
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; None with a native kernel
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]; None without masks
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     prefills: list[PrefillSpan]
-    # Native kernels, given only for fp32 CPU caches; None means the PyTorch path.
-    decode_kernel: PagedDecodeKernel | None = None
-    prefill_kernel: PagedPrefillKernel | None = None
 
 
 def build_attention_metadata(
+    backend: AttentionBackend,
     block_tables: list[list[int]],
     context_lens: list[int],
     query_lens: list[int],
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    decode_kernel: PagedDecodeKernel | None = None,
-    prefill_kernel: PagedPrefillKernel | None = None,
 ) -> AttentionMetadata:
-    """Describe one step. Sequences with query_len == 1 must come first."""
+    """Describe one step for `backend`. Sequences with query_len == 1 must come first."""
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    with_masks = backend.uses_masks
     prefills: list[PrefillSpan] = []
     query_start = num_decodes
     for table, context_len, query_len in zip(
         block_tables[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:]
     ):
         prefills.append(
-            _prefill_span(query_start, query_len, context_len, table, block_size, dtype, device, prefill_kernel is None)
+            _prefill_span(query_start, query_len, context_len, table, block_size, dtype, device, with_masks)
         )
         query_start += query_len
     decode_tables = _decode_tables(block_tables[:num_decodes], context_lens[:num_decodes], block_size)
-    # The native kernel reads exactly context_len keys per row, so only the PyTorch path needs a mask.
-    decode_mask = (
-        None
-        if decode_kernel is not None
-        else _decode_mask(context_lens[:num_decodes], decode_tables, block_size, dtype)
-    )
+    decode_mask = _decode_mask(context_lens[:num_decodes], decode_tables, block_size, dtype) if with_masks else None
     return AttentionMetadata(
+        backend=backend,
         slot_mapping=_slot_mapping(block_tables, context_lens, query_lens, block_size).to(device),
         block_size=block_size,
         num_decode_tokens=num_decodes,
@@ -81,8 +110,6 @@ def build_attention_metadata(
         decode_mask=decode_mask.to(device) if decode_mask is not None else None,
         decode_context_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.long, device=device),
         prefills=prefills,
-        decode_kernel=decode_kernel,
-        prefill_kernel=prefill_kernel,
     )
 
 
@@ -136,7 +163,7 @@ def _decode_mask(context_lens: list[int], tables: torch.Tensor, block_size: int,
     return mask[:, None, None, :]
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """Rows of `cache` ([num_slots, Hkv, D]) for whole blocks: [*block_ids.shape[:-1], n*block_size, Hkv, D]."""
     num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
     per_block = cache.view(-1, block_size * num_kv_heads * head_dim)
@@ -152,62 +179,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache; returns [T, Hq, D]."""
     kv_cache[0].index_copy_(0, meta.slot_mapping, k)
     kv_cache[1].index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], kv_cache, meta, scale)
+        out[:num_decodes] = meta.backend.decode(q[:num_decodes], kv_cache, meta, scale)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, meta, scale)
+        out[rows] = meta.backend.prefill(q[rows], k[rows], v[rows], kv_cache, span, meta, scale)
     return out
-
-
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # The query heads of one KV group share its keys, so they ride along as extra query rows
-    # ([B, Hkv, group, D]) instead of expanding K and V to every query head.
-    if meta.decode_kernel is not None:
-        max_context = int(meta.decode_block_tables.shape[1]) * meta.block_size
-        return meta.decode_kernel(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, max_context,
-            meta.block_size, scale,
-        )  # fmt: skip
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[2]
-    keys = _gather_blocks(kv_cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
-    values = _gather_blocks(kv_cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)
-    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    span: PrefillSpan,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    # The native kernel also beats SDPA's causal path on whole-context chunks (measured on the bench
-    # preset's shapes, 16 to 2,500 tokens: 1.2-2x), so it takes those too.
-    kernel = meta.prefill_kernel
-    if kernel is not None:
-        if span.block_table is None:
-            return kernel.causal(q, k, v, scale)
-        return kernel(q, kv_cache[0], kv_cache[1], span.block_table, span.context_len, meta.block_size, scale)
-    if span.block_table is None:
-        keys, values, mask = k, v, None
-    else:
-        keys = _gather_blocks(kv_cache[0], span.block_table, meta.block_size)[: span.context_len]
-        values = _gather_blocks(kv_cache[1], span.block_table, meta.block_size)[: span.context_len]
-        mask = span.mask
-    # SDPA takes its fused CPU kernel only for 4-D inputs, hence the leading batch dim of 1.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-    )  # fmt: skip
-    return out[0].transpose(0, 1)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
-from kvyard.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from kvyard.models.layers import GatedMLP, Linear, NativeElementwise, RMSNorm, RotaryEmbedding, fits_in_memory
 
 
 class Attention(nn.Module):
@@ -112,3 +113,24 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def use_cpu_fast_paths(self, kernels: NativeKernels | None) -> bool:
+        """Put an fp32 CPU model on its fast paths; returns whether it is one (else this does nothing).
+
+        Linears go through oneDNN, their weights packed into its layout when that copy fits in half of
+        the memory available now; given `kernels`, few-row linears and the fused norm, rotary and SiLU
+        work go through them too (None: PyTorch ops only). The ModelRunner calls this once, after the
+        weights are loaded (packing copies them) and before the first forward; a later call replaces
+        what an earlier one chose."""
+        params = list(self.parameters())
+        if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+            return False
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        onednn = torch.backends.mkldnn.is_available()
+        pack = onednn and fits_in_memory(linears)
+        for linear in linears:
+            linear.use_cpu_fast_paths(kernels.small_linear if kernels is not None else None, onednn, pack)
+        for module in self.modules():
+            if isinstance(module, NativeElementwise):
+                module.use_native_kernels(kernels.elementwise if kernels is not None else None)
+        return True

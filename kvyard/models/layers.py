@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvyard.kernels.ops import ElementwiseKernels, SmallLinearKernel
 from kvyard.models.config import RopeConfig
-from kvyard.models.cpu_kernels import ElementwiseKernels, NativeKernels, SmallLinearKernel
 
 
 class Linear(nn.Linear):
-    """nn.Linear with faster fp32 CPU paths, off unless `enable_cpu_fast_paths` turns them on.
+    """nn.Linear with faster fp32 CPU paths, off until `use_cpu_fast_paths` turns them on.
 
     A handful of rows (decode) goes to a native kernel that streams the weights once at memory
     speed. More rows go to oneDNN with the weight packed once into its blocked layout: on CPUs
@@ -23,12 +23,15 @@ class Linear(nn.Linear):
     saves oneDNN from reordering the weight on every call (15-25% at 32-2048 rows).
     """
 
-    onednn = False
-    small_kernel: SmallLinearKernel | None = None
-    packed_weight: torch.Tensor | None = None  # oneDNN's layout of `weight`; a second copy
     # Measured on the bench preset's shapes (AMD EPYC, AVX2), all linears of the model in a row:
     # the native kernel wins up to 16 rows, packed oneDNN from 24.
     max_small_rows = 16
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.onednn = False
+        self.small_kernel: SmallLinearKernel | None = None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of `weight`; a second copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -39,33 +42,27 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_onednn(self) -> None:
+    def use_cpu_fast_paths(self, small_kernel: SmallLinearKernel | None, onednn: bool, pack: bool) -> None:
+        """fp32 CPU weights only: few rows through `small_kernel` (None: not), the rest through oneDNN
+        if `onednn`, with the weight packed into oneDNN's layout if `pack` (a copy, made now)."""
+        self.small_kernel = small_kernel
+        self.onednn = onednn
         # The hint is the batch size oneDNN tunes the layout for; 64 served 1-2048 rows best.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if pack else None
 
 
-def enable_cpu_fast_paths(model: nn.Module, kernels: NativeKernels | None) -> bool:
-    """Route an fp32 CPU model's linears through oneDNN and the native kernels; returns whether it did.
+class NativeElementwise:
+    """A layer whose elementwise work the native kernels can fuse; plain PyTorch while `native` is None."""
 
-    Packed oneDNN weights double the memory the linears take, so they are skipped when that copy
-    would not fit in half of the memory available now."""
-    params = list(model.parameters())
-    usable = bool(params) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-    linears = [module for module in model.modules() if isinstance(module, Linear)]
-    onednn = usable and torch.backends.mkldnn.is_available()
-    pack = onednn and _fits_in_memory(linears)
-    for linear in linears:
-        linear.onednn = onednn
-        linear.small_kernel = kernels.small_linear if usable and kernels is not None else None
-        if pack:
-            linear.pack_for_onednn()
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
-            module.native = kernels.elementwise if usable and kernels is not None else None
-    return usable
+    native: ElementwiseKernels | None
+
+    def use_native_kernels(self, kernels: ElementwiseKernels | None) -> None:
+        """fp32 CPU tensors only, once given kernels; None goes back to PyTorch."""
+        self.native = kernels
 
 
-def _fits_in_memory(linears: list[Linear]) -> bool:
+def fits_in_memory(linears: list[Linear]) -> bool:
+    """Whether packed copies of these linears' weights would fit in half of the memory available now."""
     extra_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return extra_bytes < available_memory_bytes() // 2
 
@@ -81,11 +78,10 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class RMSNorm(nn.Module):
-    native: ElementwiseKernels | None = None
-
+class RMSNorm(nn.Module, NativeElementwise):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
+        self.native = None
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
@@ -108,13 +104,12 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(nn.Module, NativeElementwise):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
-
-    native: ElementwiseKernels | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.native = None
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
@@ -150,13 +145,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, NativeElementwise):
     """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
-
-    native: ElementwiseKernels | None = None
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        self.native = None
         self.rope = rope
         self.head_dim = head_dim
         self.max_positions = max_positions

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "vec_math.h"

@@ -8,6 +8,7 @@
  * Layout: x [m, k], w [n, k] (row-major, as nn.Linear stores it), bias [n] or NULL, y [m, n].
  */
 #include <stdint.h>
+#include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

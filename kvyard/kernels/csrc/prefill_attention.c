@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "vec_math.h"

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
+#include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "vec_math.h"

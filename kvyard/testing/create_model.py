@@ -2,7 +2,7 @@
 
 Tests and demos use these instead of downloading a checkpoint::
 
-    python -m kvyard.models.create --arch qwen3 --preset tiny --out /tmp/qwen3-tiny
+    python -m kvyard.testing.create_model --arch qwen3 --preset tiny --out /tmp/qwen3-tiny
 
 The same (arch, preset, seed, dtype) gives byte-identical files for a given Python, torch and
 transformers version (the tokenizer is trained on this Python's standard-library sources).
@@ -31,7 +31,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvyard.models.tokenizer_build import (
+from kvyard.paths import cache_root
+from kvyard.testing.model_presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, DTYPES, PRESETS
+from kvyard.testing.tokenizer_build import (
     CHATML,
     LLAMA3,
     ChatFormat,
@@ -39,15 +41,7 @@ from kvyard.models.tokenizer_build import (
     train_tokenizer,
     write_tokenizer,
 )
-from kvyard.paths import cache_root
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PRESETS = ("tiny", "small", "bench")
-DTYPES = ("float32", "bfloat16", "float16")
-
-# The default model: big enough to be a meaningful benchmark, still created in well under a minute.
-DEFAULT_ARCH = "llama"
-DEFAULT_PRESET = "bench"
 FORMAT_VERSION = 1  # bump when create_model's output changes, so cached default models are rebuilt
 
 

@@ -1,40 +1,34 @@
-"""Native CPU kernels, compiled on first use with the system C compiler and cached per machine.
+"""Native CPU kernels as functions of torch tensors (fp32, on CPU).
 
-Only what PyTorch lacks or does slowly here: decode and prefill-chunk attention that read the
-paged KV cache in place instead of gathering it into a temporary first, the few-row matmul of
-a decode step, which must stream the weights at memory speed, and fused elementwise work. Without a compiler (or with
-KVYARD_CPU_KERNELS=0) callers use the pure PyTorch path, which computes the same thing.
+Only what PyTorch lacks or does slowly here: decode and prefill-chunk attention that read the paged
+KV cache in place instead of gathering it into a temporary first, the few-row matmul of a decode step,
+which must stream the weights at memory speed, and fused elementwise work. Each wrapper states the C
+prototypes it calls; `bind_kernels` checks them against the library's header before binding anything.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
-from kvyard.paths import cache_root
-
-logger = logging.getLogger(__name__)
-
-_SOURCES = ("paged_attention.c", "prefill_attention.c", "small_linear.c", "elementwise.c")
-_HEADERS = ("vec_math.h",)  # included by the sources: part of the build fingerprint
-_SOURCE_DIR = Path(__file__).parent / "csrc"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+from kvyard.kernels.bindings import bind_functions
+from kvyard.kernels.build import HEADER, KernelsUnavailable, compiled_library
 
 
 @dataclass(frozen=True, slots=True)
 class PagedDecodeKernel:
-    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+            const int64_t *block_tables, const int64_t *context_lens, float *out, float *workspace, int num_seqs,
+            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t max_context,
+            float scale, int num_threads);
+    """
+
+    function: Callable[..., Any]
     num_threads: int
 
     def __call__(
@@ -57,7 +51,7 @@ class PagedDecodeKernel:
         self.function(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), _ptr(out),
             _ptr(workspace), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-            max_context, ctypes.c_float(scale), self.num_threads,
+            max_context, scale, self.num_threads,
         )  # fmt: skip
         return out
 
@@ -69,7 +63,14 @@ class PagedPrefillKernel:
     Keys and values are read in place, either from the paged cache through a block table or from
     contiguous [context_len, Hkv, D] rows; rows may be strided but each row's heads are contiguous."""
 
-    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    PROTOTYPES: ClassVar[str] = """
+        int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
+            const float *v_cache, int64_t kv_stride, const int64_t *block_table, int block_size, int64_t query_len,
+            int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale, float *out,
+            int num_threads);
+    """
+
+    function: Callable[..., Any]
     num_threads: int
 
     def __call__(
@@ -108,8 +109,7 @@ class PagedPrefillKernel:
         out = q.new_empty(query_len, num_heads, head_dim)
         status = self.function(
             _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0), _ptr(block_table), block_size,
-            query_len, context_len, num_heads, k_cache.shape[1], head_dim, ctypes.c_float(scale), _ptr(out),
-            self.num_threads,
+            query_len, context_len, num_heads, k_cache.shape[1], head_dim, scale, _ptr(out), self.num_threads,
         )  # fmt: skip
         if status != 0:
             raise MemoryError("prefill attention kernel could not allocate its scratch")
@@ -120,7 +120,12 @@ class PagedPrefillKernel:
 class SmallLinearKernel:
     """`F.linear` for fp32 inputs of a few rows; weights [n, k] contiguous."""
 
-    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n,
+            int64_t k, int num_threads);
+    """
+
+    function: Callable[..., Any]
     num_threads: int
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -137,10 +142,19 @@ class SmallLinearKernel:
 class ElementwiseKernels:
     """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
 
-    add_rms_norm_function: ctypes._CFuncPtr  # type: ignore[name-defined]
-    rotary_function: ctypes._CFuncPtr  # type: ignore[name-defined]
-    silu_mul_function: ctypes._CFuncPtr  # type: ignore[name-defined]
-    argmax_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+            int64_t dim, float eps);
+        void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+            const float *cos_table, const float *sin_table, const int64_t *positions);
+        void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim);
+        void kvyard_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+    """
+
+    add_rms_norm_function: Callable[..., Any]
+    rotary_function: Callable[..., Any]
+    silu_mul_function: Callable[..., Any]
+    argmax_function: Callable[..., Any]
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -150,7 +164,7 @@ class ElementwiseKernels:
         x = None if x is None else x.contiguous()  # bound to a name: the buffer must outlive the call
         rows, dim = residual.shape
         self.add_rms_norm_function(
-            None if x is None else _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, ctypes.c_float(eps)
+            None if x is None else _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, eps
         )
         return out
 
@@ -187,90 +201,37 @@ class NativeKernels:
     elementwise: ElementwiseKernels
 
 
-def load_native_kernels() -> NativeKernels | None:
-    """Compile (once per machine) and load the kernels; None if that is not possible here."""
-    if os.environ.get("KVYARD_CPU_KERNELS", "1") == "0":
-        return None
+def load_native_kernels() -> NativeKernels:
+    """Compile (once per machine) and load the kernels.
+
+    KernelsUnavailable when this machine cannot build or load them (callers may fall back to PyTorch);
+    KernelBindingError when the library, its header and the bindings disagree (a bug: never swallow it)."""
+    path = compiled_library()
     try:
-        library = ctypes.CDLL(str(_compiled_library()))
-    except subprocess.CalledProcessError as error:
-        logger.warning("native CPU kernels failed to compile; using the PyTorch path:\n%s", error.stderr.decode())
-        return None
-    except (OSError, FileNotFoundError) as error:
-        logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", error)
-        return None
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise KernelsUnavailable(f"the compiled kernels at {path} would not load: {error}") from error
     return bind_kernels(library, torch.get_num_threads())
 
 
-def bind_kernels(library: ctypes.CDLL, threads: int) -> NativeKernels:
-    """Declare the C signatures of a built kernel library and wrap its functions."""
-    pointer, integer, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    decode = library.kvyard_paged_decode_attention
-    decode.restype = None
-    decode.argtypes = [pointer] * 7 + [integer] * 6 + [int64, ctypes.c_float, integer]
-    prefill = library.kvyard_paged_prefill_attention
-    prefill.restype = integer
-    prefill.argtypes = [
-        pointer, int64, pointer, pointer, int64, pointer, integer, int64, int64, integer, integer, integer,
-        ctypes.c_float, pointer, integer,
-    ]  # fmt: skip
-    linear = library.kvyard_small_linear
-    linear.restype = None
-    linear.argtypes = [pointer] * 4 + [int64] * 3 + [integer]
-    add_rms_norm = library.kvyard_add_rms_norm
-    add_rms_norm.restype = None
-    add_rms_norm.argtypes = [pointer] * 4 + [int64] * 2 + [ctypes.c_float]
-    rotary = library.kvyard_rotary
-    rotary.restype = None
-    rotary.argtypes = [pointer] + [int64] * 4 + [pointer] * 3
-    silu_mul = library.kvyard_silu_mul
-    silu_mul.restype = None
-    silu_mul.argtypes = [pointer] * 2 + [int64] * 2
-    argmax = library.kvyard_argmax_rows
-    argmax.restype = None
-    argmax.argtypes = [pointer, int64, int64, pointer]
+def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = None) -> NativeKernels:
+    """Wrap a built kernel library's functions, after checking the wrappers' prototypes against the header.
+
+    `header_text` defaults to the header the library was built from; tests pass an altered one."""
+    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels)
+    header = HEADER.read_text() if header_text is None else header_text
+    functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
-        PagedDecodeKernel(decode, threads),
-        PagedPrefillKernel(prefill, threads),
-        SmallLinearKernel(linear, threads),
-        ElementwiseKernels(add_rms_norm, rotary, silu_mul, argmax),
+        PagedDecodeKernel(functions["kvyard_paged_decode_attention"], threads),
+        PagedPrefillKernel(functions["kvyard_paged_prefill_attention"], threads),
+        SmallLinearKernel(functions["kvyard_small_linear"], threads),
+        ElementwiseKernels(
+            functions["kvyard_add_rms_norm"],
+            functions["kvyard_rotary"],
+            functions["kvyard_silu_mul"],
+            functions["kvyard_argmax_rows"],
+        ),
     )
-
-
-def find_compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def _compiled_library() -> Path:
-    compiler = find_compiler()
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    source = b"".join((_SOURCE_DIR / name).read_bytes() for name in (*_SOURCES, *_HEADERS))
-    fingerprint = hashlib.sha256(source + " ".join(_FLAGS).encode() + _machine_fingerprint()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"kvyard-cpu-{fingerprint}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        compile_kernels(compiler, _FLAGS, built)
-        built.replace(target)  # atomic: concurrent builders each install a complete file
-    return target
-
-
-def compile_kernels(compiler: str, flags: Sequence[str], output: Path) -> None:
-    """Build every kernel source into one shared library (the tests also build it without -march=native)."""
-    sources = [str(_SOURCE_DIR / name) for name in _SOURCES]
-    subprocess.run([compiler, *flags, *sources, "-o", str(output), "-lm"], check=True, capture_output=True)
-
-
-def _machine_fingerprint() -> bytes:
-    """-march=native output depends on the CPU, so the cache key does too."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return f"{platform.machine()}|{flags}".encode()
 
 
 def _heads_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,45 @@
+/*
+ * Every function the kvyard CPU kernel library exports, with its exact C signature.
+ *
+ * Each source includes this header, so the compiler rejects a definition that differs from its
+ * declaration here (and, with -Werror=missing-prototypes, an exported function missing from it).
+ * The Python bindings parse this file when they load the library and check their own expectations
+ * against it (kvyard/kernels/header.py), so declarations keep to what that parser reads: one
+ * prototype per statement, return and parameter types void, int, float or int64_t, optionally
+ * const-qualified pointers to them, every parameter named. No macros, arrays or attributes here.
+ *
+ * All tensors are fp32 (indices int64), row-major; see each source for layouts.
+ */
+#ifndef KVYARD_KERNELS_H
+#define KVYARD_KERNELS_H
+
+#include <stdint.h>
+
+/* paged_attention.c: one query token per sequence against its keys in the paged cache. `workspace`
+ * holds num_threads * num_heads * max_context floats. */
+void kvyard_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                   const int64_t *block_tables, const int64_t *context_lens, float *out,
+                                   float *workspace, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                   int block_size, int max_blocks, int64_t max_context, float scale,
+                                   int num_threads);
+
+/* prefill_attention.c: causal attention of a prefill chunk, keys read in place. Returns 0 on success,
+ * -1 if a thread could not allocate its scratch (out is then incomplete). */
+int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                   int64_t kv_stride, const int64_t *block_table, int block_size, int64_t query_len,
+                                   int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale,
+                                   float *out, int num_threads);
+
+/* small_linear.c: y = x w^T (+ bias) for a few rows of x; bias may be NULL. */
+void kvyard_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n,
+                         int64_t k, int num_threads);
+
+/* elementwise.c: the per-layer fused elementwise work and the greedy sampler's argmax. */
+void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                         int64_t dim, float eps);
+void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                   const float *cos_table, const float *sin_table, const int64_t *positions);
+void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim);
+void kvyard_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+
+#endif
