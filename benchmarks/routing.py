@@ -174,8 +174,8 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
     ports_file = log.with_suffix(".ports.json")
     ports_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--port", "0",
-               "--ports-file", str(ports_file), "--capacity-blocks", str(args.capacity_blocks),
-               "--time-scale", str(args.time_scale), "--stream-interval-ms", "5"]  # fmt: skip
+               "--ports-file", str(ports_file), "--num-kv-blocks", str(args.capacity_blocks),
+               "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005"]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not ports_file.exists():
@@ -188,7 +188,7 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
 
 
 def targets(selected: list[str]) -> list[Target]:
-    kvyard = [sys.executable, "-m", "kvyard.router", "--port", "{port}", "{replica-args}"]
+    kvyard = [sys.executable, "-m", "kvyard", "route", "--port", "{port}", "{replica-args}"]
     sglang = [str(PEERS / "sglang-router/bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
               "--port", "{port}", "--worker-urls", "{workers}"]  # fmt: skip
     smg = [str(PEERS / "smg/bin/smg"), "launch", "--host", "127.0.0.1", "--port", "{port}",

@@ -79,9 +79,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         ports = Path(scratch) / "ports.json"
         command = [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", str(args.replicas),
-                   "--ports-file", str(ports), "--time-scale", str(args.time_scale), "--stream-interval-ms",
-                   str(args.stream_interval_ms), "--tick-ms", str(args.tick_ms), "--block-size", str(args.block_size),
-                   "--capacity-blocks", "100000"]  # fmt: skip
+                   "--ports-file", str(ports), "--time-scale", str(args.time_scale), "--stream-interval-s",
+                   str(args.stream_interval_ms / 1000), "--tick-s", str(args.tick_ms / 1000), "--block-size",
+                   str(args.block_size), "--num-kv-blocks", "100000"]  # fmt: skip
         sim = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         try:
             while not ports.exists():

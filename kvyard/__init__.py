@@ -6,8 +6,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvyard.engine.config import EngineConfig
     from kvyard.engine.llm import LLM
-    from kvyard.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+    from kvyard.engine.llm_engine import LLMEngine, RequestOutput
     from kvyard.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 # benchmark clients) do not pay for importing torch.
 _LAZY = {
     "LLM": "kvyard.engine.llm",
-    "EngineConfig": "kvyard.engine.llm_engine",
+    "EngineConfig": "kvyard.engine.config",
     "LLMEngine": "kvyard.engine.llm_engine",
     "RequestOutput": "kvyard.engine.llm_engine",
     "SamplingParams": "kvyard.engine.sampling_params",

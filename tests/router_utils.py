@@ -19,7 +19,7 @@ def start_router(log_dir: Path, replicas: list[str], *extra: str, timeout: float
     """A router over `replicas`, returned once every replica is healthy and its cache index synced."""
     port = free_port()
     log_path = log_dir / f"router-{port}.log"
-    command = [sys.executable, "-m", "kvyard.router", "--port", str(port), "--health-interval", "0.2"]
+    command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--health-interval-s", "0.2"]
     for url in replicas:
         command += ["--replica", url]
     with log_path.open("wb") as log:

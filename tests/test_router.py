@@ -17,7 +17,7 @@ from tests.router_utils import labelled_metric, replica_state, replicas_of, star
 from tests.server_utils import ServerProcess
 
 MODEL = "sim-model"
-CONFIG = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=4096, time_scale=0.05)
+CONFIG = SimConfig(model_name=MODEL, block_size=16, num_kv_blocks=4096, time_scale=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_cache_aware_sends_a_repeated_prefix_to_the_replica_holding_it(cluster: 
 
 
 def test_hot_prefix_under_overload_spreads_to_a_second_replica(log_dir: Path) -> None:
-    config = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=4096, time_scale=0.2)
+    config = SimConfig(model_name=MODEL, block_size=16, num_kv_blocks=4096, time_scale=0.2)
     with SimCluster([config] * 2) as sim:
         router = start_router(log_dir, sim.urls, "--policy", "cache_aware")
         try:
@@ -169,7 +169,7 @@ def test_hot_prefix_under_overload_spreads_to_a_second_replica(log_dir: Path) ->
 
 
 def test_kv_event_gap_triggers_a_resync(log_dir: Path) -> None:
-    config = SimConfig(model_name=MODEL, block_size=16, capacity_blocks=64, time_scale=0.05, event_log_capacity=2)
+    config = SimConfig(model_name=MODEL, block_size=16, num_kv_blocks=64, time_scale=0.05, event_log_capacity=2)
     with SimCluster([config]) as sim:
         router = start_router(log_dir, sim.urls, "--policy", "cache_aware")
         try:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvyard.engine.core import EngineCore, SampledToken
-from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.scheduler import ScheduledRequest, SchedulerConfig
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.events import KVEventLog
 from kvyard.sim.config import SimConfig
@@ -36,8 +36,8 @@ class ShapeRecorder(CostRunner):
 
 
 def make_engine(capacity: int = 64, budget: int = 2048, max_seqs: int = 256) -> tuple[EngineCore, ShapeRecorder]:
-    config = SimConfig(model_name="sim-test", block_size=4, capacity_blocks=capacity, max_num_batched_tokens=budget,
-                       max_num_seqs=max_seqs, cost=COST)  # fmt: skip
+    config = SimConfig(model_name="sim-test", block_size=4, num_kv_blocks=capacity, cost=COST,
+                       scheduler=SchedulerConfig(budget, max_seqs))  # fmt: skip
     runner = ShapeRecorder(COST)
     core = EngineCore(config.core_config(), config.namespace, runner)
     return core, runner

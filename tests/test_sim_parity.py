@@ -18,14 +18,15 @@ from typing import Any
 import httpx
 import pytest
 
+from kvyard.cli.sim import add_sim_arguments, sim_config
+from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore, Runner, SampledToken
-from kvyard.engine.llm_engine import EngineConfig, LLMEngine
+from kvyard.engine.llm_engine import LLMEngine
 from kvyard.engine.request import Request
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.models.loader import model_digest
-from kvyard.sim.cli import add_sim_arguments, sim_config
 from kvyard.testing.sim_cluster import SimCluster
 from tests.server_utils import ServerProcess, start_server
 
@@ -148,10 +149,10 @@ def run_steps(core: EngineCore, arrivals: list[Arrival]) -> list[StepRecord]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sim_schedules_caches_and_evicts_step_by_step_like_the_engine(llama_dir: Path, seed: int) -> None:
-    config = EngineConfig(str(llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
-                          max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, record_kv_events=True)  # fmt: skip
+    config = EngineConfig.create(llama_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, record_kv_events=True,
+                                 max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS)  # fmt: skip
     engine = LLMEngine(config)
-    sim = sim_config_for(llama_dir, "--block-size", str(BLOCK_SIZE), "--capacity-blocks", str(NUM_BLOCKS),
+    sim = sim_config_for(llama_dir, "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_BLOCKS),
                          "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_SEQS))  # fmt: skip
     sim = replace(sim, max_model_len=engine.max_model_len, vocab_size=engine.limits.vocab_size)
     sim_core, _ = sim.build_core()

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from kvyard.api.metrics import ServerMetrics
+from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.sim.calibration import calibrate_from_json
 from kvyard.sim.config import SimConfig
@@ -24,7 +25,7 @@ from kvyard.testing.sim_cluster import SimCluster, sim_server_options
 from tests.server_utils import metric_value
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = SimConfig(model_name="sim-model", block_size=4, capacity_blocks=256, time_scale=0.01)
+CONFIG = SimConfig(model_name="sim-model", block_size=4, num_kv_blocks=256, time_scale=0.01)
 LOAD_FIELDS = {"num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                "tokens_in_flight"}  # fmt: skip
 
@@ -122,7 +123,7 @@ def test_cache_salt_isolates_tenants(cluster: SimCluster) -> None:
 
 
 def test_lru_eviction_at_capacity_shows_up_as_removed_events() -> None:
-    config = replace(CONFIG, capacity_blocks=6)
+    config = replace(CONFIG, num_kv_blocks=6)
     with SimCluster([config]) as sim:
         url, client = sim.urls[0], client_for(sim.urls[0])
         first, second = prompt(3, 13), prompt(4, 13)
@@ -238,7 +239,7 @@ def test_unknown_paths_and_query_values_get_openai_errors(cluster: SimCluster) -
 
 
 def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
-    config = replace(CONFIG, max_num_seqs=1, time_scale=1.0)
+    config = replace(CONFIG, scheduler=SchedulerConfig(max_num_seqs=1), time_scale=1.0)
     with SimCluster([config], sim_server_options(max_queued_requests=0)) as sim:
         url = sim.urls[0]
         body = {"prompt": prompt(40, 40), "max_tokens": 900, "stream": True}  # about 30 simulated seconds
@@ -339,7 +340,7 @@ def test_a_non_streaming_client_that_goes_away_frees_its_blocks() -> None:
 
 
 def test_chat_without_max_tokens_generates_what_the_cache_holds() -> None:
-    with SimCluster([replace(CONFIG, capacity_blocks=16)]) as sim:
+    with SimCluster([replace(CONFIG, num_kv_blocks=16)]) as sim:
         reply = client_for(sim.urls[0]).chat.completions.create(
             model="sim-model", messages=[{"role": "user", "content": "hi"}]
         )

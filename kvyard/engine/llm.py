@@ -7,7 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvyard.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.llm_engine import LLMEngine, RequestOutput
 from kvyard.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -16,15 +17,22 @@ Prompt = str | list[int]
 class LLM:
     """Runs a model over a whole batch of prompts with continuous batching.
 
-    Keyword options are those of `EngineConfig`: block_size, num_kv_blocks, kv_cache_memory_gb,
-    max_num_batched_tokens, max_num_seqs, max_model_len, enable_prefix_caching, dtype, device, and
-    kv_tier (a `kvyard.kvcache.KVTierConfig`: keep KV blocks in memory, on disk and in Redis across
+    Keyword options are the settings of `EngineConfig` and of the configs it nests (`kvyard generate --help`
+    lists them): block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs, max_model_len, dtype, ...
+    and kv_tier (a `kvyard.kvcache.KVTierConfig`: keep KV blocks in memory, on disk and in Redis across
     runs and machines; call `close()`, or use `with LLM(...)`, so queued blocks are written).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self.engine = LLMEngine(EngineConfig.create(model, **options))
         self._next_id = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._next_id = 0
+        return llm
 
     @property
     def tokenizer(self) -> Any:

@@ -2,41 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvyard.api.checks import ContextLimits
+from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import CoreConfig, EngineCore, RequestOutput, RequestTimes
 from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
-from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
-from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    served_model_name: str | None = None
-    record_kv_events: bool = False
-    kv_tier: KVTierConfig | None = None  # persistent KV tier below the device cache; None: off
 
 
 class LLMEngine(EngineCore):
@@ -57,7 +38,7 @@ class LLMEngine(EngineCore):
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
         core_config = CoreConfig(
             limits=limits,
-            scheduler=SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
+            scheduler=config.scheduler,
             enable_prefix_caching=config.enable_prefix_caching,
             record_kv_events=config.record_kv_events,
         )
@@ -67,7 +48,9 @@ class LLMEngine(EngineCore):
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=config.block_size,
         )
-        self.runner: ModelRunner = ModelRunner(model, num_kv_blocks, config.block_size, self.dtype, self.device)
+        self.runner: ModelRunner = ModelRunner(
+            model, num_kv_blocks, config.block_size, self.dtype, self.device, config.attention_backend
+        )
         super().__init__(core_config, namespace, self.runner, tokenizer, _eos_token_ids(self.model_config, tokenizer))
         self.kv_tier = self._attach_kv_tier()
 
@@ -82,7 +65,7 @@ class LLMEngine(EngineCore):
         blocks_per_seq = -(-max_model_len // config.block_size)
         per_block = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         by_memory = int(config.kv_cache_memory_gb * (1 << 30)) // per_block
-        return max(1, min(by_memory, blocks_per_seq * config.max_num_seqs))
+        return max(1, min(by_memory, blocks_per_seq * config.scheduler.max_num_seqs))
 
     def _attach_kv_tier(self) -> KVTierLink | None:
         tier = self.engine_config.kv_tier

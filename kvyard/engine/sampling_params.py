@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvyard.settings import setting
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # number of top alternatives to return with each sampled token
-    min_tokens: int = 0
+    """Sampling: how each request chooses and stops."""
+
+    max_tokens: int = setting(16, help="tokens to generate at most")
+    temperature: float = setting(1.0, help="0 is greedy; higher is more random")
+    top_p: float = setting(1.0, help="sample from the smallest set of tokens whose probability reaches this")
+    top_k: int = setting(0, help="sample from the k most likely tokens; 0 or -1: all")
+    seed: int | None = setting(None, help="seed of this request's sampling, for repeatable output")
+    stop: list[str] = setting(default_factory=list, help="stop at this string (repeatable)")
+    stop_token_ids: list[int] = setting(default_factory=list, help="stop at this token id (repeatable)")
+    ignore_eos: bool = setting(False, help="keep generating past the end-of-sequence token")
+    include_stop_str_in_output: bool = setting(False, help="keep the matched stop string in the text")
+    logprobs: int | None = setting(None, help="return the log-probability of each sampled token and of this many "
+                                   "top alternatives (0-20)")  # fmt: skip
+    min_tokens: int = setting(0, help="tokens to generate before EOS or a stop token may end the output")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

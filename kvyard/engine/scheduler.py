@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 from kvyard.engine.kv_cache_manager import KVCacheManager
 from kvyard.engine.request import Request, RequestStatus
+from kvyard.settings import setting
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    """Scheduling: how much work one step may take."""
+
+    max_num_batched_tokens: int = setting(2048, help="token budget of one step: decode tokens plus prefill chunks")
+    max_num_seqs: int = setting(256, help="requests computed at once; more wait in the queue")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

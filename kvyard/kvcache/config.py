@@ -10,6 +10,7 @@ from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.tier import Tier
 from kvyard.kvcache.tiered_store import TieredStore
 from kvyard.paths import cache_root
+from kvyard.settings import setting
 
 TIER_NAMES = ("memory", "disk", "redis")
 GIB = 1 << 30
@@ -21,21 +22,30 @@ def default_disk_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class KVTierConfig:
-    """Which tiers to use, top (fastest) first, and their limits."""
+    """KV tier: a persistent prefix cache below the device cache (host memory, local disk, Redis/Valkey)."""
 
-    tiers: tuple[str, ...] = ("memory", "disk")
-    memory_bytes: int = 2 * GIB
-    disk_dir: str | None = None  # default: default_disk_dir()
-    disk_bytes: int = 32 * GIB
-    disk_fsync: bool = False  # a torn file after power loss is caught by the checksum anyway
-    redis_url: str | None = None
-    redis_cluster: bool = False
-    redis_ttl_s: int = 24 * 3600
-    redis_timeout_s: float = 1.0
-    queue_bytes: int = 512 << 20
-    load_deadline_s: float = 2.0
+    tiers: tuple[str, ...] | None = setting(
+        None, flag="--kv-tier", metavar="TIERS", help="comma-separated tiers from memory,disk,redis; none turns "
+        "the tier off", default_text="memory,disk, plus redis when --kv-redis-url is given",
+    )  # fmt: skip
+    memory_gb: float = setting(2.0, flag="--kv-memory-gb", help="budget of the host-memory tier")
+    disk_dir: str | None = setting(None, flag="--kv-disk-dir", help="directory of the disk tier (none: kv-blocks "
+                                   "under $KVYARD_CACHE_DIR, by default ~/.cache/kvyard)")  # fmt: skip
+    disk_gb: float = setting(32.0, flag="--kv-disk-gb", help="budget of the disk tier")
+    disk_fsync: bool = setting(False, flag="--kv-disk-fsync", help="fsync each block file (a file torn by a power "
+                               "loss is caught by its checksum anyway)")  # fmt: skip
+    redis_url: str | None = setting(None, flag="--kv-redis-url", help="Redis/Valkey URL, e.g. redis://127.0.0.1:6379/0")
+    redis_cluster: bool = setting(False, flag="--kv-redis-cluster", help="the Redis URL points at a Redis Cluster")
+    redis_ttl_s: int = setting(24 * 3600, flag="--kv-redis-ttl-s", help="expiry of blocks in Redis, in seconds")
+    redis_timeout_s: float = setting(1.0, flag="--kv-redis-timeout-s", help="longest wait for one Redis operation")
+    load_deadline_s: float = setting(2.0, flag="--kv-load-deadline-s", help="longest wait for blocks at admission; "
+                                     "what has not arrived by then is recomputed")  # fmt: skip
+    queue_bytes: int = 512 << 20  # blocks waiting to be written beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
+        if self.tiers is None:
+            object.__setattr__(self, "tiers", ("memory", "disk", "redis") if self.redis_url else ("memory", "disk"))
+        assert self.tiers is not None
         unknown = [name for name in self.tiers if name not in TIER_NAMES]
         if unknown or not self.tiers:
             raise ValueError(f"kv tiers must be a non-empty subset of {TIER_NAMES}, got {list(self.tiers)}")
@@ -46,27 +56,30 @@ class KVTierConfig:
         if self.load_deadline_s <= 0:
             raise ValueError(f"kv load deadline must be positive, got {self.load_deadline_s}")
 
+    @property
+    def active_tiers(self) -> tuple[str, ...]:
+        assert self.tiers is not None  # filled in by __post_init__
+        return self.tiers
+
     @staticmethod
     def from_spec(spec: str | None, redis_url: str | None = None, **options: object) -> KVTierConfig | None:
         """`"memory,disk,redis"`; None or "" means the default (memory, disk, plus redis when a URL
         is given); "none" turns the tier off."""
-        if spec is not None and spec.strip().lower() == "none":
+        tiers = tuple(name.strip().lower() for name in (spec or "").split(",") if name.strip()) or None
+        if tiers == ("none",):
             return None
-        if spec:
-            tiers = tuple(name.strip().lower() for name in spec.split(",") if name.strip())
-        else:
-            tiers = ("memory", "disk", "redis") if redis_url else ("memory", "disk")
         return KVTierConfig(tiers=tiers, redis_url=redis_url, **options)  # type: ignore[arg-type]
 
     def build(self) -> TieredStore:
         order = {name: index for index, name in enumerate(TIER_NAMES)}
-        return TieredStore([self._tier(name) for name in sorted(self.tiers, key=order.__getitem__)], self.queue_bytes)
+        tiers = sorted(self.active_tiers, key=order.__getitem__)
+        return TieredStore([self._tier(name) for name in tiers], self.queue_bytes)
 
     def _tier(self, name: str) -> Tier:
         if name == "memory":
-            return MemoryTier(self.memory_bytes)
+            return MemoryTier(int(self.memory_gb * GIB))
         if name == "disk":
-            return DiskTier(self.disk_dir or default_disk_dir(), self.disk_bytes, self.disk_fsync)
+            return DiskTier(self.disk_dir or default_disk_dir(), int(self.disk_gb * GIB), self.disk_fsync)
         from kvyard.kvcache.redis_tier import RedisTier
 
         assert self.redis_url is not None

@@ -1,36 +1,46 @@
-"""Router settings (the CLI fills these in)."""
+"""Router settings; the command line's options are generated from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvyard.settings import setting
 
 POLICIES = ("round_robin", "least_load", "session", "cache_aware")
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    policy: str = "cache_aware"
-    health_interval_s: float = 0.5
-    health_timeout_s: float = 2.0
-    eject_after_failures: int = 2
-    connect_timeout_s: float = 3.0
-    max_in_flight: int = 4096  # the router's bounded queue: beyond it, 429 with Retry-After
-    max_attempts: int = 3  # replicas tried for one request before the first byte
-    session_header: str = "x-session-id"
+    """Router: policy, health checks and limits."""
+
+    policy: str = setting("cache_aware", choices=POLICIES, help="how a replica is chosen")
+    health_interval_s: float = setting(0.5, help="seconds between health checks of each replica")
+    health_timeout_s: float = setting(2.0, help="a health check slower than this fails")
+    eject_after_failures: int = setting(2, help="failed health checks in a row before a replica is ejected")
+    connect_timeout_s: float = setting(3.0, help="longest wait to connect to a replica")
+    max_in_flight: int = setting(4096, help="requests proxied at once; beyond it, 429 with Retry-After")
+    max_attempts: int = setting(3, help="replicas tried for one request before its first byte")
+    session_header: str = setting("x-session-id", help="header that names a session (policy session; the "
+                                  "request's 'user' field otherwise)")  # fmt: skip
     # cache_aware cost model, in prefill-token equivalents. Prefilling n new tokens after c cached ones costs
     # n + attention_pair_cost * (n*c + n*n/2): linear layers plus causal attention. The default is the ratio of
     # kvyard's attention-pair to prefill-token time on a CPU (sim cost model, calibrated from the engine); for
     # a GPU engine it is smaller. A running request slows a new prefill as much as `running_request_cost`
     # tokens of prefill, a waiting request of unknown size as much as `waiting_request_cost`.
-    attention_pair_cost: float = 3.5e-4
-    running_request_cost: float = 16.0
-    waiting_request_cost: float = 512.0
+    attention_pair_cost: float = setting(3.5e-4, help="cache_aware: cost of one (query, key) pair of prefill "
+                                         "attention, in prefill-token equivalents")  # fmt: skip
+    running_request_cost: float = setting(16.0, help="cache_aware: how much a running request slows a new "
+                                          "prefill, in prefill tokens")  # fmt: skip
+    waiting_request_cost: float = setting(512.0, help="cache_aware: the same for a waiting request of unknown "
+                                          "size")  # fmt: skip
     # Prefill work a choice adds to the fleet beyond the cheapest replica's (cache it forgoes) is charged this
     # many times over: under load, every replica's extra work delays the requests queued behind it.
-    recompute_weight: float = 1.0
+    recompute_weight: float = setting(1.0, help="cache_aware: weight of the prefill work a replica adds to the "
+                                      "fleet by not reusing another's cache")  # fmt: skip
     # Moving a session away from the replica of its last turn is charged this many times the prefill work
     # that replica would have saved (its history is needed again next turn; a copy evicts others' histories).
-    session_recompute_weight: float = 300.0
+    session_recompute_weight: float = setting(300.0, help="cache_aware: the same for moving a session away from "
+                                              "the replica that served its last turn")  # fmt: skip
     max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten)
     approx_block_size: int = 16  # block size of the learned index of replicas without KV events
     approx_index_blocks: int = 1 << 17
@@ -39,5 +49,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        object.__setattr__(self, "session_header", self.session_header.lower())  # as the HTTP server stores it
         if self.max_attempts < 1 or self.max_in_flight < 1:
             raise ValueError("max_attempts and max_in_flight must be at least 1")

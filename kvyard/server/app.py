@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,6 +34,7 @@ from kvyard.kvcache.events import KVEventLog
 from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Responder, RouteTable
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.completions import CompletionRunner
+from kvyard.server.options import ServerOptions
 from kvyard.server.prepare import (
     PreparedRequest,
     check_model,
@@ -45,20 +45,6 @@ from kvyard.server.prepare import (
 )
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOptions:
-    """Settings of the HTTP side of a replica."""
-
-    max_queued_requests: int = 512  # requests admitted beyond max_num_seqs before answering 429
-    cache_salt_per_api_key: bool = False  # isolate prefix caches by the request's bearer token
-    ignore_unknown_fields: bool = False  # drop unknown request fields instead of answering 400
-    owned_by: str = "kvyard"
-
-    def __post_init__(self) -> None:
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
 class ReplicaApp:

@@ -2,37 +2,31 @@
 
 It listens at once (`/health` answers 503 while the model loads on a worker thread), says on stderr what
 it is doing, and on SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight
-requests finish for up to `shutdown_grace_s`, then exits 0.
+requests finish for up to `--shutdown-grace-s`, then exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
-from kvyard.engine.llm_engine import EngineConfig, LLMEngine
-from kvyard.server.app import ReplicaApp, ServerOptions
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.llm_engine import LLMEngine
+from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
+from kvyard.server.options import ServerOptions
 from kvyard.server.serve import host, say, wait_for_stop_signal
 
 
-@dataclass(frozen=True, slots=True)
-class ModelServerConfig:
-    engine: EngineConfig
-    options: ServerOptions = field(default_factory=ServerOptions)
-    shutdown_grace_s: float = 60.0
-
-
-def serve_model(config: ModelServerConfig, host_name: str, port: int) -> int:
+def serve_model(engine: EngineConfig, options: ServerOptions, host_name: str, port: int) -> int:
     """Run `kvyard serve` until SIGINT/SIGTERM; the exit code."""
     import uvloop
 
-    return uvloop.run(_serve_model(config, host_name, port))
+    return uvloop.run(_serve_model(engine, options, host_name, port))
 
 
-async def _serve_model(config: ModelServerConfig, host_name: str, port: int) -> int:
-    app = ReplicaApp(config.options)
+async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: str, port: int) -> int:
+    app = ReplicaApp(options)
     try:
         hosted = await host(app, host_name, port)
     except OSError as error:
@@ -40,11 +34,11 @@ async def _serve_model(config: ModelServerConfig, host_name: str, port: int) -> 
         return 1
     say(f"listening on http://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
     engine_box: list[AsyncEngine] = []
-    loader = asyncio.create_task(_load(app, config.engine, engine_box))
+    loader = asyncio.create_task(_load(app, config, engine_box))
     await wait_for_stop_signal()
-    say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {config.shutdown_grace_s:g} s)")
+    say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {options.shutdown_grace_s:g} s)")
     loader.cancel()
-    await hosted.stop(config.shutdown_grace_s)
+    await hosted.stop(options.shutdown_grace_s)
     for engine in engine_box:
         await asyncio.to_thread(engine.stop)
     say("stopped")

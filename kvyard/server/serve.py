@@ -20,8 +20,9 @@ from typing import TypeVar
 import orjson
 
 from kvyard.net.http_server import Endpoint, HttpServer
-from kvyard.server.app import ReplicaApp, ServerOptions
+from kvyard.server.app import ReplicaApp
 from kvyard.server.backend import ReplicaEngine
+from kvyard.server.options import ServerOptions
 
 MAX_BODY_BYTES = 64 << 20
 T = TypeVar("T")
@@ -115,7 +116,7 @@ def serve_replicas(
             ports_file.write_text(orjson.dumps(ready).decode())
         print(orjson.dumps(ready).decode(), flush=True)
         await wait_for_stop_signal()
-        await asyncio.gather(*(h.stop(5.0) for h in hosted))
+        await asyncio.gather(*(h.stop(options.shutdown_grace_s) for h in hosted))
 
     try:
         uvloop.run(main())

@@ -105,7 +105,7 @@ class SimEngine:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
+        return self.config.scheduler.max_num_seqs
 
     @property
     def vocabulary(self) -> ByteTokenizer:
@@ -117,8 +117,9 @@ class SimEngine:
 
     def server_info(self) -> dict[str, Any]:
         config = self.config
-        return {"chunked_prefill_size": config.max_num_batched_tokens, "simulated": True, "replica_index": self.index,
-                "time_scale": config.time_scale, "cost_model": config.cost.to_json()}  # fmt: skip
+        return {"chunked_prefill_size": config.scheduler.max_num_batched_tokens, "simulated": True,
+                "replica_index": self.index, "time_scale": config.time_scale,
+                "cost_model": config.cost.to_json()}  # fmt: skip
 
     async def generate(
         self,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import cast
 
-from kvyard.server.app import ServerOptions
+from kvyard.server.options import ServerOptions
 from kvyard.server.serve import ReplicaCluster, ReplicaSpec
 from kvyard.sim.config import SimConfig
 from kvyard.sim.engine import SimEngine

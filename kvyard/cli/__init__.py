@@ -1,0 +1,45 @@
+"""`kvyard` command line: create-model, generate, serve, sim, route, bench.
+
+Building the parser imports only settings and light modules, so `--help` and argument errors answer at
+once; each command imports what it runs (torch, for the engine) when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> module with add_parser(commands) that sets `handler`
+COMMANDS = {
+    "create-model": "kvyard.cli.create_model",
+    "generate": "kvyard.cli.generate",
+    "serve": "kvyard.cli.serve",
+    "sim": "kvyard.cli.sim",
+    "route": "kvyard.cli.route",
+    "bench": "kvyard.bench.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvyard", description="kvyard: an open LLM serving stack")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    return result
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Say why on stderr; the exit code to return."""
+    print(f"kvyard: error: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,38 @@
+"""`kvyard route`: the cache-aware OpenAI-compatible gateway across replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from kvyard.cli import fail
+from kvyard.cli.options import add_config_options, config_from_args
+from kvyard.router.config import RouterConfig
+
+DESCRIPTION = "Cache-aware OpenAI-compatible gateway across replicas."
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser("route", help=DESCRIPTION, description=DESCRIPTION)
+    parser.add_argument("--replica", action="append", default=[], metavar="URL",
+                        help="replica base URL (repeatable; more via POST /admin/replicas at run time)")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    add_config_options(parser, RouterConfig)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        config = config_from_args(RouterConfig, args)
+    except (ValueError, TypeError) as error:
+        return fail(str(error))
+    import uvloop
+
+    from kvyard.router.app import serve
+
+    uvloop.run(serve(config, args.replica, args.host, args.port))
+    return 0

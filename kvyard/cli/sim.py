@@ -1,0 +1,93 @@
+"""`kvyard sim`: N simulated replicas in one process, on ports P..P+N-1.
+
+Each is the engine's own core with a cost model in place of the model, served over the same replica API
+as `kvyard serve` (KV events included), for routing experiments at a scale one machine cannot run models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvyard.cli import fail
+from kvyard.cli.options import add_config_options, config_from_args
+from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.server.options import ServerOptions
+from kvyard.sim.config import SimConfig
+
+DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
+SIM_SERVER_DEFAULTS = {"max_queued_requests": 1024, "ignore_unknown_fields": True, "shutdown_grace_s": 5.0}
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "sim", help="simulated replicas: the replica API and KV events, with a cost model", description=DESCRIPTION
+    )
+    add_sim_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8100, help="first port; 0: a free port per replica (default: 8100)")
+    parser.add_argument("--replicas", type=int, default=1, help="simulated replicas (default: 1)")
+    parser.add_argument("--ports-file", type=Path, default=None, help="write {'ports': [...], 'urls': [...]} here")
+    parser.add_argument("--namespace-from", type=Path, default=None, metavar="MODEL_DIR",
+                        help="take model name, digest and dtype from a kvyard model directory, so block keys "
+                        "equal those of `kvyard serve MODEL_DIR`")  # fmt: skip
+    parser.add_argument("--calibrate", type=Path, default=None, metavar="PATH",
+                        help="fit the cost model to a benchmarks/offline_throughput.py result JSON")  # fmt: skip
+    parser.add_argument("--calibrate-engine", default="kvyard", help="which engine of that JSON to fit")
+    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None},
+                       shown_defaults={"model_name": "kvyard-sim, or the --namespace-from directory's name",
+                                       "dtype": "float32, or the --namespace-from model's",
+                                       "max_num_batched_tokens": "the --calibrate engine's, else 2048"})  # fmt: skip
+    add_config_options(parser, ServerOptions, defaults=SIM_SERVER_DEFAULTS, exclude={"cache_salt_per_api_key"})
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """The replicas' config from the parsed options (a ValueError names a bad one)."""
+    from kvyard.sim.calibration import calibrate_from_json
+
+    fixed: dict[str, Any] = {}
+    budget = args.max_num_batched_tokens
+    if args.calibrate is not None:
+        calibration = calibrate_from_json(args.calibrate, args.calibrate_engine)
+        fixed["cost"] = calibration.cost
+        budget = budget or calibration.max_num_batched_tokens
+        print(f"calibrated from {args.calibrate}: {calibration.cost}", file=sys.stderr)
+    scheduler = SchedulerConfig(budget or SchedulerConfig().max_num_batched_tokens, args.max_num_seqs)
+    config = config_from_args(SimConfig, args, scheduler=scheduler, model_name=args.model_name or "kvyard-sim",
+                              dtype=args.dtype or "float32", **fixed)  # fmt: skip
+    return _with_namespace_of(config, args) if args.namespace_from is not None else config
+
+
+def _with_namespace_of(config: SimConfig, args: argparse.Namespace) -> SimConfig:
+    from kvyard.models.config import load_model_config
+    from kvyard.models.loader import model_digest, resolve_dtype
+
+    engine_dtype = resolve_dtype(args.dtype or "auto", load_model_config(args.namespace_from))
+    return dataclasses.replace(config, model_name=args.model_name or args.namespace_from.name,
+                               model_digest=model_digest(args.namespace_from),
+                               dtype=str(engine_dtype).removeprefix("torch."))  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper())
+    if args.replicas < 1:
+        return fail("--replicas must be at least 1")
+    try:
+        config = sim_config(args)
+        options = config_from_args(ServerOptions, args, owned_by="kvyard-sim")
+    except (ValueError, TypeError, OSError) as error:
+        return fail(str(error))
+    from kvyard.server.serve import serve_replicas
+    from kvyard.testing.sim_cluster import sim_replica_specs
+
+    return serve_replicas(lambda: sim_replica_specs([config] * args.replicas), options, args.host, args.port,
+                          args.ports_file)  # fmt: skip

@@ -1,0 +1,40 @@
+"""Settings of an engine on a real model (torch-free, so the command line can show them without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.kvcache.config import KVTierConfig
+from kvyard.models import ATTENTION_BACKENDS
+from kvyard.settings import from_flat, setting
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine: the model, its KV cache and its kernels."""
+
+    model: str
+    dtype: str = setting("auto", help="dtype of weights and KV cache: float32, bfloat16, float16, or auto "
+                         "(the model's config.json)")  # fmt: skip
+    device: str | None = setting(None, help="cpu or cuda (none: cuda when available)")
+    block_size: int = setting(16, help="tokens per KV block: the unit of caching, eviction and block keys")
+    num_kv_blocks: int | None = setting(None, help="KV blocks in the pool (none: as many as --kv-cache-memory-gb "
+                                        "holds, at most enough for --max-num-seqs full contexts)")  # fmt: skip
+    kv_cache_memory_gb: float = setting(2.0, help="memory for the KV pool when --num-kv-blocks is not given")
+    max_model_len: int | None = setting(None, help="cap on the context length (none: the model's)")
+    enable_prefix_caching: bool = setting(True, flag="--prefix-caching", help="reuse the KV of repeated prefixes")
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="attention kernels: native (the CPU "
+                                     "fp32 kernels), torch (PyTorch SDPA), or auto (native where it runs)")  # fmt: skip
+    served_model_name: str | None = setting(None, help="model id in the API and in block keys (none: the model "
+                                            "directory's name)")  # fmt: skip
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    record_kv_events: bool = False  # publish `stored`/`removed` events (a server does, for routers)
+    kv_tier: KVTierConfig | None = None  # persistent KV tier below the device cache; None: off
+
+    @classmethod
+    def create(cls, model: str, **options: Any) -> EngineConfig:
+        """From flat keyword options (`max_num_seqs=8`, `kv_tier=KVTierConfig(...)`), as `LLM(model, ...)`
+        takes them."""
+        return from_flat(cls, options, model=str(model))

@@ -1,0 +1,103 @@
+"""The command line: options generated from the config dataclasses, help for every command, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from kvyard.cli import COMMANDS, build_parser
+from kvyard.cli.options import config_from_args
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.kvcache.config import KVTierConfig
+from kvyard.router.config import RouterConfig
+from kvyard.server.options import ServerOptions
+from kvyard.settings import from_flat, walk_settings
+from kvyard.sim.config import SimConfig
+
+
+def run_kvyard(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvyard", *arguments], capture_output=True, text=True, timeout=120)
+
+
+def flags_of(cls: type) -> list[str]:
+    return [item.metadata.get("flag") or "--" + item.name.replace("_", "-") for _, item, _ in walk_settings(cls)]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_answers_help(command: str) -> None:
+    result = run_kvyard(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: kvyard" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "configs"),
+    [("serve", [EngineConfig, ServerOptions]), ("generate", [SamplingParams, EngineConfig]),
+     ("sim", [SimConfig]), ("route", [RouterConfig])],
+)  # fmt: skip
+def test_each_setting_is_an_option_with_its_help_and_default(command: str, configs: list[type]) -> None:
+    subparsers = build_parser()._subparsers
+    assert subparsers is not None
+    parser = subparsers._group_actions[0].choices[command]  # type: ignore[attr-defined]
+    options = {flag: action for action in parser._actions for flag in action.option_strings}
+    for cls in configs:
+        for (_, item, _), flag in zip(walk_settings(cls), flags_of(cls)):
+            if item.name == "served_model_name" and command == "generate":
+                continue
+            assert flag in options, f"{command} lacks {flag}"
+            assert item.metadata["help"] in (options[flag].help or "")
+            assert "(default: " in (options[flag].help or "") or "(none:" in item.metadata["help"]
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, SimConfig, RouterConfig, ServerOptions, SamplingParams])
+def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
+    names = [item.name for _, item, _ in walk_settings(cls)]
+    assert len(names) == len(set(names))
+
+
+def test_parsed_options_build_nested_configs() -> None:
+    arguments = ["serve", "model-dir", "--max-num-seqs", "3", "--no-prefix-caching", "--kv-tier", "memory",
+                 "--kv-memory-gb", "0.5", "--max-queued-requests", "7"]  # fmt: skip
+    args = build_parser().parse_args(arguments)
+    engine = config_from_args(EngineConfig, args, model="model-dir")
+    assert engine.scheduler == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=3)
+    assert not engine.enable_prefix_caching
+    assert engine.kv_tier == KVTierConfig(tiers=("memory",), memory_gb=0.5)
+    assert config_from_args(ServerOptions, args).max_queued_requests == 7
+
+
+def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
+    config = EngineConfig.create("m", max_num_seqs=4, block_size=32)
+    assert (config.scheduler.max_num_seqs, config.block_size, config.kv_tier) == (4, 32, None)
+    tier = KVTierConfig(tiers=("memory",))
+    assert EngineConfig.create("m", kv_tier=tier).kv_tier is tier
+    with pytest.raises(TypeError, match="no setting 'max_num_seq'"):
+        EngineConfig.create("m", max_num_seq=4)
+    assert from_flat(SimConfig, {"max_num_seqs": 2}).scheduler.max_num_seqs == 2
+    assert dataclasses.replace(SamplingParams(), stop="x").stop == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [(["serve", "--kv-tier", "floppy"], "kv tiers must be a non-empty subset"),
+     (["serve", "--kv-tier", "redis"], "needs a URL"),
+     (["serve", "--max-queued-requests", "-1"], "max_queued_requests must be >= 0"),
+     (["sim", "--replicas", "0"], "--replicas must be at least 1"),
+     (["sim", "--time-scale", "0"], "time_scale must be positive"),
+     (["route", "--max-attempts", "0"], "max_attempts"),
+     (["generate", "tiny", "--temperature", "-1", "--prompt", "x"], "temperature must be >= 0")],
+)  # fmt: skip
+def test_bad_settings_exit_2_with_the_reason_before_any_model_loads(arguments: list[str], message: str) -> None:
+    result = run_kvyard(*arguments)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_malformed_option_is_an_argparse_error() -> None:
+    result = run_kvyard("serve", "--max-num-seqs", "many")
+    assert result.returncode == 2 and "invalid int value: 'many'" in result.stderr
