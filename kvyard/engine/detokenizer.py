@@ -27,11 +27,10 @@ class IncrementalDetokenizer:
     emitted: int = 0  # characters of `text` already handed out as deltas
     prefix_offset: int = 0
     read_offset: int = 0
+    _holdback: int = field(init=False)  # characters kept back until they cannot start a stop string
 
-    @property
-    def _holdback(self) -> int:
-        """Characters kept back until they can no longer be the start of a stop string."""
-        return max((len(s) for s in self.stop), default=1) - 1
+    def __post_init__(self) -> None:
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add a token. Returns (text safe to emit now, matched stop string or None)."""
@@ -57,6 +56,8 @@ class IncrementalDetokenizer:
         """Append `delta`; if a stop string now appears, cut the text there and return it."""
         old_len = len(self.text)
         self.text += delta
+        if not self.stop:
+            return None
         search_from = max(0, old_len - self._holdback)
         matches = [(found, stop) for stop in self.stop if (found := self.text.find(stop, search_from)) >= 0]
         if not matches:

@@ -72,6 +72,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, blocks_needed - len(request.block_table) - len(cached_blocks))
+        if not num_new_blocks and not cached_blocks:  # a decode step inside its last block: nothing to do
+            return True
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False

@@ -21,6 +21,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvyard.api.errors import APIError, bad_request, error_body
+from kvyard.api.protocol import json_object
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
@@ -149,12 +150,7 @@ class Router:
 
 
 def _parse_request(raw: bytes, kind: str) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        raise bad_request(f"request body is not valid JSON: {error}", "body") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", "body")
+    body = json_object(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")

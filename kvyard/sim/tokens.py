@@ -22,7 +22,11 @@ def encode(text: str) -> list[int]:
 
 
 def decode(token_ids: Sequence[int]) -> str:
-    return bytes(t for t in token_ids if 0 <= t < BYTE_VOCAB).decode(errors="replace")
+    try:
+        data = bytes(token_ids)
+    except ValueError:  # ids beyond one byte decode to nothing
+        data = bytes(t for t in token_ids if 0 <= t < BYTE_VOCAB)
+    return data.decode(errors="replace")
 
 
 def render_chat(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:

@@ -1,0 +1,70 @@
+"""The package layout is the architecture: each package imports only the layers below it (README, Architecture)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvyard"
+
+# What each top-level part of kvyard may import ("" is the package root: `kvyard.__version__`).
+ALLOWED: dict[str, set[str]] = {
+    "paths": set(),
+    "settings": set(),
+    "kvcache": {"paths", "settings"},
+    "api": {"kvcache"},
+    "net": {"api"},
+    "kernels": {"paths"},
+    "models": {"kernels"},
+    "engine": {"api", "kvcache", "models", "settings"},
+    "sim": {"engine", "api", "kvcache", "net", "settings"},
+    "server": {"engine", "api", "kvcache", "net", "settings", ""},
+    "router": {"api", "kvcache", "net", "settings"},
+    "bench": {"api", "net", ""},
+    "testing": {"server", "sim", "engine", "api", "kvcache", "models", "paths", "settings"},
+}
+
+
+def part_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 or relative.stem not in (
+        "__init__", "__main__") else ""  # fmt: skip
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The parts of kvyard a module imports, at any depth (function-level imports included)."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            if name == "kvyard" or name.startswith("kvyard."):
+                parts.add(name.split(".")[1] if "." in name else "")
+    return parts
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        part = part_of(path)
+        if part in ("", "cli"):  # the entry points compose everything
+            continue
+        assert part in ALLOWED, f"{path}: new top-level part {part!r}: place it in ALLOWED"
+        for imported in imported_parts(path) - {part} - ALLOWED[part]:
+            violations.append(f"{path.relative_to(PACKAGE.parent)} ({part}) imports kvyard.{imported}")
+    assert not violations, "\n".join(violations)
+
+
+def test_router_sim_and_bench_never_import_the_server() -> None:
+    for part in ("router", "sim", "bench"):
+        for path in (PACKAGE / part).rglob("*.py"):
+            assert "server" not in imported_parts(path), path
+
+
+def test_the_check_sees_imports_at_any_depth(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text("def f():\n    from kvyard.server.app import ReplicaApp\n    import kvyard.sim.engine\n")
+    assert imported_parts(module) == {"server", "sim"}
