@@ -8,6 +8,13 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Names of the counters that clients (kvyard bench) read off a replica's /metrics, as exported (`_total` added).
+REQUESTS = "kvyard_requests"  # label `outcome`: stop, length, abort, rejected_overload
+PROMPT_TOKENS = "kvyard_prompt_tokens"
+GENERATION_TOKENS = "kvyard_generation_tokens"
+CACHED_PROMPT_TOKENS = "kvyard_cached_prompt_tokens"
+REJECTED_OVERLOAD = "rejected_overload"
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -56,11 +63,11 @@ class ServerMetrics:
                                      registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
         self.e2e = Histogram("kvyard_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
                              buckets=_LATENCY_BUCKETS)  # fmt: skip
-        self.requests = Counter("kvyard_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("kvyard_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("kvyard_generation_tokens", "Generated tokens", registry=r)
-        self.cached_prompt_tokens = Counter("kvyard_cached_prompt_tokens", "Prompt tokens served from the prefix "
-                                            "cache, as reported in usage", registry=r)  # fmt: skip
+        self.requests = Counter(REQUESTS, "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(GENERATION_TOKENS, "Generated tokens", registry=r)
+        self.cached_prompt_tokens = Counter(CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache, as "
+                                            "reported in usage", registry=r)  # fmt: skip
         self.waiting = Gauge("kvyard_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.running = Gauge("kvyard_num_requests_running", "Requests being processed", registry=r)
         self.kv_blocks_used = Gauge("kvyard_kv_blocks_used", "KV blocks referenced by requests", registry=r)

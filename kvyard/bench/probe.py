@@ -12,19 +12,20 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvyard.api import metrics
 from kvyard.net.http_client import HttpClient, HttpError
 
 # Counters whose before/after difference a result reports as "what the server counted".
 # kvyard first; vLLM and SGLang names so the same comparison works against them.
 SERVER_COUNTERS = {
-    "requests": ("kvyard_requests_total", "vllm:request_success_total", "sglang:num_requests_total"),
-    "prompt_tokens": ("kvyard_prompt_tokens_total", "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
-    "generation_tokens": ("kvyard_generation_tokens_total", "vllm:generation_tokens_total",
+    "requests": (f"{metrics.REQUESTS}_total", "vllm:request_success_total", "sglang:num_requests_total"),
+    "prompt_tokens": (f"{metrics.PROMPT_TOKENS}_total", "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
+    "generation_tokens": (f"{metrics.GENERATION_TOKENS}_total", "vllm:generation_tokens_total",
                           "sglang:generation_tokens_total"),
-    "cached_prompt_tokens": ("kvyard_cached_prompt_tokens_total", "vllm:prefix_cache_hits_total",
+    "cached_prompt_tokens": (f"{metrics.CACHED_PROMPT_TOKENS}_total", "vllm:prefix_cache_hits_total",
                              "sglang:cached_tokens_total"),
 }  # fmt: skip
-NOT_SERVED = "kvyard_requests_total{outcome=rejected_overload}"
+NOT_SERVED = f"{metrics.REQUESTS}_total{{outcome={metrics.REJECTED_OVERLOAD}}}"
 
 
 @dataclass(slots=True)

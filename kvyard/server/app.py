@@ -20,7 +20,7 @@ from kvyard.api import kv_events
 from kvyard.api.checks import check_token_ids
 from kvyard.api.errors import APIError, InputError, bad_request
 from kvyard.api.load import LoadReport
-from kvyard.api.metrics import ServerMetrics
+from kvyard.api.metrics import REJECTED_OVERLOAD, ServerMetrics
 from kvyard.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,7 +166,7 @@ class ReplicaApp:
             raise APIError(503, "server is shutting down", code="draining", retry_after=1)
         limit = engine.max_num_seqs + self.options.max_queued_requests
         if self.in_flight >= limit:
-            self.metrics.requests.labels(outcome="rejected_overload").inc()
+            self.metrics.requests.labels(outcome=REJECTED_OVERLOAD).inc()
             raise APIError(429, f"too many requests in flight ({self.in_flight}); retry later", code="overloaded",
                            retry_after=1)  # fmt: skip
         self.in_flight += 1
