@@ -326,23 +326,29 @@ def test_sigterm_drains_in_flight_stream(llama_dir: Path, tmp_path: Path) -> Non
     server = start_server(llama_dir, tmp_path)
     body = {"prompt": "drain " * 10, "max_tokens": 600, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        next(lines)
-        server.process.terminate()
-        rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]"
-    usage = json.loads(rest[-2][5:])["usage"]
-    assert usage["completion_tokens"] == 600
-    assert server.process.wait(timeout=30) == 0
-    assert "finishing 1 request(s) in flight" in server.log() and server.log().endswith("kvyard: stopped\n")
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            server.process.terminate()
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2][5:])["usage"]
+        assert usage["completion_tokens"] == 600
+        assert server.process.wait(timeout=30) == 0
+        assert "finishing 1 request(s) in flight" in server.log() and server.log().endswith("kvyard: stopped\n")
+    finally:
+        server.stop()
 
 
 def test_sigterm_ends_an_open_kv_event_stream(llama_dir: Path, tmp_path: Path) -> None:
     """A router's KV-event subscription never ends by itself; it must not hold up the shutdown."""
     server = start_server(llama_dir, tmp_path)
-    with httpx.stream("GET", f"{server.url}/kv/events", params={"since": 0}, timeout=60) as response:
-        assert response.status_code == 200
-        server.process.terminate()
-        list(response.iter_lines())  # returns once the server closes the stream
-    assert server.process.wait(timeout=30) == 0
+    try:
+        with httpx.stream("GET", f"{server.url}/kv/events", params={"since": 0}, timeout=60) as response:
+            assert response.status_code == 200  # the head arrives before any event
+            server.process.terminate()
+            list(response.iter_lines())  # returns once the server closes the stream
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.stop()
