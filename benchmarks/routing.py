@@ -49,6 +49,7 @@ PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers
 TRACE_BLOCK = 512
 MODEL = "kvyard-sim"
 MAX_BATCH_TOKENS = 2048  # the sim's default token budget per step
+ADMIN_KEY = "routing-benchmark-admin"  # the sims' admin plane (KV events), which kvyard's router follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,8 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
     ports_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--port", "0",
                "--ports-file", str(ports_file), "--num-kv-blocks", str(args.capacity_blocks),
-               "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005"]  # fmt: skip
+               "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005",
+               "--admin-key", ADMIN_KEY]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not ports_file.exists():
@@ -188,7 +190,8 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
 
 
 def targets(selected: list[str]) -> list[Target]:
-    kvyard = [sys.executable, "-m", "kvyard", "route", "--port", "{port}", "{replica-args}"]
+    kvyard = [sys.executable, "-m", "kvyard", "route", "--port", "{port}", "--replica-admin-key", ADMIN_KEY,
+              "{replica-args}"]  # fmt: skip
     sglang = [str(PEERS / "sglang-router/bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
               "--port", "{port}", "--worker-urls", "{workers}"]  # fmt: skip
     smg = [str(PEERS / "smg/bin/smg"), "launch", "--host", "127.0.0.1", "--port", "{port}",

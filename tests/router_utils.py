@@ -12,39 +12,63 @@ from typing import Any
 
 import httpx
 
-from tests.server_utils import ServerProcess, free_port
+from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
+from tests.server_utils import ADMIN, ServerProcess, free_port
 
 
-def start_router(log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0) -> ServerProcess:
-    """A router over `replicas`, returned once every replica is healthy and its cache index synced."""
+def start_router(
+    log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0, replicas_publish_events: bool = True
+) -> ServerProcess:
+    """A router over `replicas`, returned once every replica is healthy and (when replicas publish KV events) its
+    cache index synced."""
     port = free_port()
     log_path = log_dir / f"router-{port}.log"
-    command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--health-interval-s", "0.2"]
+    command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--health-interval-s", "0.2",
+               "--admin-key", TEST_ADMIN_KEY, "--replica-admin-key", TEST_ADMIN_KEY]  # fmt: skip
     for url in replicas:
         command += ["--replica", url]
     with log_path.open("wb") as log:
         process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     router = ServerProcess(process, port, log_path)
+    admin_off = "--admin-key" in extra and extra[list(extra).index("--admin-key") + 1] == ""
     try:
-        wait_for(lambda: _all_ready(router, len(replicas)), timeout, "router ready")
+        if admin_off:  # no admin API to ask: wait until the router serves
+            wait_for(lambda: _healthy(router), timeout, "router healthy")
+        else:
+            wait_for(lambda: _all_ready(router, len(replicas), replicas_publish_events), timeout, "router ready")
     except BaseException:
         router.stop()
         raise
     return router
 
 
-def _all_ready(router: ServerProcess, count: int) -> bool:
+def _healthy(router: ServerProcess) -> bool:
+    if router.process.poll() is not None:
+        raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log()}")
+    try:
+        return httpx.get(f"{router.url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _all_ready(router: ServerProcess, count: int, synced: bool) -> bool:
     if router.process.poll() is not None:
         raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log()}")
     try:
         listed = replicas_of(router)
     except httpx.TransportError:
         return False
-    return len(listed) == count and all(r["state"] == "healthy" and r["models"] and r["resyncs"] for r in listed)
+    return len(listed) == count and all(r["state"] == "healthy" and r["models"] and (r["resyncs"] or not synced)
+                                          for r in listed)  # fmt: skip
+
+
+def admin(router: ServerProcess, method: str, path: str, **options: Any) -> httpx.Response:
+    """A call to the router's admin API, with the admin key."""
+    return httpx.request(method, f"{router.url}{path}", headers=ADMIN, timeout=10, **options)
 
 
 def replicas_of(router: ServerProcess) -> list[dict[str, Any]]:
-    replicas: list[dict[str, Any]] = httpx.get(f"{router.url}/admin/replicas", timeout=5).json()["replicas"]
+    replicas: list[dict[str, Any]] = admin(router, "GET", "/admin/replicas").json()["replicas"]
     return replicas
 
 

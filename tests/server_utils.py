@@ -13,6 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
+
+ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}  # the admin key every test server and router gets
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -50,6 +54,8 @@ def start_server(
 ) -> ServerProcess:
     port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
+    if "--admin-key" not in extra:
+        extra = (*extra, "--admin-key", TEST_ADMIN_KEY)
     if "--kv-tier" not in extra and "--kv-disk-dir" not in extra:
         # The default disk tier persists across runs; keep each test server's blocks to itself.
         extra = (*extra, "--kv-disk-dir", str(log_dir / f"kv-blocks-{port}"))

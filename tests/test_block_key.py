@@ -181,6 +181,7 @@ def test_event_log_sequence_numbers_are_gap_free() -> None:
     assert log.last_seq == 2
     assert log.events_since(1)[0] == events[1:]
     assert log.events_since(2) == ([], True)
+    assert log.events_since(3) == ([], False)  # a reader ahead of the log knows another one (a restart): resync
 
 
 def test_event_log_reports_gaps_when_a_reader_falls_behind() -> None:

@@ -62,13 +62,13 @@ def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
 
 def test_parsed_options_build_nested_configs() -> None:
     arguments = ["serve", "model-dir", "--max-num-seqs", "3", "--no-prefix-caching", "--kv-tier", "memory",
-                 "--kv-memory-gb", "0.5", "--max-queued-requests", "7"]  # fmt: skip
+                 "--kv-memory-gb", "0.5", "--max-queued-seqs", "7"]  # fmt: skip
     args = build_parser().parse_args(arguments)
     engine = config_from_args(EngineConfig, args, model="model-dir")
     assert engine.scheduler == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=3)
     assert not engine.enable_prefix_caching
     assert engine.kv_tier == KVTierConfig(tiers=("memory",), memory_gb=0.5)
-    assert config_from_args(ServerOptions, args).max_queued_requests == 7
+    assert config_from_args(ServerOptions, args).max_queued_seqs == 7
 
 
 def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
@@ -86,7 +86,7 @@ def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
     ("arguments", "message"),
     [(["serve", "--kv-tier", "floppy"], "kv tiers must be a non-empty subset"),
      (["serve", "--kv-tier", "redis"], "needs a URL"),
-     (["serve", "--max-queued-requests", "-1"], "max_queued_requests must be >= 0"),
+     (["serve", "--max-queued-seqs", "-1"], "max_queued_seqs must be >= 0"),
      (["sim", "--replicas", "0"], "--replicas must be at least 1"),
      (["sim", "--time-scale", "0"], "time_scale must be positive"),
      (["route", "--max-attempts", "0"], "max_attempts"),

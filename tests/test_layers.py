@@ -12,8 +12,8 @@ ALLOWED: dict[str, set[str]] = {
     "paths": set(),
     "settings": set(),
     "kvcache": {"paths", "settings"},
-    "api": {"kvcache"},
-    "net": {"api"},
+    "api": {"kvcache", "settings"},
+    "net": {"api", "settings"},
     "kernels": {"paths"},
     "models": {"kernels"},
     "engine": {"api", "kvcache", "models", "settings"},
@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"engine", "api", "kvcache", "net", "settings", ""},
     "router": {"api", "kvcache", "net", "settings"},
     "bench": {"api", "net", ""},
-    "testing": {"server", "sim", "engine", "api", "kvcache", "models", "paths", "settings"},
+    "testing": {"server", "sim", "engine", "api", "kvcache", "models", "net", "paths", "settings"},
 }
 
 

@@ -87,3 +87,19 @@ def test_missing_weights(llama_dir: Path, tmp_path: Path) -> None:
 def test_bad_dtype(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="dtype 'float8' is not supported"):
         LLM(str(llama_dir), dtype="float8")
+
+
+def test_a_sliding_window_model_is_refused_past_its_window(llama_dir: Path, tmp_path: Path) -> None:
+    """Mistral-style sliding-window attention is not implemented: refuse rather than answer wrongly."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=32.*--max-model-len 32"):
+        LLM(str(model_dir))
+    within = LLM(str(model_dir), max_model_len=32)  # the window covers the whole context: exact attention
+    assert len(within.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 4
+    config.update(use_sliding_window=False)  # Qwen2 and Qwen3 configs carry a window they do not use
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert LLM(str(model_dir)).engine.max_model_len > 32

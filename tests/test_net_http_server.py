@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from kvyard.net.http_client import HttpClient
-from kvyard.net.http_server import Handler, HttpRequest, HttpServer, Responder
+from kvyard.net.http_server import Handler, HttpRequest, HttpServer, HttpServerConfig, Responder
 
 Scenario = Callable[[HttpServer, list[HttpRequest]], Awaitable[None]]
 
@@ -37,12 +37,12 @@ async def handler_for(seen: list[HttpRequest], events: list[str]) -> Handler:
     return handle
 
 
-def run(scenario: Scenario, max_body_bytes: int = 1 << 20) -> list[str]:
+def run(scenario: Scenario, max_body_mb: float = 1.0) -> list[str]:
     events: list[str] = []
 
     async def main() -> None:
         seen: list[HttpRequest] = []
-        server = HttpServer(await handler_for(seen, events), max_body_bytes=max_body_bytes)
+        server = HttpServer(await handler_for(seen, events), HttpServerConfig(max_body_mb=max_body_mb))
         await server.start("127.0.0.1", 0)
         try:
             await scenario(server, seen)

@@ -13,8 +13,8 @@ import pytest
 
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster
-from tests.router_utils import labelled_metric, replica_state, replicas_of, start_router, wait_for
-from tests.server_utils import ServerProcess
+from tests.router_utils import admin, labelled_metric, replica_state, replicas_of, start_router, wait_for
+from tests.server_utils import ADMIN, ServerProcess
 
 MODEL = "sim-model"
 CONFIG = SimConfig(model_name=MODEL, block_size=16, num_kv_blocks=4096, time_scale=0.05)
@@ -77,7 +77,8 @@ def test_bad_input_gets_openai_errors(cluster: SimCluster, log_dir: Path) -> Non
         ]
         for path, body, status, param in cases:
             content = body if isinstance(body, bytes) else None
-            response = httpx.post(f"{router.url}{path}", content=content, json=None if content else body, timeout=10)
+            response = httpx.post(f"{router.url}{path}", content=content, json=None if content else body, timeout=10,
+                                  headers=ADMIN)  # fmt: skip
             assert response.status_code == status, (path, body, response.text)
             error = response.json()["error"]
             assert error["param"] == param and error["message"] and error["type"]
@@ -107,14 +108,14 @@ def test_session_affinity_holds_while_the_replica_is_healthy(cluster: SimCluster
         assert len(by_user) == 1
 
         drained = homes[0]
-        httpx.post(f"{router.url}/admin/replicas/drain", json={"url": drained}, timeout=10).raise_for_status()
+        admin(router, "POST", "/admin/replicas/drain", json={"url": drained}).raise_for_status()
         moved = served_by(complete(router, {"prompt": prompt(1, 20)}, headers={"x-session-id": "s0"}))
         assert moved != drained
         others = [s for s, home in homes.items() if home != drained]
         for session in others:  # sessions of healthy replicas stay where they were
             assert served_by(complete(router, {"prompt": prompt(2, 20)},
                                       headers={"x-session-id": f"s{session}"})) == homes[session]  # fmt: skip
-        httpx.post(f"{router.url}/admin/replicas", json={"url": drained}, timeout=10).raise_for_status()
+        admin(router, "POST", "/admin/replicas", json={"url": drained}).raise_for_status()
         assert served_by(complete(router, {"prompt": prompt(3, 20)}, headers={"x-session-id": "s0"})) == drained
     finally:
         router.stop()
@@ -182,7 +183,7 @@ def test_kv_event_gap_triggers_a_resync(log_dir: Path) -> None:
                 return labelled_metric(metrics, "kvyard_router_index_resyncs_total", reason="gap") >= 1
 
             wait_for(resynced_after_gap, 60, "a gap in the KV events and a resync")
-            snapshot = httpx.get(f"{url}/kv/snapshot", timeout=10).json()
+            snapshot = httpx.get(f"{url}/kv/snapshot", headers=ADMIN, timeout=10).json()
             wait_for(lambda: replica_state(router, url)["index_seq"] == snapshot["seq"], 10, "index caught up")
             assert replica_state(router, url)["index_blocks"] == len(snapshot["block_keys"])
         finally:
@@ -192,13 +193,13 @@ def test_kv_event_gap_triggers_a_resync(log_dir: Path) -> None:
 def test_admin_api_adds_drains_and_removes_replicas(cluster: SimCluster, log_dir: Path) -> None:
     router = start_router(log_dir, cluster.urls[:1], "--policy", "round_robin")
     try:
-        added = httpx.post(f"{router.url}/admin/replicas", json={"url": cluster.urls[1]}, timeout=10)
+        added = httpx.post(f"{router.url}/admin/replicas", headers=ADMIN, json={"url": cluster.urls[1]}, timeout=10)
         assert added.status_code == 200 and added.json()["url"] == cluster.urls[1]
         wait_for(lambda: all(r["state"] == "healthy" and r["models"] for r in replicas_of(router)), 20, "healthy")
         assert {served_by(complete(router, {"prompt": prompt(i, 8)})) for i in range(6)} == set(cluster.urls[:2])
-        httpx.post(f"{router.url}/admin/replicas/drain", json={"url": cluster.urls[0]}, timeout=10).raise_for_status()
+        admin(router, "POST", "/admin/replicas/drain", json={"url": cluster.urls[0]}).raise_for_status()
         assert {served_by(complete(router, {"prompt": prompt(i, 8)})) for i in range(4)} == {cluster.urls[1]}
-        removed = httpx.request("DELETE", f"{router.url}/admin/replicas", params={"url": cluster.urls[1]}, timeout=10)
+        removed = admin(router, "DELETE", "/admin/replicas", params={"url": cluster.urls[1]})
         assert removed.status_code == 200
         response = complete(router, {"prompt": prompt(1, 8)})
         assert response.status_code == 503 and response.headers["retry-after"]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.router_utils import labelled_metric, replica_state, start_router, wait_for
-from tests.server_utils import ServerProcess, start_server
+from tests.server_utils import ADMIN, ServerProcess, start_server
 
 CHAT = [
     {"role": "system", "content": "You are a careful assistant. " * 12},
@@ -43,7 +43,7 @@ async def _send(client: httpx.AsyncClient, router: ServerProcess, index: int, st
     async with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
         text = "".join([chunk async for chunk in response.aiter_text()])
         return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
-                "complete": "[DONE]" in text}  # fmt: skip
+                "complete": "[DONE]" in text, "said_failed": '"code":"replica_failed"' in text}  # fmt: skip
 
 
 async def _load_and_kill(router: ServerProcess, victim: ServerProcess) -> list[dict[str, Any]]:
@@ -66,7 +66,9 @@ def test_replica_killed_mid_load_loses_no_request_that_had_not_started_streaming
         results = asyncio.run(_load_and_kill(router, victim))
         for result in results:
             if "complete" in result and result["replica"] == victim.url:
-                continue  # it was streaming from the killed replica: it may end early, by design
+                # It was streaming from the killed replica: it may end early, but never looking finished.
+                assert result["complete"] != result["said_failed"], result
+                continue
             assert result["status"] == 200, result
             assert result.get("tokens", 160) == 160 and result.get("complete", True), result
             assert result["replica"] == replicas[1].url or "complete" in result
@@ -112,7 +114,7 @@ def test_restarted_replica_loses_its_stale_index_entries(llama_dir: Path, tmp_pa
         replica = start_server(llama_dir, tmp_path / "restarted", port=replica.port)
         wait_for(lambda: replica_state(router, replica.url)["resyncs"] > resyncs, 30, "index reloaded")
         wait_for(lambda: replica_state(router, replica.url)["state"] == "healthy", 30, "re-admitted")
-        snapshot = httpx.get(f"{replica.url}/kv/snapshot", timeout=10).json()
+        snapshot = httpx.get(f"{replica.url}/kv/snapshot", headers=ADMIN, timeout=10).json()
         assert replica_state(router, replica.url)["index_blocks"] == len(snapshot["block_keys"])
         third = _chat(router)  # the fresh replica holds nothing: the router must not predict a hit
         assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

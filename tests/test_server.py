@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, metric_value, start_server
+from server_utils import ADMIN, ServerProcess, metric_value, start_server
 
 from kvyard import LLM, SamplingParams
 
@@ -278,7 +278,7 @@ def test_metrics_exposes_latency_histograms(server: ServerProcess, client: opena
 
 def test_kv_events_are_gap_free_and_match_the_cache(server: ServerProcess, client: openai.OpenAI) -> None:
     client.completions.create(model="tiny-llama", prompt="kv events " * 30, max_tokens=20)
-    page = httpx.get(f"{server.url}/kv/events", params={"since": 0, "stream": False}).json()
+    page = httpx.get(f"{server.url}/kv/events", headers=ADMIN, params={"since": 0, "stream": False}).json()
     assert page["complete"]
     seqs = [e["seq"] for e in page["events"]]
     assert seqs == list(range(1, len(seqs) + 1))
@@ -288,15 +288,15 @@ def test_kv_events_are_gap_free_and_match_the_cache(server: ServerProcess, clien
             live.update(event["block_keys"])
         else:
             live.difference_update(event["block_keys"])
-    snapshot = httpx.get(f"{server.url}/kv/snapshot").json()
+    snapshot = httpx.get(f"{server.url}/kv/snapshot", headers=ADMIN).json()
     assert snapshot["seq"] == page["last_seq"]
     assert set(snapshot["block_keys"]) == live and live
 
 
 def test_kv_event_stream_delivers_new_events(server: ServerProcess, client: openai.OpenAI) -> None:
-    start = httpx.get(f"{server.url}/kv/snapshot").json()["seq"]
+    start = httpx.get(f"{server.url}/kv/snapshot", headers=ADMIN).json()["seq"]
     client.completions.create(model="tiny-llama", prompt="stream me " * 20, max_tokens=4)
-    with httpx.stream("GET", f"{server.url}/kv/events", params={"since": start}, timeout=10) as response:
+    with httpx.stream("GET", f"{server.url}/kv/events", headers=ADMIN, params={"since": start}, timeout=10) as response:
         first = next(line for line in response.iter_lines() if line.startswith("data:"))
     assert json.loads(first[5:])["seq"] == start + 1
 
@@ -305,10 +305,10 @@ def test_kv_event_stream_delivers_new_events(server: ServerProcess, client: open
 
 
 def test_overload_answers_429_with_retry_after(llama_dir: Path, tmp_path: Path) -> None:
-    server = start_server(llama_dir, tmp_path, "--max-num-seqs", "1", "--max-queued-requests", "0")
+    server = start_server(llama_dir, tmp_path, "--max-num-seqs", "1", "--max-queued-seqs", "0")
     try:
-        # Eight sequential choices of 1800 tokens keep the only slot busy for many seconds.
-        body = {"prompt": "slow " * 10, "max_tokens": 1800, "n": 8, "ignore_eos": True, "stream": True}
+        # 1800 tokens keep the only slot busy for seconds.
+        body = {"prompt": "slow " * 10, "max_tokens": 1800, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as first:
             lines = first.iter_lines()  # keep a reference: a discarded iterator closes the connection
             next(lines)
@@ -345,7 +345,7 @@ def test_sigterm_ends_an_open_kv_event_stream(llama_dir: Path, tmp_path: Path) -
     """A router's KV-event subscription never ends by itself; it must not hold up the shutdown."""
     server = start_server(llama_dir, tmp_path)
     try:
-        with httpx.stream("GET", f"{server.url}/kv/events", params={"since": 0}, timeout=60) as response:
+        with httpx.stream("GET", f"{server.url}/kv/events", headers=ADMIN, params={"since": 0}, timeout=60) as response:
             assert response.status_code == 200  # the head arrives before any event
             server.process.terminate()
             list(response.iter_lines())  # returns once the server closes the stream

@@ -28,7 +28,7 @@ from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.models.loader import model_digest
 from kvyard.testing.sim_cluster import SimCluster
-from tests.server_utils import ServerProcess, start_server
+from tests.server_utils import ADMIN, ServerProcess, start_server
 
 PROMPTS = [[(i * 37 + 11) % 500 + 3 for i in range(45)], [(i * 53 + 7) % 500 + 3 for i in range(33)]]
 BLOCK_SIZE, NUM_BLOCKS, BUDGET, MAX_SEQS = 16, 16, 40, 5
@@ -48,7 +48,7 @@ def sim_config_for(llama_dir: Path, *arguments: str) -> Any:
 
 
 def stored_keys(url: str) -> list[str]:
-    page: dict[str, Any] = httpx.get(f"{url}/kv/events", params={"since": 0, "stream": False}).json()
+    page: dict[str, Any] = httpx.get(f"{url}/kv/events", headers=ADMIN, params={"since": 0, "stream": False}).json()
     return [key for event in page["events"] if event["type"] == "stored" for key in event["block_keys"]]
 
 
@@ -61,8 +61,8 @@ def test_sim_block_keys_equal_a_real_replicas(real_server: ServerProcess, llama_
                 body = {"prompt": tokens, "max_tokens": 1, "cache_salt": "tenant-7"}
                 assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         real, simulated = stored_keys(real_server.url), stored_keys(sim.urls[0])
-        real_snapshot = httpx.get(f"{real_server.url}/kv/snapshot").json()
-        sim_snapshot = httpx.get(f"{sim.urls[0]}/kv/snapshot").json()
+        real_snapshot = httpx.get(f"{real_server.url}/kv/snapshot", headers=ADMIN).json()
+        sim_snapshot = httpx.get(f"{sim.urls[0]}/kv/snapshot", headers=ADMIN).json()
     assert simulated == real and len(real) == 2 + 2
     assert sim_snapshot["namespace"] == real_snapshot["namespace"]
     root = KeyNamespace(**real_snapshot["namespace"]).with_salt("tenant-7").root_key()

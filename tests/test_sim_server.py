@@ -22,7 +22,7 @@ from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.sim.calibration import calibrate_from_json
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster, sim_server_options
-from tests.server_utils import metric_value
+from tests.server_utils import ADMIN, metric_value
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = SimConfig(model_name="sim-model", block_size=4, num_kv_blocks=256, time_scale=0.01)
@@ -50,7 +50,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 def events_page(url: str, since: int = 0) -> dict[str, Any]:
-    page: dict[str, Any] = httpx.get(f"{url}/kv/events", params={"since": since, "stream": False}).json()
+    page: dict[str, Any] = httpx.get(f"{url}/kv/events", headers=ADMIN, params={"since": since, "stream": False}).json()
     return page
 
 
@@ -137,7 +137,7 @@ def test_lru_eviction_at_capacity_shows_up_as_removed_events() -> None:
         again = client.completions.create(model="sim-model", prompt=first, max_tokens=1)
         assert again.usage is not None and again.usage.prompt_tokens_details is not None
         assert again.usage.prompt_tokens_details.cached_tokens == 8  # the tail block went first, the prefix stayed
-        snapshot = httpx.get(f"{url}/kv/snapshot").json()
+        snapshot = httpx.get(f"{url}/kv/snapshot", headers=ADMIN).json()
         assert len(snapshot["block_keys"]) <= 6
         assert set(snapshot["block_keys"]) == live_keys(events_page(url)["events"])
 
@@ -146,9 +146,9 @@ def test_kv_event_stream_is_gap_free_and_matches_the_snapshot(cluster: SimCluste
     url, client = cluster.urls[2], client_for(cluster.urls[2])
     for seed in range(5):
         client.completions.create(model="sim-model", prompt=prompt(10 + seed, 17 + seed), max_tokens=6)
-    snapshot = httpx.get(f"{url}/kv/snapshot").json()
+    snapshot = httpx.get(f"{url}/kv/snapshot", headers=ADMIN).json()
     events: list[dict[str, Any]] = []
-    with httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=20) as response:
+    with httpx.stream("GET", f"{url}/kv/events", headers=ADMIN, params={"since": 0}, timeout=20) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data:"):
@@ -168,7 +168,7 @@ def test_a_reader_behind_the_retained_events_gets_a_gap() -> None:
             client.completions.create(model="sim-model", prompt=prompt(20 + seed, 9), max_tokens=1)
         page = events_page(url)
         assert not page["complete"] and page["last_seq"] == 4
-        with httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=20) as response:
+        with httpx.stream("GET", f"{url}/kv/events", headers=ADMIN, params={"since": 0}, timeout=20) as response:
             lines = [line for line in response.iter_lines() if line]
         assert lines[0] == "event: gap"
         assert json.loads(lines[1][5:]) == {"since": 0, "first_available": 3}
@@ -187,7 +187,7 @@ def test_replicas_in_one_process_are_independent(cluster: SimCluster) -> None:
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     after = [events_page(url)["last_seq"] for url in cluster.urls]
     assert after[0] > before[0] and after[1] > before[1] and after[2] == before[2]
-    keys = [set(httpx.get(f"{url}/kv/snapshot").json()["block_keys"]) for url in cluster.urls[:2]]
+    keys = [set(httpx.get(f"{url}/kv/snapshot", headers=ADMIN).json()["block_keys"]) for url in cluster.urls[:2]]
     first_blocks = {k.hex() for k in chain_block_keys(cluster.replicas[0].core.root_key(None), tokens, 4)}
     assert first_blocks <= keys[0] and first_blocks <= keys[1]  # equal keys for equal tokens on every replica
 
@@ -232,7 +232,7 @@ def test_unknown_paths_and_query_values_get_openai_errors(cluster: SimCluster) -
     url = cluster.urls[0]
     missing = httpx.get(f"{url}/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
-    bad_since = httpx.get(f"{url}/kv/events", params={"since": "x"})
+    bad_since = httpx.get(f"{url}/kv/events", headers=ADMIN, params={"since": "x"})
     assert bad_since.status_code == 400 and bad_since.json()["error"]["param"] == "since"
     with pytest.raises(openai.NotFoundError):
         client_for(url).completions.create(model="not-this-one", prompt=[1, 2], max_tokens=1)
@@ -240,7 +240,7 @@ def test_unknown_paths_and_query_values_get_openai_errors(cluster: SimCluster) -
 
 def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
     config = replace(CONFIG, scheduler=SchedulerConfig(max_num_seqs=1), time_scale=1.0)
-    with SimCluster([config], sim_server_options(max_queued_requests=0)) as sim:
+    with SimCluster([config], sim_server_options(max_queued_seqs=0)) as sim:
         url = sim.urls[0]
         body = {"prompt": prompt(40, 40), "max_tokens": 900, "stream": True}  # about 30 simulated seconds
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as first:
@@ -359,20 +359,20 @@ def test_restart_fails_requests_in_flight_and_forgets_the_cache() -> None:
         assert events_page(url)["last_seq"] == 1
         body = {"prompt": prompt(71, 30), "max_tokens": 900, "stream": True}
         with (
-            httpx.stream("GET", f"{url}/kv/events", params={"since": 0}, timeout=30) as events,
+            httpx.stream("GET", f"{url}/kv/events", headers=ADMIN, params={"since": 0}, timeout=30) as events,
             httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as streaming,
         ):
             lines, event_lines = streaming.iter_lines(), events.iter_lines()
             next(lines)
             assert json.loads(next(event_lines)[5:])["seq"] == 1
-            assert httpx.post(f"{url}/sim/restart").json() == {"status": "restarted"}
+            assert httpx.post(f"{url}/sim/restart", headers=ADMIN).json() == {"status": "restarted"}
             rest = [line for line in lines if line]
             # The event stream ends (it would otherwise time out) after the events of the old cache.
             old = [json.loads(line[5:])["seq"] for line in event_lines if line.startswith("data:")]
             assert old == list(range(2, 2 + len(old)))
         assert "replica_restarted" in rest[-1] and "[DONE]" not in rest[-1]
         assert events_page(url) == {"events": [], "complete": True, "last_seq": 0}
-        assert httpx.get(f"{url}/kv/snapshot").json()["block_keys"] == []
+        assert httpx.get(f"{url}/kv/snapshot", headers=ADMIN).json()["block_keys"] == []
         again = client.completions.create(model="sim-model", prompt=tokens, max_tokens=1)
         assert again.usage is not None and again.usage.prompt_tokens_details is not None
         assert again.usage.prompt_tokens_details.cached_tokens == 0
@@ -381,15 +381,15 @@ def test_restart_fails_requests_in_flight_and_forgets_the_cache() -> None:
 
 def test_an_unhealthy_replica_answers_503_until_healed(cluster: SimCluster) -> None:
     url = cluster.urls[2]
-    assert httpx.post(f"{url}/sim/health", json={"healthy": "no"}).status_code == 400
-    assert httpx.post(f"{url}/sim/health", json={"healthy": False}).json() == {"healthy": False}
+    assert httpx.post(f"{url}/sim/health", headers=ADMIN, json={"healthy": "no"}).status_code == 400
+    assert httpx.post(f"{url}/sim/health", headers=ADMIN, json={"healthy": False}).json() == {"healthy": False}
     try:
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and health.headers["retry-after"] == "1"
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "unhealthy"
     finally:
-        httpx.post(f"{url}/sim/health", json={"healthy": True})
+        httpx.post(f"{url}/sim/health", headers=ADMIN, json={"healthy": True})
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
 

@@ -1,4 +1,8 @@
-"""Request bodies of the OpenAI-compatible API, validated field by field, and how a raw body becomes one."""
+"""Request bodies of the OpenAI-compatible API, validated field by field, and how a raw body becomes one.
+
+Validation is strict: a string is not a number, a boolean is not an integer, so `[0, 1, "2"]` is not a
+list of token ids; every number has the range the engine can take (a seed fits a 64-bit generator).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvyard.api.errors import APIError, bad_request
 
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n samples with seed + i, a signed 64-bit generator seed
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -41,6 +47,9 @@ def validation_error(error: ValidationError) -> APIError:
     param = _param_name(first.get("loc", ()))
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
+    if param == "prompt":  # a union: pydantic names only its first member's complaint
+        return APIError(400, "prompt must be a string, a list of strings, a list of token ids (integers) or a list "
+                        "of lists of token ids", param, first.get("type"))  # fmt: skip
     return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, first.get("type"))
 
 
@@ -66,7 +75,7 @@ def take_token_ids(body: dict[str, Any]) -> list[int] | None:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -74,7 +83,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Parameters shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -83,7 +92,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -136,13 +145,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -180,7 +189,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | list[int] | None = None  # token ids come back as they are (checked against the vocabulary)
     messages: list[ChatMessage] | None = None
@@ -189,6 +198,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]

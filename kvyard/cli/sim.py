@@ -20,7 +20,7 @@ from kvyard.server.options import ServerOptions
 from kvyard.sim.config import SimConfig
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
-SIM_SERVER_DEFAULTS = {"max_queued_requests": 1024, "ignore_unknown_fields": True, "shutdown_grace_s": 5.0}
+SIM_SERVER_DEFAULTS = {"max_queued_seqs": 1024, "ignore_unknown_fields": True, "shutdown_grace_s": 5.0}
 
 
 def add_parser(commands: Any) -> None:

@@ -14,7 +14,7 @@ from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.models.config import ModelConfig, load_model_config
+from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
@@ -32,6 +32,7 @@ class LLMEngine(EngineCore):
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
+        _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
@@ -86,6 +87,16 @@ class LLMEngine(EngineCore):
             self.attach_tier(None)
             self.kv_tier.close()
             self.kv_tier = None
+
+
+def _check_window(model_config: ModelConfig, max_model_len: int) -> None:
+    """kvyard's attention sees the whole context: serving a sliding-window model past its window would be wrong."""
+    window = model_config.sliding_window
+    if window is not None and max_model_len > window:
+        raise UnsupportedModelError(
+            f"config.json sliding_window={window}: sliding-window attention is not implemented, so output past "
+            f"{window} tokens would differ from the model's; serve it with --max-model-len {window} (or less)"
+        )
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

@@ -48,10 +48,13 @@ class KVEventLog:
             return self._next_seq - 1
 
     def events_since(self, seq: int) -> tuple[list[KVEvent], bool]:
-        """Events with sequence number > seq, and whether none in between were dropped."""
+        """Events with sequence number > seq, and whether none in between were dropped. A `seq` beyond the last
+        event is not complete either: the reader knows a log this one is not (it restarted), so it resyncs."""
         with self._lock:
+            if seq > self._next_seq - 1:
+                return [], False
             if not self._events:
-                return [], seq >= self._next_seq - 1
+                return [], seq == self._next_seq - 1
             first = self._events[0].seq
             complete = seq >= first - 1
             start = max(0, seq + 1 - first)

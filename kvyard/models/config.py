@@ -53,6 +53,7 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    sliding_window: int | None = None  # attention sees only this many tokens back (None: the whole context)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -94,8 +95,18 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         eos_token_ids=_as_id_tuple(eos),
         bos_token_id=raw.get("bos_token_id"),
+        sliding_window=_sliding_window(raw),
         raw=raw,
     )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window the checkpoint was trained with, if it applies (Qwen2 and Qwen3 configs carry one
+    with `use_sliding_window: false`)."""
+    window = raw.get("sliding_window")
+    if not window or raw.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 def _resolve_family(raw: dict[str, Any]) -> tuple[str, str]:

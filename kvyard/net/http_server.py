@@ -2,7 +2,9 @@
 
 Requests are parsed by `httptools` (the llhttp parser that uvicorn uses): sized and chunked bodies,
 keep-alive and pipelining, `Expect: 100-continue`. Each complete request runs one handler task; the
-next request on the same connection waits for it (HTTP/1.1 answers in order). A handler answers
+next request on the same connection waits for it (HTTP/1.1 answers in order). A request must arrive whole
+within `request_read_timeout_s` of its first byte (else 408, connection closed: slow clients cannot hold
+connections open), and a connection idle for `idle_timeout_s` between requests is closed. A handler answers
 through a `Responder`: a whole body with `send`, or `start` + `write`… + `end` for a stream, which
 goes out with chunked transfer encoding unless a length was given. A client that goes away cancels
 its handler task, so work done on its behalf (an upstream request) is cancelled with it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -21,6 +24,7 @@ import httptools
 import orjson
 
 from kvyard.api.errors import error_body
+from kvyard.settings import setting
 
 _LOG = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 << 10
@@ -33,6 +37,7 @@ class HttpRequest:
     query: str
     headers: dict[str, str]  # names in lower case
     body: bytes
+    peer: str = ""  # the client's address
 
 
 Handler = Callable[[HttpRequest, "Responder"], Awaitable[None]]
@@ -150,9 +155,12 @@ class _Parsed:
     parser: Any = None
     keep_alive: list[bool] = field(default_factory=list)
     expect_continue: bool = False
+    reading: bool = False  # between a request's first byte and its end
+    peer: str = ""
 
     def on_message_begin(self) -> None:
         self.url, self.headers, self.body, self.body_size, self.head_bytes = b"", {}, [], 0, 0
+        self.reading = True
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -177,9 +185,10 @@ class _Parsed:
         self.body.append(data)
 
     def on_message_complete(self) -> None:
+        self.reading = False
         path, _, query = self.url.decode("latin-1").partition("?")
         method = self.parser.get_method().decode("latin-1")
-        self.complete.append(HttpRequest(method, path, query, self.headers, b"".join(self.body)))
+        self.complete.append(HttpRequest(method, path, query, self.headers, b"".join(self.body), self.peer))
         self.keep_alive.append(self.parser.should_keep_alive())
 
     def _count_head(self, size: int) -> None:
@@ -194,19 +203,25 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.parsed = _Parsed(max_body_bytes=server.max_body_bytes)
+        self.parsed = _Parsed(max_body_bytes=server.config.max_body_bytes)
         self.parser = httptools.HttpRequestParser(self.parsed)
         self.parsed.parser = self.parser
         self.pending: list[tuple[HttpRequest, bool]] = []
         self.task: asyncio.Task[None] | None = None
         self.closing = False
+        self.timer: asyncio.TimerHandle | None = None  # the idle or the request-read deadline
+        self.timer_kind = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        peer = transport.get_extra_info("peername")
+        self.parsed.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "")
         self.server.connections.add(self)
+        self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        self._set_timer(None)
         self.server.connections.discard(self)
         self.pending.clear()
         if self.task is not None and not self.task.done():
@@ -229,6 +244,7 @@ class _Connection(asyncio.Protocol):
             self.pending.append((request, self.parsed.keep_alive.pop(0)))
         self.parsed.complete.clear()
         self._run_next()
+        self._watch()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closing:
@@ -267,6 +283,32 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
             self._run_next()
+            self._watch()
+
+    def _watch(self) -> None:
+        """Arm the deadline that applies now: reading a request, idle between requests, or none while a handler
+        runs (a long stream is not idle)."""
+        if self.closing or self.task is not None:
+            self._set_timer(None)
+        elif self.parsed.reading:
+            if self.timer is None or self.timer_kind != "read":
+                self._set_timer(self.server.config.request_read_timeout_s, "read")
+        else:
+            self._set_timer(self.server.config.idle_timeout_s, "idle")
+
+    def _set_timer(self, delay: float | None, kind: str = "") -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_kind = None, kind
+        if delay is not None:
+            self.timer = asyncio.get_running_loop().call_later(delay, self._expired, kind)
+
+    def _expired(self, kind: str) -> None:
+        self.timer = None
+        if kind == "read":
+            self._reject(408, f"the request did not arrive within {self.server.config.request_read_timeout_s:g} s")
+        else:
+            self.close()
 
     def _reject(self, status: int, message: str) -> None:
         if self.task is None and self.transport is not None:
@@ -275,8 +317,11 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
+_CODES = {400: "malformed_request", 408: "request_timeout", 413: "body_too_large", 431: "headers_too_large"}
+
+
 def _error_payload(status: int, message: str) -> dict[str, Any]:
-    return error_body(status, message)
+    return error_body(status, message, code=_CODES.get(status))
 
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
@@ -302,17 +347,50 @@ class RouteTable:
         return endpoint
 
 
+@dataclass(frozen=True, slots=True)
+class HttpServerConfig:
+    """HTTP: TLS, and what one client may ask of the server."""
+
+    max_body_mb: float = setting(4.0, help="the largest request body accepted; a larger one gets 413")
+    request_read_timeout_s: float = setting(30.0, help="a request whose head and body have not arrived this long "
+                                            "after its first byte gets 408 and its connection closed")  # fmt: skip
+    idle_timeout_s: float = setting(75.0, help="a keep-alive connection idle this long between requests is closed")
+    ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (PEM)",
+                                       default_text="none: plain HTTP")  # fmt: skip
+    ssl_keyfile: str | None = setting(None, help="the private key of --ssl-certfile (PEM; default: in the "
+                                      "certificate file)", default_text="none")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_mb", "request_read_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context, None for plain HTTP (an unreadable file raises OSError or SSLError)."""
+        if self.ssl_certfile is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        return context
+
+
 @dataclass(slots=True)
 class HttpServer:
     handler: Handler
-    max_body_bytes: int = 64 << 20
+    config: HttpServerConfig = field(default_factory=HttpServerConfig)
     connections: set[_Connection] = field(default_factory=set)
     shutting_down: bool = False
     _server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        context = self.config.ssl_context()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
+                                                ssl=context)  # fmt: skip
 
     @property
     def port(self) -> int:

@@ -20,14 +20,16 @@ import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
 from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.api.protocol import json_object
+from kvyard.api.ratelimit import RateLimiter
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import Policy, RouteRequest, make_policy
 from kvyard.router.proxy import Forwarder, Retry
-from kvyard.router.registry import Registry
+from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import Replica
 from kvyard.router.tokens import Tokenizer
 
@@ -44,6 +46,9 @@ class Router:
     policy: Policy
     tokenizer: Tokenizer
     forwarder: Forwarder
+    keys: KeySet
+    admin_key: AdminKey
+    limiter: RateLimiter
     in_flight: int = 0
 
     @classmethod
@@ -51,10 +56,14 @@ class Router:
         metrics = RouterMetrics()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        registry = Registry(config, metrics, session)
+        registry = Registry(config, metrics, session, UpstreamAuth.from_config(config))
         forwarder = Forwarder(registry, metrics)
         tokenizer = Tokenizer(config.tokenize_cache_entries)
-        return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder)
+        keys = KeySet.from_settings(config.access.api_keys, config.access.api_keys_file)
+        admin_key = AdminKey.from_settings(config.access.admin_key)
+        limiter = RateLimiter(config.access.requests_per_min)  # tokens are counted by the replicas
+        return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder, keys, admin_key,
+                   limiter)  # fmt: skip
 
     async def close(self) -> None:
         await self.registry.close()
@@ -69,6 +78,7 @@ class Router:
             endpoint = methods.get(request.method)
             if endpoint is None:
                 raise APIError(405, f"{request.method} {request.path}: method not allowed", code="method_not_allowed")
+            self._authorize(request)
             await endpoint(self, request, responder)
         except APIError as error:
             if responder.started:
@@ -76,6 +86,22 @@ class Router:
                 return
             headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
             responder.send_json(error.status, error_body(error.status, error.message, error.param, error.code), headers)
+
+    def _authorize(self, request: HttpRequest) -> None:
+        access = _ACCESS.get(request.path, Access.API)
+        if access is Access.PUBLIC and request.path == "/metrics" and self.config.access.metrics_need_key:
+            access = Access.API
+        if access is Access.API:
+            self.keys.authenticate(request.headers)
+        elif access is Access.ADMIN:
+            self.admin_key.authorize(request.headers, request.path)
+
+    def reload_keys(self) -> None:
+        """Read the API-key file again (SIGHUP); on failure the keys in force stay."""
+        try:
+            self.keys.reload()
+        except OSError as error:
+            _LOG.error("cannot read the API-key file, keeping the current keys: %s", error)
 
     def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
         return [
@@ -85,6 +111,7 @@ class Router:
         ]
 
     async def route(self, request: HttpRequest, responder: Responder, kind: str, path: str) -> None:
+        self.limiter.admit(self.keys.authenticate(request.headers) or bearer_token(request.headers) or request.peer)
         body = _parse_request(request.body, kind)
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.rejected.labels("queue_full").inc()
@@ -92,17 +119,30 @@ class Router:
                            code="overloaded", retry_after=1)  # fmt: skip
         model = body.get("model")
         self._check_model(model)
+        upstream_body = self._with_tenant_salt(request, body)
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            await self._attempts(request, responder, kind, path, body, model)
+            await self._attempts(request, responder, kind, path, body, model, upstream_body)
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
+    def _with_tenant_salt(self, request: HttpRequest, body: dict[str, Any]) -> bytes:
+        """The body replicas get: as sent, or (caches split by key) with the caller's tenant salt in cache_salt."""
+        if not self.config.access.cache_salt_per_api_key:
+            return request.body
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise bad_request("'cache_salt' must be a string", "cache_salt")
+        caller = self.keys.authenticate(request.headers) or bearer_token(request.headers)
+        body["cache_salt"] = tenant_salt(caller, salt, per_key=True)
+        return orjson.dumps(body)
+
     async def _attempts(
-        self, request: HttpRequest, responder: Responder, kind: str, path: str, body: dict[str, Any], model: str | None
-    ) -> None:
+        self, request: HttpRequest, responder: Responder, kind: str, path: str, body: dict[str, Any],
+        model: str | None, upstream_body: bytes,
+    ) -> None:  # fmt: skip
         tried: set[str] = set()
         last: Retry | None = None
         route_request: RouteRequest | None = None
@@ -116,7 +156,8 @@ class Router:
             decision = self.policy.choose(route_request, candidates)
             self.metrics.decision_latency.observe(time.perf_counter() - started)
             tried.add(decision.replica.url)
-            outcome = await self.forwarder.forward(request, responder, path, decision, body.get("stream") is True)
+            stream = body.get("stream") is True
+            outcome = await self.forwarder.forward(request, responder, path, decision, stream, upstream_body)
             if outcome is None:
                 return
             last = outcome
@@ -246,6 +287,12 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},
     "/admin/replicas/drain": {"POST": _drain_replica},
 }
+_ACCESS: dict[str, Access] = {
+    "/health": Access.PUBLIC,
+    "/metrics": Access.PUBLIC,  # unless metrics_need_key
+    "/admin/replicas": Access.ADMIN,
+    "/admin/replicas/drain": Access.ADMIN,
+}
 
 
 # ---------------------------------------------------------------------------- process
@@ -256,12 +303,13 @@ async def serve(config: RouterConfig, replica_urls: list[str], host: str, port: 
     router = Router.create(config)
     for url in replica_urls:
         router.registry.add(url)
-    server = HttpServer(router.handle)
+    server = HttpServer(router.handle, config.http)
     await server.start(host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, router.reload_keys)
     try:
         await stop.wait()
     finally:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvyard.api.auth import AccessConfig
+from kvyard.net.http_server import HttpServerConfig
 from kvyard.settings import setting
 
 POLICIES = ("round_robin", "least_load", "session", "cache_aware")
@@ -41,6 +43,14 @@ class RouterConfig:
     # that replica would have saved (its history is needed again next turn; a copy evicts others' histories).
     session_recompute_weight: float = setting(300.0, help="cache_aware: the same for moving a session away from "
                                               "the replica that served its last turn")  # fmt: skip
+    replica_api_key: str | None = setting(None, help="the key the router sends to replicas (also "
+                                          "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
+                                          default_text="none")  # fmt: skip
+    replica_admin_key: str | None = setting(None, help="the replicas' admin key, to follow their KV events (also "
+                                            "$KVYARD_REPLICA_ADMIN_KEY)", default_text="none: each replica's "
+                                            "cache index is learned from the prompts routed to it")  # fmt: skip
+    access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /admin/*
+    http: HttpServerConfig = field(default_factory=HttpServerConfig)
     max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten)
     approx_block_size: int = 16  # block size of the learned index of replicas without KV events
     approx_index_blocks: int = 1 << 17

@@ -55,8 +55,12 @@ class KVSync:
     async def _load_snapshot(self, reason: str) -> bool:
         index = self.replica.index
         timeout = aiohttp.ClientTimeout(total=30)
-        async with self.session.get(f"{self.replica.url}/kv/snapshot", timeout=timeout) as response:
-            if response.status == 404:
+        headers = self.replica.admin_headers
+        async with self.session.get(f"{self.replica.url}/kv/snapshot", timeout=timeout, headers=headers) as response:
+            if response.status in (401, 403, 404):  # no events, or not for us: learn from routed prompts instead
+                if response.status != 404:
+                    _LOG.warning("KV events of %s refused (%d): give the router --replica-admin-key",
+                                 self.replica.url, response.status)  # fmt: skip
                 index.forget_events()
                 return False
             response.raise_for_status()
@@ -73,7 +77,8 @@ class KVSync:
         index = self.replica.index
         url = f"{self.replica.url}/kv/events"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        async with self.session.get(url, params={"since": str(index.seq)}, timeout=timeout) as response:
+        params, headers = {"since": str(index.seq)}, self.replica.admin_headers
+        async with self.session.get(url, params=params, timeout=timeout, headers=headers) as response:
             response.raise_for_status()
             async for line in response.content:
                 event = parse_event_line(line)

@@ -13,8 +13,11 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
+import orjson
+
+from kvyard.api.errors import error_body
 from kvyard.net.http_client import ConnectError, HttpError, Response
 from kvyard.net.http_server import HttpRequest, Responder
 from kvyard.router.metrics import RouterMetrics
@@ -24,7 +27,8 @@ from kvyard.router.replica import Replica
 
 FirstByte = Callable[[], None]
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
-_FORWARDED_HEADERS: Final = ("authorization", "x-request-id", "openai-organization")
+# A client's Authorization never goes upstream: the router calls replicas with its own key (contract 8).
+_FORWARDED_HEADERS: Final = ("x-request-id", "openai-organization")
 _PASSED_HEADERS: Final = ("retry-after", "cache-control")
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -78,9 +82,10 @@ class Forwarder:
     metrics: RouterMetrics
 
     async def forward(
-        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool
+        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool, body: bytes
     ) -> Retry | None:
-        """Proxy the request to the decided replica; None once the client has its answer."""
+        """Proxy the request (`body`: what the replica gets) to the decided replica; None once the client has
+        its answer."""
         replica = decision.replica
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
@@ -101,7 +106,7 @@ class Forwarder:
 
         relay = _Relay(responder, replica, on_first_byte, lambda body: self._account_usage(decision, body))
         try:
-            return await self._exchange(request, responder, path, decision, relay if stream else None)
+            return await self._exchange(request, responder, path, decision, body, relay if stream else None)
         finally:
             on_first_byte()
             replica.in_flight -= 1
@@ -109,25 +114,28 @@ class Forwarder:
                 replica.streaming -= 1
 
     async def _exchange(
-        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, relay: _Relay | None
-    ) -> Retry | None:
+        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, body: bytes,
+        relay: _Relay | None,
+    ) -> Retry | None:  # fmt: skip
         replica = decision.replica
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **replica.api_headers}
         for name in _FORWARDED_HEADERS:
             value = request.headers.get(name)
             if value is not None:
                 headers[name] = value
         try:
             response = await replica.http.request(
-                "POST", path, request.body, headers=headers,
+                "POST", path, body, headers=headers,
                 sink=relay.on_body if relay else None, on_head=relay.on_head if relay else None,
             )  # fmt: skip
         except ConnectError:
             self.registry.report_failure(replica, "connect")
             return Retry("connect")
-        except HttpError:
-            if relay is not None and relay.started:
-                responder.end()  # the replica broke mid-stream: the client sees the stream end
+        except HttpError as error:
+            if relay is not None and relay.started:  # the replica broke mid-stream: say so, never a clean end
+                self.registry.report_failure(replica, "broken_mid_stream")
+                responder.write(b"data: " + orjson.dumps(_broken_stream_error(replica, error)) + b"\n\n")
+                responder.end()
                 return None
             self.registry.report_failure(replica, "broken_before_first_byte")
             return Retry("broken")
@@ -154,6 +162,12 @@ class Forwarder:
             replica_metrics.prompt_tokens.inc(int(prompt.group(1)))
         if decision.predicted_cached_tokens is not None:
             replica_metrics.predicted_cached.inc(decision.predicted_cached_tokens)
+
+
+def _broken_stream_error(replica: Replica, error: HttpError) -> dict[str, Any]:
+    """The event that ends a stream whose replica failed after the first byte (no [DONE] follows)."""
+    message = f"the replica serving this stream failed mid-stream ({error}); the answer is incomplete"
+    return error_body(502, message, code="replica_failed")
 
 
 def _stored(response: Response, body: bytes, replica: Replica) -> StoredResponse:

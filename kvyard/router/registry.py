@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvyard.api.auth import REPLICA_ADMIN_KEY_ENV, REPLICA_API_KEY_ENV
 from kvyard.api.load import LoadReport
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
@@ -20,11 +23,27 @@ from kvyard.router.replica import Replica, State
 _LOG = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamAuth:
+    """How the router identifies itself to replicas: its own API key, and the replicas' admin key."""
+
+    api_headers: dict[str, str]
+    admin_headers: dict[str, str]
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, environ: Mapping[str, str] = os.environ) -> UpstreamAuth:
+        api_key = config.replica_api_key or environ.get(REPLICA_API_KEY_ENV)
+        admin_key = config.replica_admin_key or environ.get(REPLICA_ADMIN_KEY_ENV)
+        return cls({"Authorization": f"Bearer {api_key}"} if api_key else {},
+                   {"Authorization": f"Bearer {admin_key}"} if admin_key else {})  # fmt: skip
+
+
 @dataclass(slots=True)
 class Registry:
     config: RouterConfig
     metrics: RouterMetrics
     session: aiohttp.ClientSession
+    upstream: UpstreamAuth = field(default_factory=lambda: UpstreamAuth({}, {}))
     replicas: dict[str, Replica] = field(default_factory=dict)
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
@@ -38,7 +57,8 @@ class Registry:
                 replica.state = State.HEALTHY
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks)
-        replica = Replica(url, index=index, connect_timeout_s=self.config.connect_timeout_s)
+        replica = Replica(url, index=index, connect_timeout_s=self.config.connect_timeout_s,
+                          api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers)  # fmt: skip
         self.replicas[url] = replica
         self._tasks[url] = [
             asyncio.create_task(self._health_loop(replica), name=f"health {url}"),
@@ -122,13 +142,14 @@ class Registry:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _model_ids(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[str, ...]:
-        async with self.session.get(f"{replica.url}/v1/models", timeout=timeout) as response:
+        url, headers = f"{replica.url}/v1/models", replica.api_headers
+        async with self.session.get(url, timeout=timeout, headers=headers) as response:
             response.raise_for_status()
             body = await response.json()
         return tuple(str(card["id"]) for card in body["data"])
 
     async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
-        async with self.session.get(f"{replica.url}/load", timeout=timeout) as response:
+        async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
             if response.status == 404:  # another engine's server: health only, the router's own counts
                 return await self._health_only(replica, timeout)
             response.raise_for_status()

@@ -35,6 +35,8 @@ class Replica:
     ejections: int = 0
     resyncs: int = 0
     connect_timeout_s: float = 3.0
+    api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
+    admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*
     http: HttpClient = field(init=False)  # the proxy's keep-alive connections to this replica
 
     def __post_init__(self) -> None:

@@ -82,8 +82,8 @@ class Tokenizer:
         """(token ids or None, whether the replicas can tokenize at all: a 400 is the request's fault)."""
         supported = False
         request = orjson.dumps(payload)
-        headers = {"Content-Type": "application/json"}
         for replica in replicas[:2]:
+            headers = {"Content-Type": "application/json", **replica.api_headers}
             try:
                 response = await replica.http.request("POST", "/tokenize", request, timeout=10, headers=headers)
                 supported = supported or response.status in (200, 400, 422)

@@ -9,16 +9,22 @@ request (`benchmarks/replica_http_stack.py`). Besides the OpenAI endpoints and k
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 from urllib.parse import parse_qs
 
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvyard import __version__
 from kvyard.api import kv_events
+from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
 from kvyard.api.checks import check_token_ids
-from kvyard.api.errors import APIError, InputError, bad_request
+from kvyard.api.errors import APIError, InputError, bad_request, error_body
 from kvyard.api.load import LoadReport
 from kvyard.api.metrics import REJECTED_OVERLOAD, ServerMetrics
 from kvyard.api.protocol import (
@@ -30,6 +36,7 @@ from kvyard.api.protocol import (
     take_token_ids,
     validate,
 )
+from kvyard.api.ratelimit import RateLimiter
 from kvyard.kvcache.events import KVEventLog
 from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Responder, RouteTable
 from kvyard.server.backend import ReplicaEngine
@@ -44,7 +51,11 @@ from kvyard.server.prepare import (
     vocabulary_of,
 )
 
+_LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+INLINE_TOKENIZE_BYTES = 16 << 10  # smaller bodies tokenize on the event loop (a thread hop costs more)
+TOKENIZE_QUEUE = 64  # large requests waiting for the tokenizer thread at most; more wait for a slot
+Prepared = TypeVar("Prepared")
 
 
 class ReplicaApp:
@@ -55,18 +66,35 @@ class ReplicaApp:
         self.metrics = ServerMetrics()
         self.engine: ReplicaEngine | None = None
         self.load_error: BaseException | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # admitted requests not yet answered
+        self.in_flight_seqs = 0  # their sequences (prompts × n): what admission counts
         self.draining = False  # stop admitting requests (shutdown)
         self.shutting_down = False  # also end the endless streams (KV events)
         self.started = time.time()
+        # One thread: tokenizers are not all safe to share between threads, and the point is to free the loop.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-tokenize")
+        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_QUEUE)
+        self.keys = KeySet.from_settings(options.access.api_keys, options.access.api_keys_file)
+        self.admin_key = AdminKey.from_settings(options.access.admin_key)
+        self.limiter = RateLimiter(options.access.requests_per_min, options.access.tokens_per_min)
         self.routes = RouteTable()
+        self.access: dict[str, Access] = {}
         self.add_routes(self._own_routes())
+        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot},
+                        Access.ADMIN)  # fmt: skip
+        public = {("GET", path): self.health for path in ("/health", "/health_generate")}
+        public["GET", "/version"] = self.version
+        if not options.access.metrics_need_key:
+            public["GET", "/metrics"] = self.prometheus
+        self.add_routes(public, Access.PUBLIC)
         if engine is not None:
             self.set_engine(engine)
 
-    def add_routes(self, routes: Mapping[tuple[str, str], Endpoint]) -> None:
+    def add_routes(self, routes: Mapping[tuple[str, str], Endpoint], access: Access = Access.API) -> None:
+        """Serve `routes` to callers with `access`: anyone, API-key holders (when keys are set), or the admin."""
         for (method, path), endpoint in routes.items():
             self.routes.add(method, path, endpoint)
+            self.access[path] = access
 
     def set_engine(self, engine: ReplicaEngine) -> None:
         """The engine is ready (the model has loaded): start serving it."""
@@ -82,8 +110,16 @@ class ReplicaApp:
         self.metrics = ServerMetrics()
         self._register_engine_collectors()
 
+    def reload_keys(self) -> None:
+        """Read the API-key file again (SIGHUP); on failure the keys in force stay."""
+        try:
+            self.keys.reload()
+        except OSError as error:
+            print(f"kvyard: cannot read the API-key file, keeping the current keys: {error}", file=sys.stderr)
+
     def begin_shutdown(self) -> None:
         self.draining = self.shutting_down = True
+        self._tokenizer_thread.shutdown(wait=False)
 
     def ready(self) -> ReplicaEngine:
         if self.load_error is not None:
@@ -95,7 +131,9 @@ class ReplicaApp:
 
     async def handle(self, request: HttpRequest, responder: Responder) -> None:
         try:
-            await self.routes.find(request)(request, responder)
+            endpoint = self.routes.find(request)
+            self._authorize(request)
+            await endpoint(request, responder)
         except HttpServerError as error:
             _send_error(responder, APIError(error.status, str(error), code=_HTTP_CODES.get(error.status)))
         except InputError as error:
@@ -103,20 +141,26 @@ class ReplicaApp:
         except APIError as error:
             _send_error(responder, error)
 
+    def _authorize(self, request: HttpRequest) -> None:
+        access = self.access.get(request.path, Access.API)
+        if access is Access.API:
+            self.keys.authenticate(request.headers)
+        elif access is Access.ADMIN:
+            self.admin_key.authorize(request.headers, request.path)
+
+    def caller_key(self, request: HttpRequest) -> str | None:
+        """The key a request came with: the API key it was admitted with, else (no keys set) its bearer token."""
+        return self.keys.authenticate(request.headers) or bearer_token(request.headers)
+
     def _own_routes(self) -> dict[tuple[str, str], Endpoint]:
         routes: dict[tuple[str, str], Endpoint] = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("GET", "/v1/models"): self.models,
-            ("GET", "/health"): self.health,
             ("GET", "/load"): self.load,
             ("GET", "/metrics"): self.prometheus,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
-            ("GET", "/kv/events"): self.kv_events,
-            ("GET", "/kv/snapshot"): self.kv_snapshot,
-            ("GET", "/version"): self.version,
-            ("GET", "/health_generate"): self.health,
             ("GET", "/loads"): self.sglang_load,
             ("GET", "/get_load"): self.sglang_load,
         }
@@ -133,43 +177,64 @@ class ReplicaApp:
         raw = json_object(request.body)
         token_ids = take_token_ids(raw)
         body = validate(raw, CompletionRequest, self.options.ignore_unknown_fields)
-        prepared = prepare_completion(engine, body, token_ids, request.headers.get("authorization"),
-                                      self.options.cache_salt_per_api_key)  # fmt: skip
-        await self._serve(engine, prepared, responder)
+        salt = self._cache_salt(request, body.cache_salt)
+        prepared = await self._prepare(engine, request, lambda: prepare_completion(engine, body, token_ids, salt))
+        await self._serve(engine, request, prepared, responder)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
         body = validate(json_object(request.body), ChatCompletionRequest, self.options.ignore_unknown_fields)
-        prepared = prepare_chat(engine, body, request.headers.get("authorization"),
-                                self.options.cache_salt_per_api_key)  # fmt: skip
-        await self._serve(engine, prepared, responder)
+        salt = self._cache_salt(request, body.cache_salt)
+        prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt))
+        await self._serve(engine, request, prepared, responder)
 
-    async def _serve(self, engine: ReplicaEngine, prepared: PreparedRequest, responder: Responder) -> None:
-        self._admit(engine)
+    async def _prepare(self, engine: ReplicaEngine, request: HttpRequest, work: Callable[[], Prepared]) -> Prepared:
+        """Run `work` (tokenization, chat templates): inline when it is cheap, else on the tokenizer thread, so a
+        large request never holds up the event loop (health checks, streams of other requests)."""
+        vocabulary = engine.vocabulary
+        if vocabulary is None or vocabulary.cheap or len(request.body) < INLINE_TOKENIZE_BYTES:
+            return work()
+        async with self._tokenize_slots:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work)
+
+    def _cache_salt(self, request: HttpRequest, request_salt: str | None) -> str | None:
+        return tenant_salt(self.caller_key(request), request_salt, self.options.access.cache_salt_per_api_key)
+
+    async def _serve(
+        self, engine: ReplicaEngine, request: HttpRequest, prepared: PreparedRequest, responder: Responder
+    ) -> None:
+        self.limiter.admit(self.caller_key(request) or request.peer, prepared.num_tokens_asked)
+        num_seqs = prepared.num_choices
+        self._admit(engine, num_seqs)
         runner = CompletionRunner(engine, self.metrics)
         try:
             if not prepared.stream:
                 responder.send_json(200, await runner.complete(prepared))
                 return
             responder.start(200, SSE_HEADERS)
-            async for chunk in runner.sse_events(prepared):
-                responder.write(chunk)
-            responder.end()
+            await _stream(responder, runner.sse_events(prepared))
         except asyncio.CancelledError:  # the client went away; its engine requests are aborted
             self.metrics.requests.labels(outcome="abort").inc()
             raise
         finally:
             self.in_flight -= 1
+            self.in_flight_seqs -= num_seqs
 
-    def _admit(self, engine: ReplicaEngine) -> None:
+    def _admit(self, engine: ReplicaEngine, num_seqs: int) -> None:
+        """Take the request's sequences into the engine's queue, or refuse it: a request is as large as its
+        prompts times n, so one request cannot bring more work than the queue admits."""
         if self.draining:
             raise APIError(503, "server is shutting down", code="draining", retry_after=1)
-        limit = engine.max_num_seqs + self.options.max_queued_requests
-        if self.in_flight >= limit:
+        limit = engine.max_num_seqs + self.options.max_queued_seqs
+        if num_seqs > limit:
+            raise bad_request(f"the request asks for {num_seqs} sequences (prompts × n); this server takes at most "
+                              f"{limit} at once", "n", "too_many_sequences")  # fmt: skip
+        if self.in_flight_seqs + num_seqs > limit:
             self.metrics.requests.labels(outcome=REJECTED_OVERLOAD).inc()
-            raise APIError(429, f"too many requests in flight ({self.in_flight}); retry later", code="overloaded",
-                           retry_after=1)  # fmt: skip
+            raise APIError(429, f"too many sequences in flight ({self.in_flight_seqs} of {limit}); retry later",
+                           code="overloaded", retry_after=1)  # fmt: skip
         self.in_flight += 1
+        self.in_flight_seqs += num_seqs
 
     # ------------------------------------------------------------------ tokens
 
@@ -180,9 +245,11 @@ class ReplicaApp:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
         if body.messages is not None:
-            tokens = render_chat(engine, body.messages, body.add_generation_prompt, None)
+            messages, generation = body.messages, body.add_generation_prompt
+            tokens = await self._prepare(engine, request, lambda: render_chat(engine, messages, generation, None))
         elif isinstance(body.prompt, str):
-            tokens = vocabulary_of(engine, "prompt").encode(body.prompt, body.add_special_tokens)
+            vocabulary, text = vocabulary_of(engine, "prompt"), body.prompt
+            tokens = await self._prepare(engine, request, lambda: vocabulary.encode(text, body.add_special_tokens))
         else:
             tokens = body.prompt or []
             check_token_ids(tokens, engine.limits.vocab_size)
@@ -297,6 +364,19 @@ class ReplicaApp:
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+async def _stream(responder: Responder, events: AsyncIterator[bytes]) -> None:
+    """Send server-sent events; a failure after the first byte ends the stream with an error event, so a client
+    never mistakes a broken answer for a finished one."""
+    try:
+        async for chunk in events:
+            responder.write(chunk)
+    except Exception as error:  # a bug, not bad input (that is an error event already): say so, then end
+        _LOG.exception("stream failed")
+        responder.write(b"data: " + orjson.dumps(error_body(500, f"internal error: {error}", code="internal_error"))
+                        + b"\n\n")  # fmt: skip
+    responder.end()
 
 
 def _send_error(responder: Responder, error: APIError) -> None:

@@ -20,6 +20,8 @@ from kvyard.kvcache.events import KVEventLog
 class Vocabulary(Protocol):
     """Text to token ids and back, with the model's chat template."""
 
+    cheap: bool  # True: fast enough to run on the event loop whatever the size (the simulator's bytes)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def render_chat(

@@ -35,7 +35,7 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
     say(f"listening on http://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
     engine_box: list[AsyncEngine] = []
     loader = asyncio.create_task(_load(app, config, engine_box))
-    await wait_for_stop_signal()
+    await wait_for_stop_signal([app])
     say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {options.shutdown_grace_s:g} s)")
     loader.cancel()
     await hosted.stop(options.shutdown_grace_s)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvyard.api.auth import AccessConfig
+from kvyard.net.http_server import HttpServerConfig
 from kvyard.settings import setting
 
 
@@ -11,13 +13,17 @@ from kvyard.settings import setting
 class ServerOptions:
     """Server: the HTTP side of a replica."""
 
-    max_queued_requests: int = setting(512, help="requests accepted beyond --max-num-seqs before answering 429")
-    cache_salt_per_api_key: bool = setting(False, help="isolate prefix caches by the request's bearer token")
+    max_queued_seqs: int = setting(512, help="sequences (prompts × n) accepted beyond --max-num-seqs before "
+                                   "answering 429")  # fmt: skip
+
     ignore_unknown_fields: bool = setting(False, help="ignore request fields kvyard does not know instead of "
                                           "answering 400 (for clients that send other engines' fields)")  # fmt: skip
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
     owned_by: str = "kvyard"
+    access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /kv/* and fault injection
+    http: HttpServerConfig = field(default_factory=HttpServerConfig)
 
     def __post_init__(self) -> None:
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_queued_seqs < 0:
+            raise ValueError(f"max_queued_seqs must be >= 0, got {self.max_queued_seqs}")
+

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from kvyard.api.checks import check_token_ids, resolve_max_tokens
 from kvyard.api.errors import APIError, bad_request
-from kvyard.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvyard.api.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 
@@ -34,32 +33,33 @@ class PreparedRequest:
         return len(self.prompts) * len(self.params)
 
     @property
+    def num_tokens_asked(self) -> int:
+        """Prompt plus max_tokens over every choice: what rate limits by tokens count."""
+        return sum(len(prompt) + params.max_tokens for prompt in self.prompts for params in self.params)
+
+    @property
     def stop_holdback(self) -> int:
         """Characters a stream holds back so that a client never sees text a later stop match removes."""
         return max((len(s) for s in self.params[0].stop), default=1) - 1
 
 
 def prepare_completion(
-    engine: ReplicaEngine, body: CompletionRequest, token_ids: list[int] | None, authorization: str | None,
-    salt_per_key: bool,
-) -> PreparedRequest:  # fmt: skip
-    """`token_ids`: the prompt when it was taken out of `body` before validation (see `take_token_ids`)."""
+    engine: ReplicaEngine, body: CompletionRequest, token_ids: list[int] | None, cache_salt: str | None
+) -> PreparedRequest:
+    """`token_ids`: the prompt when it was taken out of `body` before validation (see `take_token_ids`);
+    `cache_salt`: the salt the request runs under (its tenant's and its own, `api.auth.tenant_salt`)."""
     check_model(engine, body.model)
     _reject_unsupported(body.unsupported())
     prompts = [token_ids] if token_ids is not None else _prompt_list(body.prompt)
     tokens = [_tokens_of(engine, prompt, index, len(prompts)) for index, prompt in enumerate(prompts)]
-    cache_salt = request_cache_salt(body.cache_salt, authorization, salt_per_key)
     return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
 
 
-def prepare_chat(
-    engine: ReplicaEngine, body: ChatCompletionRequest, authorization: str | None, salt_per_key: bool
-) -> PreparedRequest:
+def prepare_chat(engine: ReplicaEngine, body: ChatCompletionRequest, cache_salt: str | None) -> PreparedRequest:
     check_model(engine, body.model)
     _reject_unsupported(body.unsupported())
     prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    cache_salt = request_cache_salt(body.cache_salt, authorization, salt_per_key)
     return _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt)
 
 
@@ -139,13 +139,6 @@ def render_chat(
     return tokens
 
 
-def request_cache_salt(salt: str | None, authorization: str | None, per_key: bool) -> str | None:
-    """The request's own salt, else (when asked to) one derived from its bearer token."""
-    if salt is not None or not per_key or not authorization or not authorization.lower().startswith("bearer "):
-        return salt
-    return "key:" + hashlib.sha256(authorization[7:].strip().encode()).hexdigest()[:32]
-
-
 def _reject_unsupported(problem: tuple[str, str] | None) -> None:
     if problem is not None:
         raise bad_request(problem[1], problem[0], "unsupported_parameter")
@@ -158,6 +151,8 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
         raise bad_request("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [prompt]  # type: ignore[list-item]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt lists hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
     return list(prompt)  # type: ignore[arg-type]
 
 

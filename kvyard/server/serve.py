@@ -19,12 +19,12 @@ from typing import TypeVar
 
 import orjson
 
+from kvyard.api.auth import Access
 from kvyard.net.http_server import Endpoint, HttpServer
 from kvyard.server.app import ReplicaApp
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.options import ServerOptions
 
-MAX_BODY_BYTES = 64 << 20
 T = TypeVar("T")
 
 
@@ -50,17 +50,24 @@ class Hosted:
 
 
 async def host(app: ReplicaApp, host_name: str, port: int, background: Sequence[Awaitable[None]] = ()) -> Hosted:
-    server = HttpServer(app.handle, max_body_bytes=MAX_BODY_BYTES)
+    server = HttpServer(app.handle, app.options.http)
     await server.start(host_name, port)
     tasks = [asyncio.ensure_future(work) for work in background]
     return Hosted(app, server, tasks)
 
 
-async def wait_for_stop_signal() -> None:
+async def wait_for_stop_signal(apps: Sequence[ReplicaApp] = ()) -> None:
+    """Wait for SIGINT or SIGTERM; meanwhile SIGHUP makes `apps` read their API-key files again."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+
+    def reload_keys() -> None:
+        for app in apps:
+            app.reload_keys()
+
+    loop.add_signal_handler(signal.SIGHUP, reload_keys)
     await stop.wait()
 
 
@@ -76,11 +83,11 @@ ExtraRoutes = Callable[[ReplicaApp], Mapping[tuple[str, str], Endpoint]]
 
 @dataclass(slots=True)
 class ReplicaSpec:
-    """An engine to serve, its background work, and routes beyond the replica API (made for its app)."""
+    """An engine to serve, its background work, and admin routes beyond the replica API (made for its app)."""
 
     engine: ReplicaEngine
     background: Callable[[], Awaitable[None]] | None = None
-    extra_routes: ExtraRoutes | None = None
+    admin_routes: ExtraRoutes | None = None
 
 
 async def host_replicas(
@@ -91,8 +98,8 @@ async def host_replicas(
     try:
         for index, spec in enumerate(specs):
             app = ReplicaApp(options, spec.engine)
-            if spec.extra_routes is not None:
-                app.add_routes(spec.extra_routes(app))
+            if spec.admin_routes is not None:
+                app.add_routes(spec.admin_routes(app), Access.ADMIN)
             background = [spec.background()] if spec.background is not None else []
             hosted.append(await host(app, host_name, port + index if port else 0, background))
     except BaseException:
@@ -115,7 +122,7 @@ def serve_replicas(
         if ports_file is not None:
             ports_file.write_text(orjson.dumps(ready).decode())
         print(orjson.dumps(ready).decode(), flush=True)
-        await wait_for_stop_signal()
+        await wait_for_stop_signal([h.app for h in hosted])
         await asyncio.gather(*(h.stop(options.shutdown_grace_s) for h in hosted))
 
     try:

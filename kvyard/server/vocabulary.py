@@ -9,6 +9,8 @@ from kvyard.api.errors import InputError
 
 
 class HFVocabulary:
+    cheap = False
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 

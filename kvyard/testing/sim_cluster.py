@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import cast
 
+from kvyard.api.auth import AccessConfig
+from kvyard.net.http_server import HttpServerConfig
 from kvyard.server.options import ServerOptions
 from kvyard.server.serve import ReplicaCluster, ReplicaSpec
 from kvyard.sim.config import SimConfig
@@ -19,9 +21,17 @@ def sim_replica_specs(configs: Sequence[SimConfig]) -> list[ReplicaSpec]:
     return [ReplicaSpec(engine, engine.run, partial(fault_routes, engine)) for engine in engines]
 
 
-def sim_server_options(max_queued_requests: int = 1024) -> ServerOptions:
-    """Simulated replicas ignore request fields they do not know: other routers add their engine's own."""
-    return ServerOptions(max_queued_requests=max_queued_requests, ignore_unknown_fields=True, owned_by="kvyard-sim")
+TEST_ADMIN_KEY = "kvyard-test-admin"  # the admin key of test clusters: KV events and fault injection
+
+
+def sim_server_options(
+    max_queued_seqs: int = 1024, http: HttpServerConfig | None = None, **access: object
+) -> ServerOptions:
+    """Simulated replicas ignore request fields they do not know: other routers add their engine's own.
+    `access`: AccessConfig settings (the admin key is TEST_ADMIN_KEY unless given)."""
+    settings = {"admin_key": TEST_ADMIN_KEY, **access}
+    return ServerOptions(max_queued_seqs=max_queued_seqs, ignore_unknown_fields=True, owned_by="kvyard-sim",
+                         access=AccessConfig(**settings), http=http or HttpServerConfig())  # type: ignore[arg-type]  # fmt: skip
 
 
 class SimCluster(ReplicaCluster):
