@@ -47,6 +47,10 @@ BAD_BODIES = [
     (b'{"prompt": "x", "max_tokens": 2.0}', "max_tokens"),
     (json.dumps({"prompt": ["x"] * 300}).encode(), "prompt"),  # a prompt list past the cap
     (json.dumps({"prompt": ["x"] * 8, "n": 2}).encode(), "n"),  # 16 sequences; the server takes 8 at once
+    (json.dumps({"prompt": [1, 2], "n": 2, "resume": {"token_ids": [3], "sent_chars": 0}}).encode(), "resume"),
+    (json.dumps({"prompt": [1, 2], "max_tokens": 2, "resume": {"token_ids": [3, 4], "sent_chars": 0}}).encode(),
+     "resume.token_ids"),  # nothing left to generate
+    (json.dumps({"prompt": [1, 2], "resume": {"token_ids": [-1], "sent_chars": 0}}).encode(), "resume.token_ids"),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,46 +35,71 @@ async def _load_running(client: httpx.AsyncClient, replica: ServerProcess) -> in
     return running
 
 
-async def _send(client: httpx.AsyncClient, router: ServerProcess, index: int, stream: bool) -> dict[str, Any]:
-    body = {"prompt": f"request {index}: tell a story", "max_tokens": 160, "ignore_eos": True, "stream": stream}
-    if not stream:
-        response = await client.post(f"{router.url}/v1/completions", json=body)
-        return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
-                "tokens": response.json().get("usage", {}).get("completion_tokens")}  # fmt: skip
-    async with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
-        text = "".join([chunk async for chunk in response.aiter_text()])
-        return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
-                "complete": "[DONE]" in text, "said_failed": '"code":"replica_failed"' in text}  # fmt: skip
+def _request(index: int, stream: bool) -> tuple[str, dict[str, Any]]:
+    """Even requests are completions, odd ones chats; greedy, of a fixed length."""
+    body = {"max_tokens": 160, "ignore_eos": True, "stream": stream, "temperature": 0.0}
+    if index % 2:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"story {index}, please"}]}
+    return "/v1/completions", {**body, "prompt": f"request {index}: tell a story"}
 
 
-async def _load_and_kill(router: ServerProcess, victim: ServerProcess) -> list[dict[str, Any]]:
+def _text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice["text"])
+    return str((choice.get("delta") or choice.get("message") or {}).get("content") or "")
+
+
+async def _stream(client: httpx.AsyncClient, url: str, index: int) -> dict[str, Any]:
+    path, body = _request(index, stream=True)
+    async with client.stream("POST", f"{url}{path}", json=body) as response:
+        events = [line.removeprefix("data: ") async for line in response.aiter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(event) for event in events if event != "[DONE]"]
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
+            "done": events[-1:] == ["[DONE]"], "errors": [c["error"] for c in chunks if "error" in c],
+            "text": "".join(_text(c) for c in choices), "finish": [c["finish_reason"] for c in choices][-1:],
+            "roles": sum("role" in c.get("delta", {}) for c in choices), "ids": {c["id"] for c in chunks if "id" in c},
+            "leaked_token_ids": any("token_ids" in c for c in choices)}  # fmt: skip
+
+
+async def _references(url: str, count: int) -> list[str]:
     async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(_send(client, router, i, stream=i % 4 == 3)) for i in range(16)]
-        while await _load_running(client, victim) < 2:
+        responses = await asyncio.gather(*(client.post(f"{url}{path}", json=body)
+                                           for path, body in map(_request, range(count), [False] * count)))  # fmt: skip
+    return [_text(response.json()["choices"][0]) for response in responses]
+
+
+async def _load_and_kill(router: ServerProcess, victim: ServerProcess, count: int) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = [asyncio.create_task(_stream(client, router.url, i)) for i in range(count)]
+        while await _load_running(client, victim) < 4:
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # let its streams get going
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait()
         return await asyncio.gather(*tasks)
 
 
-def test_replica_killed_mid_load_loses_no_request_that_had_not_started_streaming(
+def test_a_replica_killed_under_greedy_streams_truncates_none(
     llama_dir: Path, tmp_path: Path, survivor: ServerProcess
 ) -> None:
+    count = 16
+    references = asyncio.run(_references(survivor.url, count))
     replicas = [start_server(llama_dir, tmp_path), survivor]
     router = start_router(tmp_path, [r.url for r in replicas], "--policy", "round_robin")
     try:
         victim = replicas[0]
-        results = asyncio.run(_load_and_kill(router, victim))
-        for result in results:
-            if "complete" in result and result["replica"] == victim.url:
-                # It was streaming from the killed replica: it may end early, but never looking finished.
-                assert result["complete"] != result["said_failed"], result
-                continue
-            assert result["status"] == 200, result
-            assert result.get("tokens", 160) == 160 and result.get("complete", True), result
-            assert result["replica"] == replicas[1].url or "complete" in result
+        results = asyncio.run(_load_and_kill(router, victim, count))
+        resumed = 0
+        for index, result in enumerate(results):
+            assert result["status"] == 200 and result["done"] and not result["errors"], result
+            assert result["finish"] == ["length"] and len(result["ids"]) == 1 and not result["leaked_token_ids"], result
+            assert result["roles"] == index % 2  # a chat stream has one role chunk, resumed or not
+            assert result["text"] == references[index], (index, result["replica"])
+            resumed += result["replica"] == victim.url
+        assert resumed >= 2  # streams begun on the killed replica were finished by the survivor
         metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-        assert labelled_metric(metrics, "kvyard_router_retries_total") >= 1
+        assert labelled_metric(metrics, "kvyard_router_retries_total", reason="broken_mid_stream") >= 2
         assert labelled_metric(metrics, "kvyard_router_ejections_total", replica=victim.url) >= 1
         assert replica_state(router, victim.url)["state"] == "ejected"
         response = httpx.post(f"{router.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)

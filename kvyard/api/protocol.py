@@ -80,6 +80,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class ResumeState(BaseModel):
+    """Where a stream that another replica began stands: the tokens it generated and the characters of their text
+    the client already has. The router sends it to continue a stream whose replica failed (kvyard extension)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    token_ids: list[int] = Field(min_length=1)
+    sent_chars: int = Field(ge=0)
+
+
 class SamplingFields(BaseModel):
     """Parameters shared by completions and chat completions."""
 
@@ -100,6 +109,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
+    return_token_ids: bool = False  # each choice (streamed: each chunk's) carries its new "token_ids"
+    resume: ResumeState | None = None
     # Accepted for compatibility; only their neutral values are supported.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -123,6 +134,8 @@ class SamplingFields(BaseModel):
             return "frequency_penalty", "frequency_penalty is not supported (use 0)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.resume is not None and self.n != 1:
+            return "resume", "resume continues one choice: n must be 1"
         return None
 
 

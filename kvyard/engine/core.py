@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt
+from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_token_ids
+from kvyard.api.errors import InputError
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.detokenizer import Decoder, IncrementalDetokenizer
 from kvyard.engine.kv_cache_manager import BlockTier, KVCacheManager
@@ -152,16 +153,29 @@ class EngineCore:
     # ----------------------------------------------------------------- requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        resumed_output_ids: Sequence[int] = (),
     ) -> Request:
+        """Queue a request. `resumed_output_ids`: output another replica generated before it failed; they are
+        prefilled with the prompt, count toward `max_tokens`, and generation continues after them."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, self.limits)
         check_kv_room(len(prompt_token_ids) + params.max_tokens, self.limits)
+        if resumed_output_ids:
+            self._check_resume(len(prompt_token_ids), resumed_output_ids, params)
         detokenizer = self._make_detokenizer(params)
+        if detokenizer is not None:
+            for token_id in resumed_output_ids:
+                detokenizer.push(token_id)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(resumed_output_ids),
             sampling_params=params,
             cache_root_key=self.root_key(cache_salt),
             block_size=self.config.block_size,
@@ -172,6 +186,15 @@ class EngineCore:
             self._detokenizers[request_id] = detokenizer
         self.scheduler.add(request)
         return request
+
+    def _check_resume(self, num_prompt_tokens: int, resumed_output_ids: Sequence[int], params: SamplingParams) -> None:
+        check_token_ids(resumed_output_ids, self.limits.vocab_size, "resume.token_ids", "resume.token_ids")
+        if len(resumed_output_ids) >= params.max_tokens:
+            raise InputError(f"resume.token_ids holds {len(resumed_output_ids)} tokens; max_tokens={params.max_tokens} "
+                             "leaves none to generate", "resume.token_ids")  # fmt: skip
+        if num_prompt_tokens + len(resumed_output_ids) >= self.limits.max_model_len:
+            raise InputError("the prompt plus resume.token_ids fill the model's context", "resume.token_ids",
+                             "context_length_exceeded")  # fmt: skip
 
     def root_key(self, cache_salt: str | None) -> bytes:
         """The namespace root of a tenant's block keys."""

@@ -57,7 +57,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # the request's stop ids plus EOS unless ignore_eos
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self.update_block_keys()
 
     @property

@@ -28,9 +28,10 @@ from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import Policy, RouteRequest, make_policy
-from kvyard.router.proxy import Forwarder, Retry
+from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import Replica
+from kvyard.router.resume import StreamFollower
 from kvyard.router.tokens import Tokenizer
 
 _LOG = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ class Router:
     ) -> None:  # fmt: skip
         tried: set[str] = set()
         last: Retry | None = None
+        stream = body.get("stream") is True
+        follower = StreamFollower.for_request(kind, body) if stream else None
         route_request: RouteRequest | None = None
         for _ in range(self.config.max_attempts):
             candidates = self.candidates(model, tried)
@@ -156,12 +159,15 @@ class Router:
             decision = self.policy.choose(route_request, candidates)
             self.metrics.decision_latency.observe(time.perf_counter() - started)
             tried.add(decision.replica.url)
-            stream = body.get("stream") is True
-            outcome = await self.forwarder.forward(request, responder, path, decision, stream, upstream_body)
+            attempt_body = follower.upstream_body(body) if follower is not None else upstream_body
+            outcome = await self.forwarder.forward(request, responder, path, decision, stream, attempt_body, follower)
             if outcome is None:
                 return
             last = outcome
             self.metrics.retries.labels(outcome.reason).inc()
+        if responder.started:
+            end_broken_stream(responder, "the replica serving this stream failed and no replica could resume it")
+            return
         if last is not None and last.response is not None:
             stored = last.response
             responder.send(stored.status, stored.body, stored.headers, stored.content_type)

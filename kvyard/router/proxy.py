@@ -2,9 +2,11 @@
 
 A failure before the first byte reaches the client (connection refused or reset, a replica answering
 429/502/503/504, a stream that breaks before its first chunk) returns a `Retry`, so the caller can try
-another replica; nothing has been sent to the client at that point. After the first byte the response
-belongs to that replica. A client that goes away cancels the handler, which closes the upstream
-connection, which is how the replica learns to stop.
+another replica; nothing has been sent to the client at that point. A stream that breaks later is
+resumed on another replica when a `StreamFollower` follows it (one choice); otherwise, or when no
+replica can take it, the client gets an error event and no [DONE], never a clean-looking end. A client
+that goes away cancels the handler, which closes the upstream connection, which is how the replica
+learns to stop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import orjson
 
@@ -24,6 +26,7 @@ from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import Decision
 from kvyard.router.registry import Registry
 from kvyard.router.replica import Replica
+from kvyard.router.resume import StreamFollower
 
 FirstByte = Callable[[], None]
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
@@ -58,19 +61,25 @@ class _Relay:
     replica: Replica
     on_first_byte: FirstByte
     on_usage: Callable[[bytes], None]
+    follower: StreamFollower | None = None
     content_type: str = "text/event-stream"
-    started: bool = False
+    started: bool = False  # this replica's answer reaches the client
 
     def on_head(self, response: Response) -> None:
         self.content_type = response.headers.get("content-type", self.content_type)
 
     def on_body(self, data: bytes, _arrived: float) -> None:
+        if self.follower is not None:
+            data = self.follower.feed(data)
+            if not data:
+                return
         if not self.started:
             self.started = True
             self.on_first_byte()
             self.replica.streaming += 1
-            headers = [("Content-Type", self.content_type), ("X-Kvyard-Replica", self.replica.url)]
-            self.responder.start(200, headers)
+            if not self.responder.started:  # a resumed stream's head went out with the first replica's bytes
+                headers = [("Content-Type", self.content_type), ("X-Kvyard-Replica", self.replica.url)]
+                self.responder.start(200, headers)
         if b'"usage"' in data:
             self.on_usage(data)
         self.responder.write(data)
@@ -82,10 +91,11 @@ class Forwarder:
     metrics: RouterMetrics
 
     async def forward(
-        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool, body: bytes
-    ) -> Retry | None:
+        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool, body: bytes,
+        follower: StreamFollower | None = None,
+    ) -> Retry | None:  # fmt: skip
         """Proxy the request (`body`: what the replica gets) to the decided replica; None once the client has
-        its answer."""
+        its answer. `follower` follows a stream that another replica may have to resume."""
         replica = decision.replica
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
@@ -104,7 +114,9 @@ class Forwarder:
                 if decision.keys:
                     replica.index.note_routed(decision.keys)
 
-        relay = _Relay(responder, replica, on_first_byte, lambda body: self._account_usage(decision, body))
+        relay = _Relay(responder, replica, on_first_byte, lambda body: self._account_usage(decision, body), follower)
+        if follower is not None:
+            follower.start_attempt()
         try:
             return await self._exchange(request, responder, path, decision, body, relay if stream else None)
         finally:
@@ -132,23 +144,34 @@ class Forwarder:
             self.registry.report_failure(replica, "connect")
             return Retry("connect")
         except HttpError as error:
-            if relay is not None and relay.started:  # the replica broke mid-stream: say so, never a clean end
-                self.registry.report_failure(replica, "broken_mid_stream")
-                responder.write(b"data: " + orjson.dumps(_broken_stream_error(replica, error)) + b"\n\n")
-                responder.end()
-                return None
-            self.registry.report_failure(replica, "broken_before_first_byte")
-            return Retry("broken")
-        if relay is not None and relay.started:
+            if not responder.started:
+                self.registry.report_failure(replica, "broken_before_first_byte")
+                return Retry("broken")
+            self.registry.report_failure(replica, "broken_mid_stream")
+            return self._broken_mid_stream(responder, relay.follower if relay else None, str(error))
+        if responder.started and relay is not None and relay.started:
             responder.end()
             return None
         body = bytes(response.body)
         if response.status in RETRYABLE_STATUS:
             return Retry(f"status_{response.status}", _stored(response, body, replica))
+        if responder.started:  # a replica refused to resume a stream: the client learns why
+            end_broken_stream(responder, _replica_refusal(body))
+            return None
         if relay is None and response.status == 200:
             self._account_usage(decision, body)
         stored = _stored(response, body, replica)
         responder.send(stored.status, stored.body, stored.headers, stored.content_type)
+        return None
+
+    def _broken_mid_stream(self, responder: Responder, follower: StreamFollower | None, reason: str) -> Retry | None:
+        if follower is not None and follower.answered:  # only the usage chunk is missing
+            responder.write(b"data: [DONE]\n\n")
+            responder.end()
+            return None
+        if follower is not None and follower.resumable:
+            return Retry("broken_mid_stream")
+        end_broken_stream(responder, f"the replica serving this stream failed mid-stream ({reason})")
         return None
 
     def _account_usage(self, decision: Decision, body: bytes) -> None:
@@ -164,10 +187,19 @@ class Forwarder:
             replica_metrics.predicted_cached.inc(decision.predicted_cached_tokens)
 
 
-def _broken_stream_error(replica: Replica, error: HttpError) -> dict[str, Any]:
-    """The event that ends a stream whose replica failed after the first byte (no [DONE] follows)."""
-    message = f"the replica serving this stream failed mid-stream ({error}); the answer is incomplete"
-    return error_body(502, message, code="replica_failed")
+def end_broken_stream(responder: Responder, reason: str) -> None:
+    """End a stream that cannot be completed with an error event and no [DONE] (clients raise on it)."""
+    payload = error_body(502, f"{reason}; the answer is incomplete", code="replica_failed")
+    responder.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+    responder.end()
+
+
+def _replica_refusal(body: bytes) -> str:
+    try:
+        message = orjson.loads(body)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = body[:200].decode(errors="replace")
+    return f"no replica could resume this stream ({message})"
 
 
 def _stored(response: Response, body: bytes, replica: Replica) -> StoredResponse:

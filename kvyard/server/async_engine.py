@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,12 +94,14 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         final_only: bool = False,
+        resumed_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
         try:
-            await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, cache_salt))
+            await self.call(lambda engine: engine.add_request(
+                request_id, prompt_token_ids, params, cache_salt, resumed_output_ids))  # fmt: skip
             pending: RequestOutput | None = None
             while not finished:
                 item = await stream.get()

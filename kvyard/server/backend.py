@@ -57,9 +57,11 @@ class ReplicaEngine(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         final_only: bool = False,
+        resumed_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (only the last when `final_only`); closing the iterator early
-        aborts the request. Raises `InputError` for a request the engine refuses."""
+        aborts the request. `resumed_output_ids` continue another replica's output (see `EngineCore.add_request`).
+        Raises `InputError` for a request the engine refuses."""
         ...
 
     def stats(self) -> EngineStats: ...

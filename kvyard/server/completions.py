@@ -26,6 +26,7 @@ class ChoiceState:
     prompt_index: int
     text: str = ""
     sent_chars: int = 0
+    sent_tokens: int = 0  # token ids already sent (with return_token_ids)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -50,6 +51,9 @@ class CompletionRunner:
             for p in range(len(prepared.prompts))
             for i in range(len(prepared.params))
         ]
+        if prepared.resume is not None:
+            choices[0].sent_chars = prepared.resume.sent_chars
+            choices[0].sent_tokens = len(prepared.resume.token_ids)
         if len(choices) == 1:  # the common case, without a task and a queue
             async for output in self._generate(prepared, choices[0]):
                 yield choices[0], output
@@ -75,7 +79,10 @@ class CompletionRunner:
         prompt = prepared.prompts[choice.prompt_index]
         params = prepared.params[choice.index % len(prepared.params)]
         request_id = f"{prepared.request_id}-{choice.index}"
-        outputs = self.engine.generate(request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream)
+        resumed = prepared.resume.token_ids if prepared.resume is not None else ()
+        outputs = self.engine.generate(
+            request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream, resumed_output_ids=resumed
+        )
         async for output in outputs:
             self._record(choice, output)
             yield output
@@ -115,7 +122,11 @@ class CompletionRunner:
     def usage(self, prepared: PreparedRequest, choices: list[ChoiceState]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prepared.prompts)
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        cached = sum(c.num_cached_tokens for c in choices if c.index % len(prepared.params) == 0)
+        cached = sum(
+            min(c.num_cached_tokens, len(prepared.prompts[c.prompt_index]))
+            for c in choices
+            if c.index % len(prepared.params) == 0
+        )
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -148,6 +159,8 @@ class CompletionRunner:
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
         base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
                                 "stop_reason": choice.stop_reason}  # fmt: skip
+        if prepared.return_token_ids:
+            base["token_ids"] = choice.token_ids
         logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
         if prepared.kind == "chat":
             return {**base, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
@@ -159,7 +172,7 @@ class CompletionRunner:
         """Server-sent events: one chunk per new piece of text, then usage (if asked) and [DONE]. An error after
         the stream started ends it with an error event and no [DONE]."""
         choices: dict[int, ChoiceState] = {}
-        if prepared.kind == "chat":
+        if prepared.kind == "chat" and prepared.resume is None:  # a resumed stream's client has the role chunk
             for index in range(prepared.num_choices):
                 yield _sse(self._chunk(prepared, index, {"role": "assistant", "content": ""}, None, None))
         try:
@@ -191,9 +204,12 @@ class CompletionRunner:
         if not delta and not output.finished and not new_logprobs:
             return None
         logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
-        if prepared.kind == "chat":
-            return self._chunk(prepared, choice.index, {"content": delta}, choice.finish_reason, logprobs)
-        return self._chunk(prepared, choice.index, delta, choice.finish_reason, logprobs)
+        delta_field = {"content": delta} if prepared.kind == "chat" else delta
+        chunk = self._chunk(prepared, choice.index, delta_field, choice.finish_reason, logprobs)
+        if prepared.return_token_ids:
+            chunk["choices"][0]["token_ids"] = choice.token_ids[choice.sent_tokens :]
+            choice.sent_tokens = len(choice.token_ids)
+        return chunk
 
     def _envelope(self, prepared: PreparedRequest) -> dict[str, Any]:
         return {

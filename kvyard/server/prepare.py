@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 from kvyard.api.checks import check_token_ids, resolve_max_tokens
 from kvyard.api.errors import APIError, bad_request
-from kvyard.api.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvyard.api.protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResumeState,
+    SamplingFields,
+)
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 
@@ -26,6 +33,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    return_token_ids: bool = False
+    resume: ResumeState | None = None  # continue a stream another replica began
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -52,6 +61,8 @@ def prepare_completion(
     _reject_unsupported(body.unsupported())
     prompts = [token_ids] if token_ids is not None else _prompt_list(body.prompt)
     tokens = [_tokens_of(engine, prompt, index, len(prompts)) for index, prompt in enumerate(prompts)]
+    if body.resume is not None and len(tokens) != 1:
+        raise bad_request("resume continues one choice: send one prompt", "resume")
     return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
 
 
@@ -83,6 +94,8 @@ def _prepared(
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage) or not body.stream,
         logprobs=logprobs,
+        return_token_ids=body.return_token_ids,
+        resume=body.resume,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,10 +128,11 @@ class SimEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         final_only: bool = False,
+        resumed_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; closing the iterator early aborts the request."""
         self.check_ready()
-        self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+        self.core.add_request(request_id, prompt_token_ids, params, cache_salt, resumed_output_ids)
         stream = self._streams[request_id] = _Stream(final_only)
         self._wake.set()
         finished = False
