@@ -26,6 +26,8 @@ from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.events import KVEventLog
 
+IDLE_LOAD_WAIT_S = 0.01
+
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
@@ -232,7 +234,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that produced a token."""
         schedule = self.scheduler.schedule()
-        if not schedule.scheduled:
+        if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
+            self.kv_manager.wait_for_loads(self.scheduler.waiting, IDLE_LOAD_WAIT_S)
             return []
         scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
         sampled = self.runner.execute(scheduled)

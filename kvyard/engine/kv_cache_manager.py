@@ -1,18 +1,31 @@
-"""Per-request view of the block pool: prefix-cache lookup, slot allocation, block registration."""
+"""Per-request view of the block pool: prefix-cache lookup, slot allocation, block registration.
+
+Blocks the device cache lacks but a lower tier may hold are loaded off the engine thread: the first time a
+waiting request is considered, its load starts; the request is admitted once the load has finished (or
+gave up at its deadline), and running requests keep stepping meanwhile. A load that finishes within
+`LOAD_WAIT_IN_STEP_S` (host memory, a quick miss) is used in the same step.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
 from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.request import Request
+from kvyard.engine.request import Request, TierLoad
+
+_LOG = logging.getLogger(__name__)
+LOAD_WAIT_IN_STEP_S = 0.005
 
 
 class BlockTier(Protocol):
     """A lower KV tier below the device pool (see kv_tier_link.KVTierLink)."""
 
-    def fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Sequence[Any]: ...
+    def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[Any]]:
+        """Load the longest available prefix of `keys` on another thread."""
+        ...
 
     def install(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None: ...
 
@@ -28,32 +41,71 @@ class KVCacheManager:
         self.num_hit_tokens = 0
         self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
 
+    def ready_to_admit(self, request: Request) -> bool:
+        """False while blocks of `request` are being loaded from the lower tier; the first call starts the load."""
+        if self.tier is None or not self.pool.enable_caching or request.tier_checked:
+            return True
+        if request.tier_load is None:
+            max_blocks = self._max_cached_blocks(request)
+            first_block = len(self._device_prefix(request, max_blocks))
+            if first_block >= max_blocks:
+                request.tier_checked = True
+                return True
+            future = self.tier.start_fetch(request.cache_root_key, request.block_keys[first_block:max_blocks])
+            request.tier_load = TierLoad(first_block, future)
+            wait([future], timeout=LOAD_WAIT_IN_STEP_S)
+        return request.tier_load.future.done()
+
+    def wait_for_loads(self, requests: Iterable[Request], timeout: float) -> None:
+        """Block until one of the tier loads of `requests` finishes, at most `timeout` s (nothing else to do)."""
+        futures = [r.tier_load.future for r in requests if r.tier_load is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks holding the longest cached prefix; the last token is always left to compute,
-        since its logits are needed to sample."""
+        """Blocks holding the longest cached prefix, including blocks a finished tier load brought; the last
+        token is always left to compute, since its logits are needed to sample."""
         if not self.pool.enable_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = self._max_cached_blocks(request)
+        blocks = self._device_prefix(request, max_blocks)
+        load, request.tier_load = request.tier_load, None
+        if load is not None and self.tier is not None:
+            request.tier_checked = True
+            blocks.extend(self._install_loaded(request, blocks, max_blocks, load))
+        return blocks
+
+    def _max_cached_blocks(self, request: Request) -> int:
+        return (request.num_tokens - 1) // self.block_size
+
+    def _device_prefix(self, request: Request, max_blocks: int) -> list[int]:
         blocks: list[int] = []
         for key in request.block_keys[:max_blocks]:
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             blocks.append(block_id)
-        if self.tier is not None and len(blocks) < max_blocks:
-            blocks.extend(self._load_from_tier(request, blocks, max_blocks))
         return blocks
 
-    def _load_from_tier(self, request: Request, device_blocks: list[int], max_blocks: int) -> list[int]:
-        """Continue a device-cache prefix from the lower tier into newly allocated, registered blocks.
+    def _install_loaded(self, request: Request, device_blocks: list[int], max_blocks: int, load: TierLoad) -> list[int]:
+        """Continue a device-cache prefix with loaded blocks, in newly allocated, registered blocks.
 
         They are left unreferenced but cached, exactly like device hits, for allocate_slots to take."""
         assert self.tier is not None
+        try:
+            fetched = load.future.result()
+        except Exception:  # the store reports its own faults; a load that raised is a miss
+            _LOG.exception("loading KV blocks from the tier failed")
+            return []
+        skip = len(device_blocks) - load.first_block  # blocks the device cache gained since the load began
+        if skip < 0:
+            return []  # the device cache lost blocks before the loaded ones: they no longer continue it
+        fetched = fetched[skip : skip + max_blocks - len(device_blocks)]
         self.pool.touch(device_blocks)  # so allocating for the loaded blocks cannot evict them
         loaded: list[int] = []
         try:
-            keys = request.block_keys[len(device_blocks) : max_blocks][: self.pool.num_free_blocks]
-            fetched = self.tier.fetch(request.cache_root_key, keys)
+            fetched = fetched[: self.pool.num_free_blocks]
+            keys = request.block_keys[len(device_blocks) : len(device_blocks) + len(fetched)]
             loaded = self.pool.allocate(len(fetched))
             self.tier.install(loaded, fetched)
             self.pool.register_blocks(loaded, keys)

@@ -1,6 +1,7 @@
 """Connects the device KV cache to the persistent tier (kvyard.kvcache.TieredStore).
 
-Reads happen on the engine thread at admission, bounded by a deadline. Writes happen when prefill
+Reads run on a loader thread, one load at a time, each bounded by a deadline counted from its request;
+the engine admits a request once its load is done (kv_cache_manager). Writes happen when prefill
 (or decode) completes a block and it is registered in the prefix cache: the KV is copied out of the
 device cache right there, on the engine thread, while the request still holds the block; encoding
 and I/O run on the store's writer thread. Writing at completion rather than at eviction means a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -32,12 +34,15 @@ class KVTierLink:
         dtype = kv_caches[0].dtype
         self.format = BlockFormat(str(dtype).removeprefix("torch."), block_shape(kv_caches, block_size))
         self._dtype = dtype
+        # One thread: the store's tiers take one reader besides their writer; a stalled store then delays
+        # other loads (each to its deadline) but never the engine's steps.
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-kv-loader")
 
-    def fetch(self, root_key: bytes, keys: Sequence[bytes]) -> list[DecodedBlock]:
-        """Verified blocks for the longest prefix of `keys` the tiers return before the deadline."""
-        if not keys:
-            return []
-        return self.store.load_prefix(root_key, keys, self.format, time.monotonic() + self.load_deadline_s)
+    def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[DecodedBlock]]:
+        """Verified blocks for the longest prefix of `keys` the tiers return within the deadline, loaded on the
+        loader thread."""
+        deadline = time.monotonic() + self.load_deadline_s
+        return self._loader.submit(self.store.load_prefix, root_key, keys, self.format, deadline)
 
     def install(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
         """Copy fetched blocks into the device cache at `block_ids`."""
@@ -60,4 +65,5 @@ class KVTierLink:
         )
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self.store.close()

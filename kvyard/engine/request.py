@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.block_key import chain_block_keys
@@ -25,6 +28,14 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """KV blocks of a waiting request being loaded from the lower tier, from block `first_block` on."""
+
+    first_block: int
+    future: Future[Sequence[Any]]
 
 
 @dataclass(slots=True)
@@ -55,6 +66,8 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     stop_token_ids: frozenset[int] = frozenset()  # the request's stop ids plus EOS unless ignore_eos
+    tier_load: TierLoad | None = None  # blocks being loaded from the lower tier before admission
+    tier_checked: bool = False  # the lower tier was asked since the request last lost its blocks
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -101,3 +114,4 @@ class Request:
         self.block_table = []
         self.num_registered_blocks = 0
         self.num_preemptions += 1
+        self.tier_checked = False

@@ -110,14 +110,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        index = 0  # requests whose blocks are still loading from the KV tier wait; those behind them go on
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
+            if not self.kv.ready_to_admit(request):
+                index += 1
+                continue
             cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.kv.record_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
