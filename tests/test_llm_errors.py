@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -103,3 +104,20 @@ def test_a_sliding_window_model_is_refused_past_its_window(llama_dir: Path, tmp_
     config.update(use_sliding_window=False)  # Qwen2 and Qwen3 configs carry a window they do not use
     (model_dir / "config.json").write_text(json.dumps(config))
     assert LLM(str(model_dir)).engine.max_model_len > 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"hidden_act": "gelu"}, "hidden_act='gelu'"), ({"mlp_bias": True}, "mlp_bias=true"),
+     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "rope type 'yarn'")],
+)  # fmt: skip
+def test_config_fields_that_change_the_math_are_refused(
+    llama_dir: Path, tmp_path: Path, fields: dict[str, object], named: str
+) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_dir, model_dir)
+    config = {**json.loads((model_dir / "config.json").read_text()), **fields}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=re.escape(named)):
+        LLM(str(model_dir))

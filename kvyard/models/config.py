@@ -73,6 +73,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     architecture, family = _resolve_family(raw)
+    _refuse_unimplemented(raw)
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
@@ -98,6 +99,21 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         sliding_window=_sliding_window(raw),
         raw=raw,
     )
+
+
+def _refuse_unimplemented(raw: dict[str, Any]) -> None:
+    """Config fields that change the model's math in ways kvyard does not implement: serving such a checkpoint
+    would give wrong output, so it is refused at load."""
+    problems = []
+    activation = raw.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        problems.append(f"hidden_act={activation!r} (only silu is implemented)")
+    if raw.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP projections without bias only)")
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append(f"partial_rotary_factor={raw['partial_rotary_factor']} (rotary embedding on whole heads only)")
+    if problems:
+        raise UnsupportedModelError("config.json asks for what kvyard does not implement: " + "; ".join(problems))
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
