@@ -7,9 +7,25 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 from server_utils import free_port
+
+
+@dataclass(frozen=True)
+class RedisTLS:
+    """A server that speaks only TLS (with `cert_file`, signed by `ca_file`) and requires `password`."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+    password: str
+
+    def server_args(self, port: int) -> tuple[str, ...]:
+        return ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert_file),
+                "--tls-key-file", str(self.key_file), "--tls-ca-cert-file", str(self.ca_file),
+                "--tls-auth-clients", "no", "--requirepass", self.password)  # fmt: skip
 
 
 @dataclass
@@ -17,13 +33,26 @@ class RedisProcess:
     process: subprocess.Popen[bytes]
     port: int
     directory: Path
+    tls: RedisTLS | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return self.tls_url()
+
+    def tls_url(self, password: str | None = None, ca_file: Path | None = None) -> str:
+        """The URL of this TLS server, with another password or CA file where given."""
+        assert self.tls is not None
+        password = quote(self.tls.password if password is None else password, safe="")
+        ca_file = quote(str(ca_file or self.tls.ca_file))
+        return f"rediss://:{password}@127.0.0.1:{self.port}/0?ssl_ca_certs={ca_file}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port)
+        if self.tls is None:
+            return redis.Redis(host="127.0.0.1", port=self.port)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.tls.password, ssl=True,
+                           ssl_ca_certs=str(self.tls.ca_file))  # fmt: skip
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -36,14 +65,19 @@ CLUSTER_MAX_PORT = 55535
 
 
 def start_redis(
-    directory: Path, port: int | None = None, extra: tuple[str, ...] = (), max_port: int = 65535
+    directory: Path,
+    port: int | None = None,
+    extra: tuple[str, ...] = (),
+    max_port: int = 65535,
+    tls: RedisTLS | None = None,
 ) -> RedisProcess:
-    """redis-server on `port` (default: a free one up to max_port, retried if another process takes it first)."""
+    """redis-server on `port` (default: a free one up to max_port, retried if another process takes it first);
+    with `tls`, `port` is its TLS port and the plain port is off."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed; run scripts/setup.sh")
     for _ in range(3):
-        server = _launch(binary, directory, port or _free_port_up_to(max_port), extra)
+        server = _launch(binary, directory, port or _free_port_up_to(max_port), extra, tls)
         if server is not None:
             return server
     raise RuntimeError(f"redis-server did not start; see {directory}/redis-*.log")
@@ -55,12 +89,15 @@ def _free_port_up_to(max_port: int) -> int:
     return port
 
 
-def _launch(binary: str, directory: Path, port: int, extra: tuple[str, ...]) -> RedisProcess | None:
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+def _launch(
+    binary: str, directory: Path, port: int, extra: tuple[str, ...], tls: RedisTLS | None
+) -> RedisProcess | None:
+    listen = ("--port", str(port)) if tls is None else tls.server_args(port)
+    command = [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(directory), *extra]  # fmt: skip
     with (directory / f"redis-{port}.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    server = RedisProcess(process, port, directory)
+    server = RedisProcess(process, port, directory, tls)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and process.poll() is None:
         try:

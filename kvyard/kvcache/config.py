@@ -34,7 +34,10 @@ class KVTierConfig:
     disk_gb: float = setting(32.0, flag="--kv-disk-gb", help="budget of the disk tier")
     disk_fsync: bool = setting(False, flag="--kv-disk-fsync", help="fsync each block file (a file torn by a power "
                                "loss is caught by its checksum anyway)")  # fmt: skip
-    redis_url: str | None = setting(None, flag="--kv-redis-url", help="Redis/Valkey URL, e.g. redis://127.0.0.1:6379/0")
+    redis_url: str | None = setting(
+        None, flag="--kv-redis-url", help="Redis/Valkey URL, e.g. redis://127.0.0.1:6379/0; with a password and "
+        "TLS: rediss://:PASSWORD@HOST:PORT/0?ssl_ca_certs=CA.pem", secret=True,
+    )  # fmt: skip
     redis_cluster: bool = setting(False, flag="--kv-redis-cluster", help="the Redis URL points at a Redis Cluster")
     redis_ttl_s: int = setting(24 * 3600, flag="--kv-redis-ttl-s", help="expiry of blocks in Redis, in seconds")
     redis_timeout_s: float = setting(1.0, flag="--kv-redis-timeout-s", help="longest wait for one Redis operation")

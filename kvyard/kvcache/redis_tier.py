@@ -4,6 +4,11 @@ Reads and writes are pipelined in batches (one round trip per batch); every valu
 against one server or a Redis Cluster (`cluster=True`: the cluster client splits a pipeline by
 node). An unreachable, slow or failing server turns into misses: the error is counted and logged,
 the tier stays quiet for a backoff period that doubles up to a limit, then tries again.
+
+A password and TLS come with the URL, as redis-py reads it:
+`rediss://:PASSWORD@host:6380/0?ssl_ca_certs=/path/ca.pem`. A wrong password or an untrusted
+certificate is a failure like any other (misses, an error counted, the cause in the log line); the
+URL is logged with its password masked.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -42,7 +48,7 @@ class RedisTier:
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"redis TTL must be at least 1 s, got {ttl_s}")
-        self.url = url
+        self.log_url = redact_url(url)
         self.ttl_s = ttl_s
         self.batch_blocks = batch_blocks
         self.stats = TierStats()
@@ -121,7 +127,7 @@ class RedisTier:
     def _mark_down(self, error: BaseException) -> None:
         with self._lock:
             self._down_until = time.monotonic() + self._backoff_s
-            log.warning("kv redis tier %s: %s: %s; treating as misses for %.0f s", self.url,
+            log.warning("kv redis tier %s: %s: %s; treating as misses for %.0f s", self.log_url,
                         type(error).__name__, error, self._backoff_s)  # fmt: skip
             self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
         self.stats.add(errors=1)
@@ -129,12 +135,27 @@ class RedisTier:
     def _mark_up(self) -> None:
         if self._backoff_s != MIN_BACKOFF_S:
             with self._lock:
-                log.warning("kv redis tier %s: reachable again", self.url)
+                log.warning("kv redis tier %s: reachable again", self.log_url)
                 self._backoff_s = MIN_BACKOFF_S
 
     def close(self) -> None:
         with contextlib.suppress(redis.RedisError, OSError):
             self._client.close()
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password, in the userinfo or a `password=` query argument, replaced by ***."""
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if ":" in userinfo:
+        userinfo = userinfo.partition(":")[0] + ":***"
+    query = "&".join(map(_redact_argument, parts.query.split("&"))) if parts.query else ""
+    return urlunsplit(parts._replace(netloc=userinfo + at + host, query=query))
+
+
+def _redact_argument(argument: str) -> str:
+    name, _, value = argument.partition("=")
+    return f"{name}=***" if name == "password" and value else argument
 
 
 def _leading_values(values: list[Any]) -> list[bytes]:
