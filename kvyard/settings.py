@@ -28,13 +28,15 @@ def setting(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     default_text: str | None = None,
+    secret: bool = False,
 ) -> Any:
     """A user-facing field: `help` is its documentation; `flag` overrides the option name (`--field-name`);
-    `default_text` says what the default means where its value alone would not (a None that is resolved)."""
+    `default_text` says what the default means where its value alone would not (a None that is resolved);
+    a `secret` (a key, a URL with a password) stays out of the dataclass's repr, so logs never show it."""
     metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "default_text": default_text}
     if default_factory is not MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+        return dataclasses.field(default_factory=default_factory, metadata=metadata, repr=not secret)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 def is_setting(item: Field[Any]) -> bool:

@@ -15,7 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvyard.api.auth import tenant_salt
+from kvyard.api.auth import AccessConfig, tenant_salt
+from kvyard.kvcache import KVTierConfig
+from kvyard.router.config import RouterConfig
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster, sim_server_options
 from tests.router_utils import start_router, wait_for
@@ -222,3 +224,10 @@ def test_router_and_replica_agree_on_tenant_salts(keyed: SimCluster, tmp_path: P
 
 def _metric_sum(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_keys_and_passwords_stay_out_of_reprs() -> None:
+    shown = repr((AccessConfig(api_keys=["sk-one"], admin_key="sk-admin"),
+                  KVTierConfig(redis_url="rediss://:hunter2@127.0.0.1:6380/0"),
+                  RouterConfig(replica_api_key="sk-up", replica_admin_key="sk-up-admin")))  # fmt: skip
+    assert not any(secret in shown for secret in ("sk-one", "sk-admin", "hunter2", "sk-up"))

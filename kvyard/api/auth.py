@@ -46,10 +46,10 @@ class AccessConfig:
 
     api_keys: list[str] = setting(default_factory=list, flag="--api-key", help="a key clients must send as "
                                   "`Authorization: Bearer <key>` (repeatable; also $KVYARD_API_KEYS, "
-                                  "comma-separated)", default_text="none: no key needed")  # fmt: skip
+                                  "comma-separated)", default_text="none: no key needed", secret=True)  # fmt: skip
     api_keys_file: str | None = setting(None, help="a file of API keys, one per line, read again on SIGHUP")
     admin_key: str | None = setting(None, help="the key of the admin plane (also $KVYARD_ADMIN_KEY)",
-                                    default_text="none: the admin plane is off")  # fmt: skip
+                                    default_text="none: the admin plane is off", secret=True)  # fmt: skip
     metrics_need_key: bool = setting(False, help="answer /metrics only to a caller with an API key")
     cache_salt_per_api_key: bool = setting(False, help="split the prefix cache by API key: a request's "
                                            "cache_salt then splits only its own key's cache further")  # fmt: skip

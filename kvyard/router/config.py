@@ -45,10 +45,11 @@ class RouterConfig:
                                               "the replica that served its last turn")  # fmt: skip
     replica_api_key: str | None = setting(None, help="the key the router sends to replicas (also "
                                           "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
-                                          default_text="none")  # fmt: skip
+                                          default_text="none", secret=True)  # fmt: skip
     replica_admin_key: str | None = setting(None, help="the replicas' admin key, to follow their KV events (also "
                                             "$KVYARD_REPLICA_ADMIN_KEY)", default_text="none: each replica's "
-                                            "cache index is learned from the prompts routed to it")  # fmt: skip
+                                            "cache index is learned from the prompts routed to it",
+                                            secret=True)  # fmt: skip
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /admin/*
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
     max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten)
