@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"api", "kvcache", "models", "settings"},
     "sim": {"engine", "api", "kvcache", "net", "settings"},
     "server": {"engine", "api", "kvcache", "net", "settings", ""},
-    "router": {"api", "kvcache", "net", "settings"},
+    "router": {"api", "kvcache", "net", "settings", ""},
     "bench": {"api", "net", ""},
     "testing": {"server", "sim", "engine", "api", "kvcache", "models", "net", "paths", "settings"},
 }

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvyard.api.protocol import CompletionRequest
 from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.net.http_server import HttpServerConfig
 from kvyard.sim.config import SimConfig
@@ -120,3 +121,11 @@ def test_tls_serves_https_with_the_given_certificate(tmp_path: Path) -> None:
         assert response.status_code == 200
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{sim.urls[0]}/health", timeout=5)  # plain HTTP to a TLS port
+
+
+def test_the_openapi_document_describes_the_request_bodies(url: str) -> None:
+    document = httpx.get(f"{url}/openapi.json").json()
+    body = document["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = document["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert set(schema["properties"]) == set(CompletionRequest.model_fields) and schema["required"] == ["prompt"]
+    assert schema["additionalProperties"] is False  # unknown fields are refused, as the server does

@@ -20,8 +20,10 @@ import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvyard import __version__
 from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
 from kvyard.api.errors import APIError, bad_request, error_body
+from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder
@@ -238,6 +240,11 @@ async def _health(router: Router, request: HttpRequest, responder: Responder) ->
     responder.send_json(200, {"status": "ok"})
 
 
+async def _openapi(router: Router, request: HttpRequest, responder: Responder) -> None:
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+    responder.send_json(200, openapi_document(__version__, paths))
+
+
 async def _metrics(router: Router, request: HttpRequest, responder: Responder) -> None:
     responder.send(200, generate_latest(router.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
@@ -289,12 +296,14 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/v1/chat/completions": {"POST": _chat_completions},
     "/v1/models": {"GET": _models},
     "/health": {"GET": _health},
+    "/openapi.json": {"GET": _openapi},
     "/metrics": {"GET": _metrics},
     "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},
     "/admin/replicas/drain": {"POST": _drain_replica},
 }
 _ACCESS: dict[str, Access] = {
     "/health": Access.PUBLIC,
+    "/openapi.json": Access.PUBLIC,
     "/metrics": Access.PUBLIC,  # unless metrics_need_key
     "/admin/replicas": Access.ADMIN,
     "/admin/replicas/drain": Access.ADMIN,

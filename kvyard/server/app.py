@@ -27,6 +27,7 @@ from kvyard.api.checks import check_token_ids
 from kvyard.api.errors import APIError, InputError, bad_request, error_body
 from kvyard.api.load import LoadReport
 from kvyard.api.metrics import REJECTED_OVERLOAD, ServerMetrics
+from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,6 +85,7 @@ class ReplicaApp:
                         Access.ADMIN)  # fmt: skip
         public = {("GET", path): self.health for path in ("/health", "/health_generate")}
         public["GET", "/version"] = self.version
+        public["GET", "/openapi.json"] = self.openapi
         if not options.access.metrics_need_key:
             public["GET", "/metrics"] = self.prometheus
         self.add_routes(public, Access.PUBLIC)
@@ -303,6 +305,9 @@ class ReplicaApp:
         if self.engine is not None:
             self.metrics.refresh(self.engine.stats())
         responder.send(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send_json(200, openapi_document(__version__))
 
     async def version(self, request: HttpRequest, responder: Responder) -> None:
         responder.send_json(200, {"version": __version__, "server": self.options.owned_by})
