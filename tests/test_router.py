@@ -85,6 +85,9 @@ def test_bad_input_gets_openai_errors(cluster: SimCluster, log_dir: Path) -> Non
         # The replica's own validation errors pass through unchanged, and the router stays up.
         response = complete(router, {"prompt": [1, 2], "max_tokens": -1})
         assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        for hostile in ([[{}]], [-990, 3], [2**32], [[1, 2.5]], [[1], ["x"]]):  # the replica names the field
+            response = complete(router, {"prompt": hostile})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", hostile
         assert complete(router, {"prompt": [1, 2, 3]}).status_code == 200
     finally:
         router.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,15 +25,20 @@ NO_TOKENIZER_RETRY_S = 30.0
 
 
 def direct_token_ids(kind: str, body: dict[str, Any]) -> list[int] | None:
-    """The prompt's token ids when the request gives them itself."""
+    """The prompt's token ids when the request gives them itself (well-formed ones only: the replica answers
+    the malformed with a 400 naming the field)."""
     if kind != "completion":
         return None
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        return prompt[0]
-    return None
+        prompt = prompt[0]
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    try:  # at C speed: every item an integer that fits the uint32 of a block key
+        array("I", prompt)
+    except (TypeError, OverflowError):
+        return None
+    return prompt
 
 
 def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
