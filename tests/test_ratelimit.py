@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -9,6 +12,7 @@ from kvyard.api.errors import APIError
 from kvyard.api.ratelimit import BURST_S, RateLimiter
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster, sim_server_options
+from tests.router_utils import start_router
 
 
 def admitted(limiter: RateLimiter, client: str, tokens: int, now: float) -> bool:
@@ -54,3 +58,22 @@ def test_a_replica_answers_429_with_retry_after_past_a_clients_rate() -> None:
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "rate_limited"
         assert post("k2").status_code == 200  # per key
+
+
+def test_a_router_limits_tokens_per_key() -> None:
+    config = SimConfig(model_name="m", block_size=4, num_kv_blocks=64, time_scale=0.01)
+    with SimCluster([config], sim_server_options()) as sim, tempfile.TemporaryDirectory() as logs:
+        router = start_router(Path(logs), sim.urls, "--api-key", "k1", "--api-key", "k2", "--tokens-per-min", "600")
+        try:  # 10 tokens/s, a burst of 100
+
+            def post(key: str, max_tokens: int) -> httpx.Response:
+                body = {"prompt": [1] * 40, "max_tokens": max_tokens}
+                return httpx.post(f"{router.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=30)  # fmt: skip
+
+            assert post("k1", 50).status_code == 200  # 90 of 100
+            refused = post("k1", 20)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+            assert post("k2", 50).status_code == 200
+        finally:
+            router.stop()

@@ -56,8 +56,9 @@ class AccessConfig:
     requests_per_min: float | None = setting(None, help="requests a client (its API key, else its address) may "
                                              "send per minute; more get 429",
                                              default_text="none: no limit")  # fmt: skip
-    tokens_per_min: float | None = setting(None, help="prompt plus max_tokens a client may ask for per minute "
-                                           "(replicas)", default_text="none: no limit")  # fmt: skip
+    tokens_per_min: float | None = setting(None, help="prompt plus max_tokens a client may ask for per minute (a "
+                                           "router estimates text prompts at four characters a token)",
+                                           default_text="none: no limit")  # fmt: skip
 
 
 def _digest(key: str) -> bytes:

@@ -34,7 +34,7 @@ from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import Replica
 from kvyard.router.resume import StreamFollower
-from kvyard.router.tokens import Tokenizer
+from kvyard.router.tokens import Tokenizer, estimated_tokens_asked
 
 _LOG = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 30.0
@@ -64,7 +64,7 @@ class Router:
         tokenizer = Tokenizer(config.tokenize_cache_entries)
         keys = KeySet.from_settings(config.access.api_keys, config.access.api_keys_file)
         admin_key = AdminKey.from_settings(config.access.admin_key)
-        limiter = RateLimiter(config.access.requests_per_min)  # tokens are counted by the replicas
+        limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
         return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder, keys, admin_key,
                    limiter)  # fmt: skip
 
@@ -114,8 +114,9 @@ class Router:
         ]
 
     async def route(self, request: HttpRequest, responder: Responder, kind: str, path: str) -> None:
-        self.limiter.admit(self.keys.authenticate(request.headers) or bearer_token(request.headers) or request.peer)
+        caller = self.keys.authenticate(request.headers) or bearer_token(request.headers) or request.peer
         body = _parse_request(request.body, kind)
+        self.limiter.admit(caller, estimated_tokens_asked(kind, body) if self.limiter.tokens_per_min else 0)
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"router queue is full ({self.in_flight} requests in flight); retry later",

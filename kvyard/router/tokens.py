@@ -41,6 +41,26 @@ def direct_token_ids(kind: str, body: dict[str, Any]) -> list[int] | None:
     return prompt
 
 
+def estimated_tokens_asked(kind: str, body: dict[str, Any]) -> int:
+    """Prompt plus max_tokens over the request's choices, for tokens-per-minute limits: exact for token-id
+    prompts, about four characters a token for text (the router does not tokenize to rate-limit)."""
+    direct = direct_token_ids(kind, body)
+    if direct is not None:
+        prompt_tokens = len(direct)
+    elif kind == "chat":
+        messages = body.get("messages")
+        contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        prompt_tokens = sum(len(str(content or "")) for content in contents) // 4
+    else:
+        prompt = body.get("prompt")
+        texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+        prompt_tokens = sum(len(t) if isinstance(t, list) else len(str(t)) // 4 for t in texts)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = limit if type(limit) is int and limit > 0 else 16
+    n = body.get("n")
+    return (prompt_tokens + max_tokens) * (n if type(n) is int and n > 0 else 1)
+
+
 def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """What to send to `/tokenize` for this request, or None when it cannot be tokenized as one prompt."""
     model = body.get("model")
