@@ -30,6 +30,9 @@ class BatchLogits:
     sampling: list[ScheduledRequest]
 
 
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: positions of one seed never reach another choice's seed (seed + i)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,10 +77,14 @@ class ModelRunner:
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
-        generator = self._generators.get(request.request_id)
-        if generator is None and params.seed is not None:
-            generator = self._generators[request.request_id] = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = self._generators[request.request_id] = torch.Generator(device=self.device)
+            # Seeded by position, not by history: the same seed draws the same token at the same output
+            # position on any replica, so a stream resumed elsewhere continues exactly.
+            generator.manual_seed((params.seed + request.num_output_tokens * _SEED_STRIDE) % 2**64)
         return SamplingRow(params, generator, tuple(request.banned_token_ids()))
 
     def forward(self, scheduled: Sequence[ScheduledRequest]) -> BatchLogits:
