@@ -229,9 +229,17 @@ def test_unreachable_server_and_missing_trace(tmp_path: Path, capsys: pytest.Cap
     assert "nope.json" in capsys.readouterr().err
 
 
-def test_bad_requests_are_counted_as_errors(server: ServerProcess, tmp_path: Path) -> None:
-    """Token ids beyond the tiny model's vocabulary: every request gets the server's 400, recorded by type."""
-    result = bench(server.url, tmp_path / "bad.json", "--num-requests", "3", "--input-len", "8",
-                   "--output-len", "2", "--vocab-size", "100000", "--seed", "1")  # fmt: skip
+def test_bad_requests_are_counted_as_errors_and_fail_the_run(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Token ids beyond the tiny model's vocabulary: every request gets the server's 400, recorded by type, and
+    the run exits 1 with the server's reason on screen."""
+    out = tmp_path / "bad.json"
+    code = run_cli(["--base-url", server.url, "--out", str(out), "--no-progress", "--num-requests", "3",
+                    "--input-len", "8", "--output-len", "2", "--vocab-size", "100000", "--seed", "1"])  # fmt: skip
+    assert code == 1
+    error = capsys.readouterr().err
+    assert "3 of 3 requests failed" in error and "3 x http_400" in error and "outside the vocabulary" in error
+    result = json.loads(out.read_text())
     assert result["summary"]["errors"] == {"http_400": 3}
     assert "outside the vocabulary" in result["requests"][0]["error_message"]

@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -178,7 +179,29 @@ def _run(args: argparse.Namespace) -> int:
         records = [RequestRecord.from_json(r) for r in result["requests"]]
         plot_result(records, f"{result['workload']['name']} — {result['server']['model']}", args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    return _report_failures(result)
+
+
+def _report_failures(result: dict[str, Any]) -> int:
+    """1 (and the servers' reasons on stderr) when any request failed: a run with failures measured something
+    else than asked."""
+    requests = result["summary"]["requests"]
+    if not requests["failed"]:
+        return 0
+    failed = [r for r in result["requests"] if r["error"]]
+    print(f"kvyard bench: error: {requests['failed']} of {requests['total']} requests failed", file=sys.stderr)
+    for kind, count in Counter(r["error"] for r in failed).most_common():
+        example = next(r.get("error_message") or "" for r in failed if r["error"] == kind)
+        print(f"  {count} x {kind}, e.g.: {_server_message(example)[:300]}", file=sys.stderr)
+    return 1
+
+
+def _server_message(text: str) -> str:
+    """The message of an OpenAI-style error body, else the text as it is."""
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text
 
 
 def _default_concurrency(args: argparse.Namespace) -> int | None:
