@@ -121,7 +121,7 @@ def start_redis_cluster(directory: Path, num_nodes: int = 3) -> list[RedisProces
         subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)  # fmt: skip
         deadline = time.monotonic() + 30
-        while nodes[0].client().cluster("info").get("cluster_state") != "ok":
+        while not all(_cluster_ready(node) for node in nodes):  # every node must see every slot served
             if time.monotonic() > deadline:
                 raise RuntimeError("redis cluster did not become ready")
             time.sleep(0.1)
@@ -130,3 +130,8 @@ def start_redis_cluster(directory: Path, num_nodes: int = 3) -> list[RedisProces
             node.kill()
         raise
     return nodes
+
+
+def _cluster_ready(node: RedisProcess) -> bool:
+    info = node.client().cluster("info")
+    return bool(info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384)
