@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,11 @@ def test_bad_settings_exit_2_with_the_reason_before_any_model_loads(arguments: l
 def test_a_malformed_option_is_an_argparse_error() -> None:
     result = run_kvyard("serve", "--max-num-seqs", "many")
     assert result.returncode == 2 and "invalid int value: 'many'" in result.stderr
+
+
+@pytest.mark.parametrize(("command", "code"), [("generate", 2), ("serve", 1)])
+def test_a_model_that_cannot_load_ends_the_command_with_the_reason(tmp_path: Path, command: str, code: int) -> None:
+    extra = ["--prompt", "x"] if command == "generate" else ["--port", "0"]
+    result = run_kvyard(command, str(tmp_path), *extra)
+    assert result.returncode == code
+    assert f"no config.json in model directory {tmp_path}" in result.stderr and "Traceback" not in result.stderr

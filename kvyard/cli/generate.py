@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("no prompts: give --input FILE or --prompt TEXT")
     from kvyard.engine.llm import LLM
 
-    with LLM.from_config(config) as llm:
+    try:
+        llm = LLM.from_config(config)
+    except (OSError, ValueError) as error:  # no config.json, unsupported model, missing weights
+        return fail(f"cannot load the model {config.model}: {error}")
+    with llm:
         try:
             prompts = [_record_prompt(llm, record, index) for index, record in enumerate(records)]
             start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 It listens at once (`/health` answers 503 while the model loads on a worker thread), says on stderr what
 it is doing, and on SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight
-requests finish for up to `--shutdown-grace-s`, then exits 0.
+requests finish for up to `--shutdown-grace-s`, then exits 0. A model that fails to load ends the process
+with exit code 1 and the reason on stderr: a replica that can never serve should not look alive.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
     say(f"listening on http://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
     engine_box: list[AsyncEngine] = []
     loader = asyncio.create_task(_load(app, config, engine_box))
-    await wait_for_stop_signal([app])
+    stopper = asyncio.create_task(wait_for_stop_signal([app]))
+    await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and app.load_error is not None:
+        stopper.cancel()
+        await hosted.stop(0)
+        return 1
+    await stopper
     say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {options.shutdown_grace_s:g} s)")
     loader.cancel()
     await hosted.stop(options.shutdown_grace_s)
