@@ -52,6 +52,9 @@ BAD_BODIES = [
     (json.dumps({"prompt": [1, 2], "max_tokens": 2, "resume": {"token_ids": [3, 4], "sent_chars": 0}}).encode(),
      "resume.token_ids"),  # nothing left to generate
     (json.dumps({"prompt": [1, 2], "resume": {"token_ids": [-1], "sent_chars": 0}}).encode(), "resume.token_ids"),
+    (json.dumps({"prompt": [1] * 3000, "max_tokens": 1}).encode(), "prompt"),  # alone past the KV pool (2048)
+    (json.dumps({"prompt": [1] * 1000, "max_tokens": 1500}).encode(), "max_tokens"),  # only with max_tokens
+    (json.dumps({"prompt": [1] * 131072, "max_tokens": 4}).encode(), "prompt"),  # alone fills the context
 ]
 
 

@@ -202,7 +202,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": [1] * 3000, "max_tokens": 4}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1] * 3000, "max_tokens": 4}, 400, "prompt"),  # the prompt alone is too long
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt"),

@@ -46,12 +46,18 @@ def check_prompt(token_ids: Sequence[int], limits: ContextLimits, what: str = "p
                          "and at least one must be left to generate", "prompt", "context_length_exceeded")  # fmt: skip
 
 
-def check_kv_room(num_tokens: int, limits: ContextLimits) -> None:
-    """A sequence that may grow to `num_tokens` (capped at the context) fits in the KV pool when alone."""
-    needed = limits.blocks_for(min(num_tokens, limits.max_model_len))
-    if needed > limits.num_kv_blocks:
-        raise InputError(f"prompt plus max_tokens needs {needed} KV blocks but the pool has {limits.num_kv_blocks}",
-                         "max_tokens", "kv_capacity_exceeded")  # fmt: skip
+def check_kv_room(num_prompt_tokens: int, max_tokens: int, limits: ContextLimits) -> None:
+    """A sequence that may grow to prompt plus `max_tokens` (capped at the context) fits in the KV pool when
+    alone; the error blames the prompt when it alone does not fit."""
+    pool = limits.num_kv_blocks
+    if limits.blocks_for(num_prompt_tokens + 1) > pool:
+        raise InputError(f"prompt has {num_prompt_tokens} tokens and with one generated token needs "
+                         f"{limits.blocks_for(num_prompt_tokens + 1)} KV blocks, but the pool has {pool}", "prompt",
+                         "kv_capacity_exceeded")  # fmt: skip
+    needed = limits.blocks_for(min(num_prompt_tokens + max_tokens, limits.max_model_len))
+    if needed > pool:
+        raise InputError(f"prompt plus max_tokens needs {needed} KV blocks but the pool has {pool}", "max_tokens",
+                         "kv_capacity_exceeded")  # fmt: skip
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: ContextLimits) -> int:
@@ -64,9 +70,13 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: C
             raise InputError(f"prompt has {num_prompt_tokens} tokens; the model's context (and KV pool) holds {room} "
                              "tokens and at least one must be left to generate", "prompt",
                              "context_length_exceeded")  # fmt: skip
+    if num_prompt_tokens >= limits.max_model_len:
+        raise InputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {limits.max_model_len} "
+                         "tokens and at least one must be left to generate", "prompt",
+                         "context_length_exceeded")  # fmt: skip
     if num_prompt_tokens + max_tokens > limits.max_model_len:
         raise InputError(f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
                          f"{num_prompt_tokens} prompt tokens and max_tokens {max_tokens}", "max_tokens",
                          "context_length_exceeded")  # fmt: skip
-    check_kv_room(num_prompt_tokens + max_tokens, limits)
+    check_kv_room(num_prompt_tokens, max_tokens, limits)
     return max_tokens

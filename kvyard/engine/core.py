@@ -167,7 +167,7 @@ class EngineCore:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, self.limits)
-        check_kv_room(len(prompt_token_ids) + params.max_tokens, self.limits)
+        check_kv_room(len(prompt_token_ids), params.max_tokens, self.limits)
         if resumed_output_ids:
             self._check_resume(len(prompt_token_ids), resumed_output_ids, params)
         detokenizer = self._make_detokenizer(params)
