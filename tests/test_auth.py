@@ -186,6 +186,8 @@ def test_a_router_without_an_admin_key_has_no_admin_plane(tmp_path: Path, record
     try:
         response = httpx.post(f"{router.url}/admin/replicas", json={"url": "http://127.0.0.1:9"}, headers=ADMIN)
         assert response.status_code == 403 and response.json()["error"]["code"] == "admin_disabled"
+        said = router.log()  # the router says where it listens and what is open
+        assert f"listening on http://127.0.0.1:{router.port}" in said and "admin plane off" in said
     finally:
         router.stop()
 

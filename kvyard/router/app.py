@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -321,6 +322,12 @@ async def serve(config: RouterConfig, replica_urls: list[str], host: str, port: 
         router.registry.add(url)
     server = HttpServer(router.handle, config.http)
     await server.start(host, port)
+    scheme = "https" if config.http.ssl_certfile else "http"
+    replicas = ", ".join(replica_urls) or "none yet (add them with POST /admin/replicas)"
+    _say(f"listening on {scheme}://{host}:{server.port}, policy {config.policy}, {len(replica_urls)} replica(s): "
+         f"{replicas}")  # fmt: skip
+    _say(f"API keys {'required' if router.keys.enabled else 'not required'}; admin plane "
+         f"{'on' if router.admin_key.digest is not None else 'off (no --admin-key)'}")  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -329,6 +336,12 @@ async def serve(config: RouterConfig, replica_urls: list[str], host: str, port: 
     try:
         await stop.wait()
     finally:
+        _say("shutting down")
         await server.shutdown(SHUTDOWN_GRACE_S)
         with contextlib.suppress(Exception):
             await router.close()
+        _say("stopped")
+
+
+def _say(message: str) -> None:
+    print(f"kvyard route: {message}", file=sys.stderr, flush=True)
