@@ -55,6 +55,15 @@ def test_each_setting_is_an_option_with_its_help_and_default(command: str, confi
             assert "(default: " in (options[flag].help or "") or "(none:" in item.metadata["help"]
 
 
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_option_of_every_command_has_help(command: str) -> None:
+    subparsers = build_parser()._subparsers
+    assert subparsers is not None
+    parser = subparsers._group_actions[0].choices[command]  # type: ignore[attr-defined]
+    bare = [action.option_strings[0] for action in parser._actions if action.option_strings and not action.help]
+    assert not bare, f"{command}: options without help: {bare}"
+
+
 @pytest.mark.parametrize("cls", [EngineConfig, SimConfig, RouterConfig, ServerOptions, SamplingParams])
 def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
     names = [item.name for _, item, _ in walk_settings(cls)]

@@ -45,12 +45,24 @@ EPILOG = """examples:
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "bench", help="benchmark an OpenAI-compatible endpoint (or: bench compare a.json b.json …)",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG, formatter_class=_HelpFormatter,
     )  # fmt: skip
     parser.add_argument("compare", nargs="*", metavar="compare FILE",
                         help="`compare a.json b.json …`: earlier results side by side, with ratios")  # fmt: skip
     _add_run_arguments(parser)
     parser.set_defaults(handler=main, command_line=None)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout and shows every option's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if action.option_strings and default is not None and default is not argparse.SUPPRESS \
+                and not isinstance(default, bool):
+            text += " (default: %(default)s)"
+        return text
 
 
 def _typed(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -69,16 +81,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (without /v1)")
     server.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    server.add_argument("--api-key", default=None)
+    server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     server.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (output lengths are then up to the model)")  # fmt: skip
-    server.add_argument("--temperature", type=float, default=0.0)
+    server.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     server.add_argument("--vocab-size", type=int, default=1000,
                         help="prompt token ids are drawn from [0, N); 1000 fits every kvyard preset")  # fmt: skip
 
     load = parser.add_argument_group("load")
-    load.add_argument("--workload", choices=WORKLOADS, default="random")
+    load.add_argument("--workload", choices=WORKLOADS, default="random",
+                      help="what to send (options per workload below)")
     load.add_argument("--num-requests", type=int, default=None,
                       help="requests (random, shared-prefix: default 100; trace: a limit, default all)")  # fmt: skip
     load.add_argument("--concurrency", type=int, default=None,
@@ -88,17 +101,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                       help="prompt tokens: N or LOW:HIGH (shared-prefix: after the prefix)")  # fmt: skip
     load.add_argument("--output-len", type=_typed(LengthRange.parse), default=LengthRange(128, 128),
                       help="output tokens: N or LOW:HIGH")  # fmt: skip
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seed of the workload's random choices")
     load.add_argument("--slo", type=_typed(parse_slo), default=None,
                       help="goodput objectives, e.g. ttft=500ms,tpot=50ms")  # fmt: skip
 
     shared = parser.add_argument_group("shared-prefix")
-    shared.add_argument("--num-groups", type=int, default=4)
-    shared.add_argument("--prefix-len", type=int, default=1024)
+    shared.add_argument("--num-groups", type=int, default=4, help="groups of requests sharing a prefix")
+    shared.add_argument("--prefix-len", type=int, default=1024, help="tokens of each shared prefix")
 
     turns = parser.add_argument_group("multiturn")
-    turns.add_argument("--num-sessions", type=int, default=8)
-    turns.add_argument("--turns", type=int, default=5)
+    turns.add_argument("--num-sessions", type=int, default=8, help="concurrent conversations")
+    turns.add_argument("--turns", type=int, default=5, help="turns per conversation")
     turns.add_argument("--system-len", type=int, default=1024, help="system prompt shared by every session")
     turns.add_argument("--first-len", type=_typed(LengthRange.parse), default=LengthRange(512, 512),
                        help="tokens of each session's first message")  # fmt: skip
@@ -117,14 +130,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--length-scale", type=float, default=1.0, help="input lengths are multiplied by this")
     trace.add_argument("--output-scale", type=float, default=1.0, help="output lengths are multiplied by this")
     trace.add_argument("--max-input-len", type=int, default=None, help="cap on scaled prompts (keeps the prefix)")
-    trace.add_argument("--max-output-len", type=int, default=None)
+    trace.add_argument("--max-output-len", type=int, default=None, help="cap on scaled outputs")
 
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="result JSON")
     out.add_argument("--plot", type=Path, default=None, help="PNG: TTFT/ITL CDFs and TTFT over time")
     out.add_argument("--ideal-block-size", type=int, default=16,
                      help="block size for the ideal prefix hit ratio (match the server's)")  # fmt: skip
-    out.add_argument("--no-progress", dest="progress", action="store_false")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def run_cli(argv: list[str]) -> int:
