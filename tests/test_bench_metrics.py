@@ -294,3 +294,11 @@ def test_summary_table_and_compare_show_ratios() -> None:
     assert ttft_row.split()[-1] == "2.000x"
     requests_row = next(line for line in compared.splitlines() if line.startswith("requests/s"))
     assert requests_row.split()[-1] == "0.500x"
+
+
+def test_compare_columns_stay_distinguishable_with_long_names() -> None:
+    result = _result([record(0.0, [0.1, 0.2], 0.2, 2)], "random")
+    names = ["results/run-2026-12-01/kvyard-a.json", "results/run-2026-12-01/kvyard-b.json"]
+    lines = compare_table([result, result], names).splitlines()
+    assert lines[:2] == [f"A = {names[0]}", f"B = {names[1]}"]
+    assert lines[2].split() == ["metric", "A", "B", "x", "B"]

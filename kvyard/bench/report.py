@@ -90,10 +90,13 @@ COMPARED: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
 
 
 def compare_table(results: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
-    """One column per result and, for every result after the first, its ratio to the first."""
-    header = [f"{'metric':<22}"] + [f"{name[:14]:>15}" for name in names]
-    header += [f"{('x ' + name)[:14]:>15}" for name in names[1:]]
-    lines = ["".join(header)]
+    """One column per result and, for every result after the first, its ratio to the first. Names too long
+    for a column are shown as letters, with a legend."""
+    labels = list(names) if all(len(name) <= 12 for name in names) else [chr(ord("A") + i) for i in range(len(names))]
+    header = [f"{'metric':<22}"] + [f"{label:>15}" for label in labels]
+    header += [f"{'x ' + label:>15}" for label in labels[1:]]
+    lines = [f"{label} = {name}" for label, name in zip(labels, names) if label != name]
+    lines.append("".join(header))
     for label, read in COMPARED:
         values = [read(r["summary"]) for r in results]
         cells = [f"{label:<22}"] + [f"{_cell(v):>15}" for v in values]
