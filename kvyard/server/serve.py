@@ -118,12 +118,16 @@ def serve_replicas(
     async def main() -> None:
         hosted = await host_replicas(make_specs(), options, host_name, port)
         ports = [h.port for h in hosted]
-        ready = {"ports": ports, "urls": [f"http://{host_name}:{p}" for p in ports]}
+        urls = [f"http://{host_name}:{p}" for p in ports]
+        ready = {"ports": ports, "urls": urls}
         if ports_file is not None:
             ports_file.write_text(orjson.dumps(ready).decode())
         print(orjson.dumps(ready).decode(), flush=True)
+        say(f"{len(hosted)} replica(s) ready: {' '.join(urls)}")
         await wait_for_stop_signal([h.app for h in hosted])
+        say("shutting down")
         await asyncio.gather(*(h.stop(options.shutdown_grace_s) for h in hosted))
+        say("stopped")
 
     try:
         uvloop.run(main())
