@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,9 @@ def survivor(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     replica.stop()
 
 
-async def _load_running(client: httpx.AsyncClient, replica: ServerProcess) -> int:
-    load = (await client.get(f"{replica.url}/load")).json()
-    running: int = load["num_running"] + load["num_waiting"]
-    return running
-
-
 def _request(index: int, stream: bool) -> tuple[str, dict[str, Any]]:
     """Even requests are completions, odd ones chats; greedy, of a fixed length."""
-    body = {"max_tokens": 160, "ignore_eos": True, "stream": stream, "temperature": 0.0}
+    body = {"max_tokens": 300, "ignore_eos": True, "stream": stream, "temperature": 0.0}
     if index % 2:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"story {index}, please"}]}
     return "/v1/completions", {**body, "prompt": f"request {index}: tell a story"}
@@ -49,10 +44,32 @@ def _text(choice: dict[str, Any]) -> str:
     return str((choice.get("delta") or choice.get("message") or {}).get("content") or "")
 
 
-async def _stream(client: httpx.AsyncClient, url: str, index: int) -> dict[str, Any]:
+@dataclass
+class StreamWatch:
+    """Counts the streams through `replica` that have received `chunks` chunks, so a test can act mid-stream."""
+
+    replica: str
+    chunks: int = 10
+    started: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    wanted: int = 4
+
+    def saw(self, replica: str | None, num_chunks: int) -> None:
+        if replica == self.replica and num_chunks == self.chunks:
+            self.started += 1
+            if self.started >= self.wanted:
+                self.event.set()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, index: int, watch: StreamWatch | None = None) -> dict[str, Any]:
     path, body = _request(index, stream=True)
+    events: list[str] = []
     async with client.stream("POST", f"{url}{path}", json=body) as response:
-        events = [line.removeprefix("data: ") async for line in response.aiter_lines() if line.startswith("data: ")]
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if watch is not None:
+                    watch.saw(response.headers.get("x-kvyard-replica"), len(events))
     chunks = [json.loads(event) for event in events if event != "[DONE]"]
     choices = [c["choices"][0] for c in chunks if c.get("choices")]
     return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
@@ -70,11 +87,11 @@ async def _references(url: str, count: int) -> list[str]:
 
 
 async def _load_and_kill(router: ServerProcess, victim: ServerProcess, count: int) -> list[dict[str, Any]]:
+    """Kill the victim once four of its streams are under way (each has its first ten chunks)."""
+    watch = StreamWatch(victim.url)
     async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(_stream(client, router.url, i)) for i in range(count)]
-        while await _load_running(client, victim) < 4:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)  # let its streams get going
+        tasks = [asyncio.create_task(_stream(client, router.url, i, watch)) for i in range(count)]
+        await asyncio.wait_for(watch.event.wait(), timeout=120)
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait()
         return await asyncio.gather(*tasks)
