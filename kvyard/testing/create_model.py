@@ -69,6 +69,8 @@ _PRESETS = MappingProxyType(
         "tiny": Preset(64, 2, 4, 2, 16, 128, 1024, 2048, 10_000.0, 0.15),
         "small": Preset(256, 4, 4, 2, 64, 704, 8000, 4096, 10_000.0, 0.08),
         "bench": Preset(512, 8, 8, 4, 64, 1408, 32000, 8192, 1_000_000.0, 0.05),
+        # The starting point of train_demo: ~8.5M parameters (17 MB in float16), an 8192-token context.
+        "demo": Preset(256, 6, 4, 2, 64, 704, 8000, 8192, 100_000.0, 0.02),
     }
 )
 

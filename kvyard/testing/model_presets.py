@@ -4,7 +4,7 @@ can offer them as choices without loading either."""
 from __future__ import annotations
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PRESETS = ("tiny", "small", "bench")
+PRESETS = ("tiny", "small", "bench", "demo")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # The default model: big enough to be a meaningful benchmark, still created in well under a minute.
