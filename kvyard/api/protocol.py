@@ -85,8 +85,10 @@ class ResumeState(BaseModel):
     the client already has. The router sends it to continue a stream whose replica failed (kvyard extension)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]  # empty when only a chat's role chunk went out
     sent_chars: int = Field(ge=0)
+    id: str | None = Field(default=None, max_length=128)  # the stream's id and creation time, kept
+    created: int | None = Field(default=None, ge=0, le=2**40)
 
 
 class SamplingFields(BaseModel):
@@ -109,7 +111,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
-    return_token_ids: bool = False  # each choice (streamed: each chunk's) carries its new "token_ids"
+    # kvyard extensions for the router's failover: progress lines in a stream, and resuming one
+    stream_progress: bool = False
     resume: ResumeState | None = None
     # Accepted for compatibility; only their neutral values are supported.
     presence_penalty: float = 0.0

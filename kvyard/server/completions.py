@@ -26,7 +26,7 @@ class ChoiceState:
     prompt_index: int
     text: str = ""
     sent_chars: int = 0
-    sent_tokens: int = 0  # token ids already sent (with return_token_ids)
+    sent_tokens: int = 0  # token ids already reported in progress lines
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -159,8 +159,6 @@ class CompletionRunner:
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
         base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
                                 "stop_reason": choice.stop_reason}  # fmt: skip
-        if prepared.return_token_ids:
-            base["token_ids"] = choice.token_ids
         logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
         if prepared.kind == "chat":
             return {**base, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
@@ -180,7 +178,7 @@ class CompletionRunner:
                 choices[choice.index] = choice
                 chunk = self._delta_chunk(prepared, choice, output)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield _progress(choice) + _sse(chunk) if prepared.stream_progress else _sse(chunk)
         except (APIError, InputError) as error:
             yield _sse((error if isinstance(error, APIError) else APIError.from_input(error)).body())
             return
@@ -205,11 +203,7 @@ class CompletionRunner:
             return None
         logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
         delta_field = {"content": delta} if prepared.kind == "chat" else delta
-        chunk = self._chunk(prepared, choice.index, delta_field, choice.finish_reason, logprobs)
-        if prepared.return_token_ids:
-            chunk["choices"][0]["token_ids"] = choice.token_ids[choice.sent_tokens :]
-            choice.sent_tokens = len(choice.token_ids)
-        return chunk
+        return self._chunk(prepared, choice.index, delta_field, choice.finish_reason, logprobs)
 
     def _envelope(self, prepared: PreparedRequest) -> dict[str, Any]:
         return {
@@ -257,6 +251,16 @@ class CompletionRunner:
     def _token_text(self, token_id: int) -> str:
         vocabulary = self.engine.vocabulary
         return vocabulary.decode([token_id]) if vocabulary is not None else f"token_id:{token_id}"
+
+
+def _progress(choice: ChoiceState) -> bytes:
+    """The SSE comment line (clients skip it) that tells a router where the stream stands after the chunk it
+    precedes: characters sent so far, the token ids new since the last line, and `end` on the last chunk.
+    The router reads it without parsing the chunk's JSON, and drops it."""
+    new_ids = ",".join(map(str, choice.token_ids[choice.sent_tokens :]))
+    choice.sent_tokens = len(choice.token_ids)
+    end = " end" if choice.finish_reason is not None else ""
+    return f": progress {choice.sent_chars} {new_ids}{end}\n".encode()
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -33,7 +33,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
-    return_token_ids: bool = False
+    stream_progress: bool = False  # each chunk after an SSE comment with its token ids (see completions)
     resume: ResumeState | None = None  # continue a stream another replica began
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -84,9 +84,10 @@ def _prepared(
     cache_salt: str | None,
 ) -> PreparedRequest:
     max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
-    return PreparedRequest(
+    resume = body.resume  # a continued stream keeps its identity
+    prepared = PreparedRequest(
         kind=kind,
-        request_id=new_request_id(kind),
+        request_id=(resume.id if resume is not None else None) or new_request_id(kind),
         model=engine.model_name,
         prompts=prompts,
         params=build_sampling_params(body, max_tokens, logprobs),
@@ -94,9 +95,12 @@ def _prepared(
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage) or not body.stream,
         logprobs=logprobs,
-        return_token_ids=body.return_token_ids,
-        resume=body.resume,
+        stream_progress=body.stream_progress,
+        resume=resume,
     )
+    if resume is not None and resume.created is not None:
+        prepared.created = resume.created
+    return prepared
 
 
 def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
