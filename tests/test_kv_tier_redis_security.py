@@ -94,15 +94,20 @@ def test_a_password_and_tls_share_blocks_between_replicas(
     assert got.snapshot.tiers["redis"].errors == 0
 
 
+def assert_a_logged_miss(got: Read, expected: list[int], log: str, cause: str, password: str) -> None:
+    """The same tokens, nothing from Redis, an error counted and named in the log, never the password."""
+    assert (got.token_ids, got.cached_tokens) == (expected, 0)
+    assert got.snapshot.tiers["redis"].errors >= 1
+    assert cause in log
+    assert quote(password, safe="") not in log
+
+
 def test_a_wrong_password_is_a_logged_miss(
     llama_dir: Path, secure_redis: RedisProcess, expected: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvyard.kvcache.redis_tier"):
         got = read(llama_dir, secure_redis.tls_url(password=WRONG_PASSWORD))
-    assert (got.token_ids, got.cached_tokens) == (expected, 0)
-    assert got.snapshot.tiers["redis"].errors >= 1
-    assert "AuthenticationError" in caplog.text
-    assert quote(WRONG_PASSWORD, safe="") not in caplog.text
+    assert_a_logged_miss(got, expected, caplog.text, "AuthenticationError", WRONG_PASSWORD)
 
 
 def test_an_untrusted_certificate_is_a_logged_miss(
@@ -115,10 +120,7 @@ def test_an_untrusted_certificate_is_a_logged_miss(
     other_ca, _ = make_ca(tmp_path, "other-ca")
     with caplog.at_level(logging.WARNING, logger="kvyard.kvcache.redis_tier"):
         got = read(llama_dir, secure_redis.tls_url(ca_file=other_ca))
-    assert (got.token_ids, got.cached_tokens) == (expected, 0)
-    assert got.snapshot.tiers["redis"].errors >= 1
-    assert "CERTIFICATE_VERIFY_FAILED" in caplog.text
-    assert quote(PASSWORD, safe="") not in caplog.text
+    assert_a_logged_miss(got, expected, caplog.text, "CERTIFICATE_VERIFY_FAILED", PASSWORD)
 
 
 @pytest.mark.parametrize(
