@@ -84,24 +84,7 @@ class PagedPrefillKernel:
         scale: float,
     ) -> torch.Tensor:
         """q: [Tq, Hq, D]; caches: [slots, Hkv, D]; block_table: int64, covering context_len keys."""
-        return self._run(q, k_cache, v_cache, block_table.contiguous(), context_len, block_size, scale)
-
-    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Whole-context chunk: q, k, v hold every position ([T, Hq, D], [T, Hkv, D], [T, Hkv, D])."""
-        # Contiguous keys are a paged cache of one block holding all of them.
-        single_block = torch.zeros(1, dtype=torch.long)
-        return self._run(q, k, v, single_block, k.shape[0], max(1, k.shape[0]), scale)
-
-    def _run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        context_len: int,
-        block_size: int,
-        scale: float,
-    ) -> torch.Tensor:
+        block_table = block_table.contiguous()
         q, k_cache, v_cache = _heads_contiguous(q), _heads_contiguous(k_cache), _heads_contiguous(v_cache)
         if k_cache.stride(0) != v_cache.stride(0):
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
@@ -114,6 +97,12 @@ class PagedPrefillKernel:
         if status != 0:
             raise MemoryError("prefill attention kernel could not allocate its scratch")
         return out
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Whole-context chunk: q, k, v hold every position ([T, Hq, D], [T, Hkv, D], [T, Hkv, D])."""
+        # Contiguous keys are a paged cache of one block holding all of them.
+        single_block = torch.zeros(1, dtype=torch.long)
+        return self(q, k, v, single_block, k.shape[0], max(1, k.shape[0]), scale)
 
 
 @dataclass(frozen=True, slots=True)
