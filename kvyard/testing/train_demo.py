@@ -185,6 +185,18 @@ def _report(step: int, losses: list[float], settings: TrainSettings, elapsed: fl
         f"{elapsed / 60:.1f} of {settings.minutes:g} min")  # fmt: skip
 
 
+_HELP = {
+    "minutes": "training time budget; the learning rate decays over it",
+    "seq_len": "tokens per training row",
+    "batch_size": "rows per optimizer step",
+    "learning_rate": "peak AdamW learning rate",
+    "warmup_steps": "steps of linear warm-up",
+    "weight_decay": "AdamW weight decay",
+    "seed": "seed of the initial weights and the document order",
+    "max_files": "read only the first N standard-library files (a smoke run)",
+}
+
+
 def say(message: str) -> None:
     print(f"train_demo: {message}", file=sys.stderr, flush=True)
 
@@ -195,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = TrainSettings()
     for name, value in asdict(defaults).items():
         kind = int if name in ("max_files", "seq_len", "batch_size", "warmup_steps", "seed") else float
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=f"(default: {value})")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value,
+                            help=f"{_HELP[name]} (default: {value if value is not None else 'all'})")  # fmt: skip
     args = parser.parse_args(argv)
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(defaults)})
     torch.set_num_threads(max(1, torch.get_num_threads()))
