@@ -28,6 +28,7 @@ API_KEYS_ENV = "KVYARD_API_KEYS"  # comma-separated
 ADMIN_KEY_ENV = "KVYARD_ADMIN_KEY"
 
 
+ADMIN_KEY_HEADER = "x-kvyard-admin-key"  # the admin key beside an API key, on requests that need both
 REPLICA_API_KEY_ENV = "KVYARD_REPLICA_API_KEY"
 REPLICA_ADMIN_KEY_ENV = "KVYARD_REPLICA_ADMIN_KEY"
 
@@ -116,6 +117,11 @@ class KeySet:
         return token
 
 
+def admin_key_of(configured: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The admin key in force: the configured one, else $KVYARD_ADMIN_KEY, else None (the admin plane is off)."""
+    return configured or environ.get(ADMIN_KEY_ENV) or None
+
+
 @dataclass(frozen=True, slots=True)
 class AdminKey:
     """The key of the admin plane; without one, the admin plane is off."""
@@ -124,7 +130,7 @@ class AdminKey:
 
     @classmethod
     def from_settings(cls, key: str | None, environ: Mapping[str, str] = os.environ) -> AdminKey:
-        key = key or environ.get(ADMIN_KEY_ENV) or None
+        key = admin_key_of(key, environ)
         return cls(_digest(key) if key else None)
 
     def authorize(self, headers: Mapping[str, str], what: str) -> None:
@@ -135,6 +141,11 @@ class AdminKey:
         token = bearer_token(headers)
         if token is None or _digest(token) != self.digest:
             raise APIError(401, f"{what} needs the admin key", code="invalid_admin_key")
+
+    def authorize_extra(self, headers: Mapping[str, str], what: str) -> None:
+        """Like `authorize`, for a request whose `Authorization` carries an API key: the admin key comes in the
+        `X-KVyard-Admin-Key` header."""
+        self.authorize({"authorization": f"Bearer {headers.get(ADMIN_KEY_HEADER, '')}"}, what)
 
 
 def key_salt(api_key: str) -> str:

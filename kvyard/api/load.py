@@ -14,6 +14,7 @@ class LoadReport:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_in_flight: int = 0  # tokens of the running requests' sequences
+    role: str = "unified"  # unified, prefill or decode (prefill/decode disaggregation)
 
     @property
     def kv_usage(self) -> float:
@@ -25,7 +26,10 @@ class LoadReport:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> LoadReport:
         """Parse a replica's answer; a missing count is 0 (older or other servers). Raises on a wrong type."""
-        return cls(**{name: _count(body, name) for name in cls.__dataclass_fields__})
+        role = body.get("role", "unified")
+        if role not in ("unified", "prefill", "decode"):
+            raise TypeError(f"load report field role is not a role: {role!r}")
+        return cls(**{name: _count(body, name) for name in cls.__dataclass_fields__ if name != "role"}, role=role)
 
 
 def _count(body: dict[str, Any], name: str) -> int:

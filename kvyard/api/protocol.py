@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvyard.api.errors import APIError, bad_request
 
@@ -91,6 +91,28 @@ class ResumeState(BaseModel):
     created: int | None = Field(default=None, ge=0, le=2**40)
 
 
+class KVTransferFields(BaseModel):
+    """Prefill/decode disaggregation (kvyard extension; DESIGN.md, contract 6). The router sends the same request
+    to a prefill replica with `do_remote_decode` and to a decode replica with `do_remote_prefill`, the prefill
+    replica's URL as `source`, and one fresh `transfer_id`. Honoured only from a caller with the admin key."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    do_remote_decode: bool = False  # prefill here, keep the blocks under a lease for a decode replica
+    do_remote_prefill: bool = False  # pull the prompt's blocks from `source` instead of computing them
+    transfer_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{8,128}$")
+    source: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+/?$", max_length=512)
+
+    @model_validator(mode="after")
+    def _one_role(self) -> KVTransferFields:
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise ValueError("set exactly one of do_remote_decode and do_remote_prefill")
+        if self.do_remote_prefill and self.source is None:
+            raise ValueError("do_remote_prefill needs the prefill replica's URL as source")
+        if self.do_remote_decode and self.source is not None:
+            raise ValueError("source goes with do_remote_prefill only")
+        return self
+
+
 class SamplingFields(BaseModel):
     """Parameters shared by completions and chat completions."""
 
@@ -114,6 +136,7 @@ class SamplingFields(BaseModel):
     # kvyard extensions for the router's failover: progress lines in a stream, and resuming one
     stream_progress: bool = False
     resume: ResumeState | None = None
+    kv_transfer_params: KVTransferFields | None = None
     # Accepted for compatibility; only their neutral values are supported.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -139,6 +162,8 @@ class SamplingFields(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.resume is not None and self.n != 1:
             return "resume", "resume continues one choice: n must be 1"
+        if self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode and self.n != 1:
+            return "kv_transfer_params", "a prefill for another replica runs one choice: n must be 1"
         return None
 
 

@@ -19,11 +19,13 @@ from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_
 from kvyard.api.errors import InputError
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.detokenizer import Decoder, IncrementalDetokenizer
-from kvyard.engine.kv_cache_manager import BlockTier, KVCacheManager
-from kvyard.engine.request import Request, RequestStatus, TokenLogprobs
+from kvyard.engine.kv_cache_manager import BlockPuller, BlockTier, KVCacheManager
+from kvyard.engine.kv_exports import ExportView, KVExports
+from kvyard.engine.request import KVTransferParams, Request, RequestStatus, TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
 
 IDLE_LOAD_WAIT_S = 0.01
@@ -49,6 +51,15 @@ class Runner(Protocol):
         ...
 
 
+class BlockReader(Protocol):
+    """The bytes of whole device blocks (see kv_transfer.DeviceBlocks); safe from any thread for pinned blocks."""
+
+    @property
+    def format(self) -> BlockFormat: ...
+
+    def read(self, block_ids: Sequence[int]) -> Sequence[memoryview | bytes]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     """The limits the core enforces; `EngineConfig` and `SimConfig` derive them."""
@@ -58,6 +69,7 @@ class CoreConfig:
     enable_prefix_caching: bool = True
     record_kv_events: bool = False
     event_log_capacity: int = 65536
+    kv_lease_s: float = 30.0  # how long a finished prefill's blocks stay pinned for a decode replica's pull
 
     @property
     def block_size(self) -> int:
@@ -111,6 +123,14 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ExportRead:
+    """Encoded blocks of a transfer from some index on, and how the transfer stands."""
+
+    blobs: list[bytes]
+    view: ExportView
+
+
+@dataclass(frozen=True, slots=True)
 class KVSnapshot:
     """The cached block keys and the KV-event sequence number they are current at."""
 
@@ -140,6 +160,8 @@ class EngineCore:
         self.block_pool = BlockPool(config.limits.num_kv_blocks, config.enable_prefix_caching, self._events)
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.kv_exports = KVExports(self.block_pool, config.kv_lease_s, max_pinned=self.block_pool.num_blocks // 2)
+        self.block_reader: BlockReader | None = None  # set by engines whose blocks can be sent to other replicas
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
@@ -161,11 +183,16 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         resumed_output_ids: Sequence[int] = (),
+        kv_transfer: KVTransferParams | None = None,
     ) -> Request:
         """Queue a request. `resumed_output_ids`: output another replica generated before it failed; they are
-        prefilled with the prompt, count toward `max_tokens`, and generation continues after them."""
+        prefilled with the prompt, count toward `max_tokens`, and generation continues after them.
+        `kv_transfer`: prefill it for another replica, or pull its prompt's blocks from one (DESIGN.md, 6)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        export_id = kv_transfer.export_id if kv_transfer is not None else None
+        if export_id is not None and export_id in self.kv_exports:
+            raise InputError(f"transfer id {export_id!r} is already in use", "kv_transfer_params.transfer_id")
         check_prompt(prompt_token_ids, self.limits)
         check_kv_room(len(prompt_token_ids), params.max_tokens, self.limits)
         if resumed_output_ids:
@@ -182,7 +209,10 @@ class EngineCore:
             cache_root_key=self.root_key(cache_salt),
             block_size=self.config.block_size,
             stop_token_ids=self._stop_token_ids(params),
+            kv_transfer=kv_transfer,
         )
+        if export_id is not None:
+            self.kv_exports.open(request, export_id)
         self._requests[request_id] = request
         if detokenizer is not None:
             self._detokenizers[request_id] = detokenizer
@@ -242,8 +272,17 @@ class EngineCore:
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv_manager.register_computed_blocks(item.request)
+            if item.request.kv_transfer is not None and item.request.kv_transfer.export_id is not None:
+                self.kv_exports.offer(item.request)
         now = time.monotonic()
-        return [self._accept_token(token, now) for token in sampled]
+        outputs = [self._accept_token(token, now) for token in sampled]
+        self.housekeeping(now)
+        return outputs
+
+    def housekeeping(self, now: float | None = None) -> None:
+        """Time-driven upkeep, also while idle: end the leases of transfers nobody released."""
+        if self.kv_exports.num_active:
+            self.kv_exports.expire(now)
 
     def _accept_token(self, token: SampledToken, now: float) -> RequestOutput:
         request = token.request
@@ -277,6 +316,9 @@ class EngineCore:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.kv_transfer is not None and request.kv_transfer.export_id is not None:
+            self.kv_exports.offer(request)
+            self.kv_exports.finish(request, completed=status is not RequestStatus.FINISHED_ABORTED)
         self.scheduler.finish(request, status)
         self.runner.release(request)
         del self._requests[request.request_id]
@@ -306,6 +348,31 @@ class EngineCore:
         """Call between steps (on the engine's thread), so keys and sequence number agree."""
         seq = self._events.last_seq if self._events is not None else 0
         return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
+
+    # ----------------------------------------------------------------- transfers (prefill/decode disaggregation)
+
+    def read_export(self, transfer_id: str, start: int, max_blocks: int = 64) -> ExportRead | None:
+        """Blocks `start`, ... of a transfer, encoded in the block codec (any thread: they are pinned while
+        read); None when there is no such transfer (yet, or any more)."""
+        view = self.kv_exports.view(transfer_id, start)
+        if view is None:
+            return None
+        if self.block_reader is None or not view.block_ids:
+            return ExportRead([], view)
+        ids, keys = view.block_ids[:max_blocks], view.block_keys[:max_blocks]
+        reader = self.block_reader
+        blobs = [encode_block(view.root_key, key, reader.format, row) for key, row in zip(keys, reader.read(ids))]
+        if not self.kv_exports.is_pinned(transfer_id, start + len(ids)):
+            return None  # released while being read: the bytes may be another request's by now
+        return ExportRead(blobs, view)
+
+    def release_export(self, transfer_id: str) -> bool:
+        """The decode side is done with a transfer (engine thread); False when it is unknown or expired."""
+        return self.kv_exports.release(transfer_id)
+
+    def attach_puller(self, puller: BlockPuller | None) -> None:
+        """Let requests pull their prompts' blocks from prefill replicas (None: they compute them)."""
+        self.kv_manager.puller = puller if self.config.enable_prefix_caching else None
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

@@ -1,9 +1,10 @@
 """Per-request view of the block pool: prefix-cache lookup, slot allocation, block registration.
 
-Blocks the device cache lacks but a lower tier may hold are loaded off the engine thread: the first time a
-waiting request is considered, its load starts; the request is admitted once the load has finished (or
-gave up at its deadline), and running requests keep stepping meanwhile. A load that finishes within
-`LOAD_WAIT_IN_STEP_S` (host memory, a quick miss) is used in the same step.
+Blocks the device cache lacks but a lower tier may hold, or (for a request prefilled on another replica) that
+replica holds, are loaded off the engine thread: the first time a waiting request is considered, its load
+starts; the request is admitted once the load has finished (or gave up at its deadline), and running requests
+keep stepping meanwhile. A load that finishes within `LOAD_WAIT_IN_STEP_S` (host memory, a quick miss) is
+used in the same step. Whatever a load did not bring, the request computes itself.
 """
 
 from __future__ import annotations
@@ -14,22 +15,35 @@ from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
 from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.request import Request, TierLoad
+from kvyard.engine.request import BlockSource, Request, TierLoad
+from kvyard.kvcache.transfer import TransferHandle
 
 _LOG = logging.getLogger(__name__)
 LOAD_WAIT_IN_STEP_S = 0.005
 
 
-class BlockTier(Protocol):
+class BlockTier(BlockSource, Protocol):
     """A lower KV tier below the device pool (see kv_tier_link.KVTierLink)."""
 
     def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[Any]]:
         """Load the longest available prefix of `keys` on another thread."""
         ...
 
-    def install(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None: ...
-
     def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+
+
+class BlockPuller(BlockSource, Protocol):
+    """Pulls the blocks of a request prefilled on another replica (see kv_pull_link.KVPullLink)."""
+
+    def start_pull(
+        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int
+    ) -> Future[Sequence[Any]]:
+        """Pull blocks `first_block`, ... of the transfer (whose keys are `keys`) on another thread."""
+        ...
+
+    def release(self, handle: TransferHandle) -> None:
+        """Let the prefill side unpin the transfer's blocks without pulling them."""
+        ...
 
 
 class KVCacheManager:
@@ -37,24 +51,42 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.tier = tier
+        self.puller: BlockPuller | None = None
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
         self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
+        self.num_pulled_tokens = 0  # of those, pulled from a prefill replica
 
     def ready_to_admit(self, request: Request) -> bool:
-        """False while blocks of `request` are being loaded from the lower tier; the first call starts the load."""
-        if self.tier is None or not self.pool.enable_caching or request.tier_checked:
+        """False while blocks of `request` are being loaded; the first call starts the load."""
+        if not self.pool.enable_caching or request.tier_checked:
             return True
         if request.tier_load is None:
             max_blocks = self._max_cached_blocks(request)
             first_block = len(self._device_prefix(request, max_blocks))
-            if first_block >= max_blocks:
+            load = self._start_load(request, first_block, max_blocks)
+            if load is None:
                 request.tier_checked = True
                 return True
-            future = self.tier.start_fetch(request.cache_root_key, request.block_keys[first_block:max_blocks])
-            request.tier_load = TierLoad(first_block, future)
-            wait([future], timeout=LOAD_WAIT_IN_STEP_S)
+            request.tier_load = load
+            wait([load.future], timeout=LOAD_WAIT_IN_STEP_S)
         return request.tier_load.future.done()
+
+    def _start_load(self, request: Request, first_block: int, max_blocks: int) -> TierLoad | None:
+        """Pull from the prefill replica when the request was prefilled elsewhere (once: after a preemption its
+        blocks are in the device cache or gone), else look in the lower tier."""
+        keys = request.block_keys[first_block:max_blocks]
+        transfer = request.kv_transfer
+        if self.puller is not None and transfer is not None and transfer.pull_from is not None:
+            request.kv_transfer = None
+            if not keys:  # the device cache has it all: only let the prefill side go
+                self.puller.release(transfer.pull_from)
+                return None
+            future = self.puller.start_pull(transfer.pull_from, request.cache_root_key, keys, first_block)
+            return TierLoad(first_block, future, self.puller)
+        if self.tier is not None and keys:
+            return TierLoad(first_block, self.tier.start_fetch(request.cache_root_key, keys), self.tier)
+        return None
 
     def wait_for_loads(self, requests: Iterable[Request], timeout: float) -> None:
         """Block until one of the tier loads of `requests` finishes, at most `timeout` s (nothing else to do)."""
@@ -70,7 +102,7 @@ class KVCacheManager:
         max_blocks = self._max_cached_blocks(request)
         blocks = self._device_prefix(request, max_blocks)
         load, request.tier_load = request.tier_load, None
-        if load is not None and self.tier is not None:
+        if load is not None:
             request.tier_checked = True
             blocks.extend(self._install_loaded(request, blocks, max_blocks, load))
         return blocks
@@ -91,12 +123,12 @@ class KVCacheManager:
         """Continue a device-cache prefix with loaded blocks, in newly allocated, registered blocks.
 
         They are left unreferenced but cached, exactly like device hits, for allocate_slots to take."""
-        assert self.tier is not None
         try:
             fetched = load.future.result()
-        except Exception:  # the store reports its own faults; a load that raised is a miss
-            _LOG.exception("loading KV blocks from the tier failed")
+        except Exception:  # the source reports its own faults; a load that raised is a miss
+            _LOG.exception("loading KV blocks failed")
             return []
+        source_cached_tokens: int | None = getattr(fetched, "source_cached_tokens", None)
         skip = len(device_blocks) - load.first_block  # blocks the device cache gained since the load began
         if skip < 0:
             return []  # the device cache lost blocks before the loaded ones: they no longer continue it
@@ -107,11 +139,17 @@ class KVCacheManager:
             fetched = fetched[: self.pool.num_free_blocks]
             keys = request.block_keys[len(device_blocks) : len(device_blocks) + len(fetched)]
             loaded = self.pool.allocate(len(fetched))
-            self.tier.install(loaded, fetched)
+            load.source.install(loaded, fetched)
             self.pool.register_blocks(loaded, keys)
         finally:
             self.pool.free(reversed(device_blocks + loaded))
-        self.num_tier_hit_tokens += len(loaded) * self.block_size
+        if load.source is self.tier:
+            self.num_tier_hit_tokens += len(loaded) * self.block_size
+        else:
+            self.num_pulled_tokens += len(loaded) * self.block_size
+        if source_cached_tokens is not None and request.num_cached_tokens < 0:
+            # Pulled blocks were computed, on the prefill side: only what it had cached was computed nowhere.
+            request.num_cached_tokens = min(source_cached_tokens, (len(device_blocks) + len(loaded)) * self.block_size)
         return loaded
 
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:

@@ -15,25 +15,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
-import torch
-
-from kvyard.engine.kv_transfer import block_shape, read_blocks, write_blocks
-from kvyard.kvcache.codec import BlockFormat, DecodedBlock
+from kvyard.engine.kv_transfer import DeviceBlocks
+from kvyard.kvcache.codec import DecodedBlock
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
 
 
 class KVTierLink:
-    def __init__(
-        self, store: TieredStore, kv_caches: Sequence[torch.Tensor], block_size: int, load_deadline_s: float
-    ) -> None:
+    def __init__(self, store: TieredStore, device: DeviceBlocks, load_deadline_s: float) -> None:
         self.store = store
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.device = device
+        self.format = device.format
         self.load_deadline_s = load_deadline_s
-        dtype = kv_caches[0].dtype
-        self.format = BlockFormat(str(dtype).removeprefix("torch."), block_shape(kv_caches, block_size))
-        self._dtype = dtype
         # One thread: the store's tiers take one reader besides their writer; a stalled store then delays
         # other loads (each to its deadline) but never the engine's steps.
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-kv-loader")
@@ -46,23 +38,14 @@ class KVTierLink:
 
     def install(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
         """Copy fetched blocks into the device cache at `block_ids`."""
-        if not blocks:
-            return
-        staging = np.empty((len(blocks), blocks[0].payload.nbytes), dtype=np.uint8)
-        for row, block in zip(staging, blocks):
-            row[:] = np.frombuffer(block.payload, dtype=np.uint8)
-        data = torch.from_numpy(staging).view(self._dtype).view(len(blocks), *self.format.shape)
-        write_blocks(self.kv_caches, self.block_size, block_ids, data)
+        self.device.write(block_ids, blocks)
 
     def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Snapshot the blocks now (they may be reused right after) and queue them for the tiers."""
         if not block_ids:
             return
-        raw = read_blocks(self.kv_caches, self.block_size, block_ids).view(torch.uint8).reshape(len(block_ids), -1)
-        rows = raw.numpy()
-        self.store.submit(
-            [BlockWrite(root_key, key, self.format, payload=memoryview(row)) for key, row in zip(keys, rows)]
-        )
+        rows = self.device.read(block_ids)
+        self.store.submit([BlockWrite(root_key, key, self.format, payload=row) for key, row in zip(keys, rows)])
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 
 
 def block_shape(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[int, ...]:
@@ -37,3 +40,31 @@ def write_blocks(
     for layer, cache in enumerate(kv_caches):
         paged = cache.view(2, -1, block_size, *cache.shape[2:])  # [2, num_blocks, block_size, Hkv, D]
         paged.index_copy_(1, index, data[:, layer].transpose(0, 1))
+
+
+class DeviceBlocks:
+    """Whole blocks of the paged KV cache as bytes in the block codec's format: what the KV tier stores and
+    what replicas send each other."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size: int) -> None:
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self._dtype = kv_caches[0].dtype
+        self.format = BlockFormat(str(self._dtype).removeprefix("torch."), block_shape(kv_caches, block_size))
+
+    def read(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """A host copy of each block's bytes, taken now (the blocks may be reused right after)."""
+        if not block_ids:
+            return []
+        raw = read_blocks(self.kv_caches, self.block_size, block_ids).view(torch.uint8).reshape(len(block_ids), -1)
+        return [memoryview(row) for row in raw.numpy()]
+
+    def write(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
+        """Copy verified blocks into the device cache at `block_ids`."""
+        if not blocks:
+            return
+        staging = np.empty((len(blocks), blocks[0].payload.nbytes), dtype=np.uint8)
+        for row, block in zip(staging, blocks):
+            row[:] = np.frombuffer(block.payload, dtype=np.uint8)
+        data = torch.from_numpy(staging).view(self._dtype).view(len(blocks), *self.format.shape)
+        write_blocks(self.kv_caches, self.block_size, block_ids, data)

@@ -10,10 +10,13 @@ import torch
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import CoreConfig, EngineCore, RequestOutput, RequestTimes
+from kvyard.engine.kv_pull_link import KVPullLink
 from kvyard.engine.kv_tier_link import KVTierLink
+from kvyard.engine.kv_transfer import DeviceBlocks
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
+from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 
@@ -42,6 +45,7 @@ class LLMEngine(EngineCore):
             scheduler=config.scheduler,
             enable_prefix_caching=config.enable_prefix_caching,
             record_kv_events=config.record_kv_events,
+            kv_lease_s=config.kv_transfer.kv_lease_s,
         )
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,
@@ -53,7 +57,10 @@ class LLMEngine(EngineCore):
             model, num_kv_blocks, config.block_size, self.dtype, self.device, config.attention_backend
         )
         super().__init__(core_config, namespace, self.runner, tokenizer, _eos_token_ids(self.model_config, tokenizer))
+        self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size)
+        self.block_reader = self.device_blocks
         self.kv_tier = self._attach_kv_tier()
+        self.kv_puller: KVPullLink | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -72,9 +79,17 @@ class LLMEngine(EngineCore):
         tier = self.engine_config.kv_tier
         if tier is None or not self.engine_config.enable_prefix_caching:
             return None
-        link = KVTierLink(tier.build(), self.runner.kv_caches, self.config.block_size, tier.load_deadline_s)
+        link = KVTierLink(tier.build(), self.device_blocks, tier.load_deadline_s)
         self.attach_tier(link)
         return link
+
+    def enable_pulls(self, headers: dict[str, str]) -> KVPullLink:
+        """Let requests pull their prompts' blocks from prefill replicas, calling them with `headers`."""
+        transfer = self.engine_config.kv_transfer
+        limits = PullLimits(transfer.kv_transfer_timeout_s, transfer.kv_transfer_idle_s, headers)
+        self.kv_puller = KVPullLink(self.device_blocks, limits)
+        self.attach_puller(self.kv_puller)
+        return self.kv_puller
 
     def kv_tier_snapshot(self) -> StoreSnapshot | None:
         """The KV tier's counters (thread-safe); None when the tier is off."""
@@ -83,6 +98,10 @@ class LLMEngine(EngineCore):
 
     def close(self) -> None:
         """Finish queued KV-tier writes and release the tier; the engine must not step afterwards."""
+        if self.kv_puller is not None:
+            self.attach_puller(None)
+            self.kv_puller.close()
+            self.kv_puller = None
         if self.kv_tier is not None:
             self.attach_tier(None)
             self.kv_tier.close()

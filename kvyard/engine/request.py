@@ -7,10 +7,11 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.block_key import chain_block_keys
+from kvyard.kvcache.transfer import TransferHandle
 
 
 class RequestStatus(enum.Enum):
@@ -30,12 +31,30 @@ class RequestStatus(enum.Enum):
         )
 
 
+class BlockSource(Protocol):
+    """Where blocks the device cache lacks come from: the KV tier, or another replica (see kv_cache_manager)."""
+
+    def install(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None:
+        """Copy fetched blocks into the device cache at `block_ids`."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class TierLoad:
-    """KV blocks of a waiting request being loaded from the lower tier, from block `first_block` on."""
+    """KV blocks of a waiting request being loaded, from block `first_block` on, from the lower tier or (for a
+    request prefilled elsewhere) from another replica."""
 
     first_block: int
     future: Future[Sequence[Any]]
+    source: BlockSource
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Prefill/decode disaggregation for one request (DESIGN.md, contract 6)."""
+
+    export_id: str | None = None  # prefill side: keep the computed blocks under a lease for a decode replica
+    pull_from: TransferHandle | None = None  # decode side: pull the prompt's blocks before computing it
 
 
 @dataclass(slots=True)
@@ -68,6 +87,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # the request's stop ids plus EOS unless ignore_eos
     tier_load: TierLoad | None = None  # blocks being loaded from the lower tier before admission
     tier_checked: bool = False  # the lower tier was asked since the request last lost its blocks
+    kv_transfer: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -87,3 +87,20 @@ class KVTierConfig:
 
         assert self.redis_url is not None
         return RedisTier(self.redis_url, self.redis_ttl_s, self.redis_cluster, timeout_s=self.redis_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """KV transfer: leases on a prefill replica, limits of a pull on a decode replica."""
+
+    kv_lease_s: float = setting(30.0, help="how long a prefilled request's blocks stay pinned for a decode replica "
+                                "that has not released them")  # fmt: skip
+    kv_transfer_timeout_s: float = setting(120.0, help="longest a decode replica waits for a transfer, remote "
+                                           "prefill included; what has not arrived is computed here")  # fmt: skip
+    kv_transfer_idle_s: float = setting(5.0, help="a prefill replica silent this long during a transfer (it sends "
+                                        "heartbeats every second) is given up")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lease_s", "kv_transfer_timeout_s", "kv_transfer_idle_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -32,6 +32,7 @@ from kvyard.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
     json_object,
     take_token_ids,
@@ -39,6 +40,7 @@ from kvyard.api.protocol import (
 )
 from kvyard.api.ratelimit import RateLimiter
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_PATH
 from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Responder, RouteTable
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.completions import CompletionRunner
@@ -51,6 +53,7 @@ from kvyard.server.prepare import (
     render_chat,
     vocabulary_of,
 )
+from kvyard.server.transfer import send_transfer
 
 _LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -81,7 +84,8 @@ class ReplicaApp:
         self.routes = RouteTable()
         self.access: dict[str, Access] = {}
         self.add_routes(self._own_routes())
-        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot},
+        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot,
+                         ("GET", TRANSFER_PATH): self.kv_transfer, ("POST", RELEASE_PATH): self.kv_release},
                         Access.ADMIN)  # fmt: skip
         public = {("GET", path): self.health for path in ("/health", "/health_generate")}
         public["GET", "/version"] = self.version
@@ -179,6 +183,7 @@ class ReplicaApp:
         raw = json_object(request.body)
         token_ids = take_token_ids(raw)
         body = validate(raw, CompletionRequest, self.options.ignore_unknown_fields)
+        self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
         prepared = await self._prepare(engine, request, lambda: prepare_completion(engine, body, token_ids, salt))
         await self._serve(engine, request, prepared, responder)
@@ -186,6 +191,7 @@ class ReplicaApp:
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
         body = validate(json_object(request.body), ChatCompletionRequest, self.options.ignore_unknown_fields)
+        self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
         prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt))
         await self._serve(engine, request, prepared, responder)
@@ -198,6 +204,12 @@ class ReplicaApp:
             return work()
         async with self._tokenize_slots:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work)
+
+    def _authorize_transfer(self, request: HttpRequest, body: SamplingFields) -> None:
+        """Disaggregation pins blocks here, or makes this replica call another: only the admin (the router) may
+        ask for it."""
+        if body.kv_transfer_params is not None:
+            self.admin_key.authorize_extra(request.headers, "kv_transfer_params")
 
     def _cache_salt(self, request: HttpRequest, request_salt: str | None) -> str | None:
         return tenant_salt(self.caller_key(request), request_salt, self.options.access.cache_salt_per_api_key)
@@ -289,6 +301,7 @@ class ReplicaApp:
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
             tokens_in_flight=stats.tokens_in_flight,
+            role=self.options.role,
         )
 
     async def load(self, request: HttpRequest, responder: Responder) -> None:
@@ -329,6 +342,7 @@ class ReplicaApp:
             "context_length": limits.max_model_len,
             "max_total_num_tokens": limits.kv_capacity_tokens,
             "max_running_requests": engine.max_num_seqs,
+            "role": self.options.role,
             **engine.server_info(),
         })  # fmt: skip
 
@@ -360,6 +374,27 @@ class ReplicaApp:
         self._event_log()
         snapshot = await self.ready().kv_snapshot()
         responder.send_json(200, kv_events.snapshot_json(snapshot.seq, snapshot.block_keys, snapshot.namespace))
+
+    # ------------------------------------------------------------------ KV transfer (DESIGN.md, contract 6)
+
+    async def kv_transfer(self, request: HttpRequest, responder: Responder) -> None:
+        engine = self.ready()
+        query = parse_qs(request.query)
+        transfer_id = query.get("id", [""])[-1]
+        if not transfer_id:
+            raise bad_request("give the transfer's id: ?id=...", "id")
+        start = _int_query(query, "from", 0)
+        if start < 0:
+            raise bad_request(f"from must be >= 0, got {start}", "from")
+        await send_transfer(engine, transfer_id, start, responder, lambda: self.shutting_down)
+
+    async def kv_release(self, request: HttpRequest, responder: Responder) -> None:
+        transfer_id = parse_qs(request.query).get("id", [""])[-1]
+        if not transfer_id:
+            raise bad_request("give the transfer's id: ?id=...", "id")
+        if not await self.ready().release_export(transfer_id):
+            raise APIError(404, f"no transfer {transfer_id!r} (released or expired)", "id", "transfer_not_found")
+        responder.send_json(200, {"released": transfer_id})
 
     def _event_log(self) -> KVEventLog:
         log = self.ready().kv_event_log()

@@ -11,6 +11,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +19,12 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
-from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
 from kvyard.engine.llm_engine import LLMEngine
+from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
-from kvyard.server.kv_tier_metrics import KVTierCollector
+from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
 
 
@@ -50,6 +52,10 @@ class AsyncEngine:
     _thread: threading.Thread | None = None
     _wake: threading.Event = field(default_factory=threading.Event)
     _vocabulary: HFVocabulary | None = None
+    # Reads the KV of pinned blocks for transfers, off both the event loop and the engine thread.
+    _export_reader: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-kv-export")
+    )
 
     def start(self) -> None:
         if self.engine.tokenizer is not None:
@@ -63,6 +69,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._export_reader.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     # ----------------------------------------------------------------- the replica engine interface
@@ -95,13 +102,14 @@ class AsyncEngine:
         cache_salt: str | None = None,
         final_only: bool = False,
         resumed_output_ids: Sequence[int] = (),
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
         try:
             await self.call(lambda engine: engine.add_request(
-                request_id, prompt_token_ids, params, cache_salt, resumed_output_ids))  # fmt: skip
+                request_id, prompt_token_ids, params, cache_salt, resumed_output_ids, kv_transfer))  # fmt: skip
             pending: RequestOutput | None = None
             while not finished:
                 item = await stream.get()
@@ -120,6 +128,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(_Command(lambda engine: engine.abort_request(request_id)))
 
+    async def read_export(self, transfer_id: str, start: int) -> ExportRead | None:
+        view = self.engine.kv_exports.view(transfer_id, start)  # cheap: no thread hop while nothing is ready
+        if view is None or not view.block_ids:
+            return None if view is None else ExportRead([], view)
+        read: ExportRead | None = await self.loop.run_in_executor(
+            self._export_reader, self.engine.read_export, transfer_id, start
+        )
+        return read
+
+    async def release_export(self, transfer_id: str) -> bool:
+        released: bool = await self.call(lambda engine: engine.release_export(transfer_id))
+        return released
+
     def stats(self) -> EngineStats:
         assert self._stats is not None, "stats() before start()"
         return self._stats
@@ -132,7 +153,10 @@ class AsyncEngine:
         return snapshot
 
     def collectors(self) -> list[Collector]:
-        return [KVTierCollector(self.engine.kv_tier_snapshot)]
+        engine = self.engine
+        return [KVTierCollector(engine.kv_tier_snapshot),
+                KVTransferCollector(lambda: engine.kv_exports,
+                                    lambda: engine.kv_puller.counters() if engine.kv_puller else None)]  # fmt: skip
 
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.engine.engine_config.model, "dtype": str(self.engine.dtype).removeprefix("torch.")}
@@ -159,6 +183,7 @@ class AsyncEngine:
                     if outputs:
                         self.loop.call_soon_threadsafe(self._deliver, outputs)
                 else:
+                    self.engine.housekeeping()
                     self._publish_stats()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
-from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
+from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
 
@@ -58,10 +59,19 @@ class ReplicaEngine(Protocol):
         cache_salt: str | None = None,
         final_only: bool = False,
         resumed_output_ids: Sequence[int] = (),
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (only the last when `final_only`); closing the iterator early
-        aborts the request. `resumed_output_ids` continue another replica's output (see `EngineCore.add_request`).
-        Raises `InputError` for a request the engine refuses."""
+        aborts the request. `resumed_output_ids` continue another replica's output, `kv_transfer` disaggregates
+        it (see `EngineCore.add_request`). Raises `InputError` for a request the engine refuses."""
+        ...
+
+    async def read_export(self, transfer_id: str, start: int) -> ExportRead | None:
+        """Encoded blocks `start`, ... of a transfer this replica prefills (`EngineCore.read_export`)."""
+        ...
+
+    async def release_export(self, transfer_id: str) -> bool:
+        """Unpin a transfer's blocks: its decode replica has them; False when it is unknown or expired."""
         ...
 
     def stats(self) -> EngineStats: ...

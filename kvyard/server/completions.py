@@ -81,8 +81,9 @@ class CompletionRunner:
         request_id = f"{prepared.request_id}-{choice.index}"
         resumed = prepared.resume.token_ids if prepared.resume is not None else ()
         outputs = self.engine.generate(
-            request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream, resumed_output_ids=resumed
-        )
+            request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream,
+            resumed_output_ids=resumed, kv_transfer=prepared.kv_transfer,
+        )  # fmt: skip
         async for output in outputs:
             self._record(choice, output)
             yield output

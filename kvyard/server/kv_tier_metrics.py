@@ -1,4 +1,4 @@
-"""Prometheus view of the KV tier's counters (kvyard.kvcache.stats), read at scrape time."""
+"""Prometheus views of the KV tier's counters (kvyard.kvcache.stats) and of KV transfers, read at scrape time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from kvyard.engine.kv_exports import KVExports
+from kvyard.engine.kv_pull_link import PullCounters
 from kvyard.kvcache.stats import StoreSnapshot
 
 _TIER_COUNTERS = (
@@ -49,3 +51,45 @@ class KVTierCollector(Collector):
                                   "queue was full", value=snap.queue_dropped_blocks)  # fmt: skip
         yield CounterMetricFamily("kvyard_kv_tier_loaded_blocks", "Blocks loaded from the tier into the device "
                                   "cache", value=snap.loaded_blocks)  # fmt: skip
+
+
+_EXPORT_COUNTERS = (
+    ("exports", "kvyard_kv_transfer_exports", "Requests prefilled here for a decode replica"),
+    ("blocks_exported", "kvyard_kv_transfer_exported_blocks", "Blocks pinned for decode replicas to pull"),
+    ("released", "kvyard_kv_transfer_leases_released", "Transfers released by their decode replica"),
+    ("expired", "kvyard_kv_transfer_leases_expired", "Transfers whose lease ran out before a release"),
+    ("failed", "kvyard_kv_transfer_exports_failed", "Transfers ended early: request aborted or lease cap reached"),
+)
+
+
+class KVTransferCollector(Collector):
+    """Both sides of prefill/decode transfers: leases held here, pulls made from here."""
+
+    def __init__(self, exports: Callable[[], KVExports], pulls: Callable[[], PullCounters | None]) -> None:
+        self.exports = exports
+        self.pulls = pulls
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        exports = self.exports()
+        for attribute, name, documentation in _EXPORT_COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=getattr(exports.counters, attribute))
+        yield GaugeMetricFamily("kvyard_kv_transfer_leased_blocks", "Blocks pinned for transfers now",
+                                value=exports.num_pinned_blocks)  # fmt: skip
+        yield GaugeMetricFamily("kvyard_kv_transfer_active_leases", "Transfers holding a lease now",
+                                value=exports.num_active)  # fmt: skip
+        pulls = self.pulls()
+        if pulls is None:
+            return
+        yield CounterMetricFamily("kvyard_kv_transfer_pulls", "Transfers pulled from prefill replicas",
+                                  value=pulls.pulls)  # fmt: skip
+        yield CounterMetricFamily("kvyard_kv_transfer_pulls_complete", "Pulls that brought every block asked for",
+                                  value=pulls.complete)  # fmt: skip
+        yield CounterMetricFamily("kvyard_kv_transfer_pulled_blocks", "Blocks pulled and verified", value=pulls.blocks)
+        yield CounterMetricFamily("kvyard_kv_transfer_pulled_bytes", "Bytes of pulled blocks", value=pulls.bytes)
+        yield CounterMetricFamily("kvyard_kv_transfer_pull_seconds", "Time spent pulling, waiting for prefill "
+                                  "included", value=pulls.seconds)  # fmt: skip
+        fallbacks = CounterMetricFamily("kvyard_kv_transfer_fallbacks", "Pulls that fell short (the rest was "
+                                        "computed here), by reason", labels=["reason"])  # fmt: skip
+        for reason, count in sorted(pulls.fallbacks.items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks

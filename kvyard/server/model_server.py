@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvyard.api.auth import admin_key_of
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.server.app import ReplicaApp
@@ -61,6 +62,9 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         app.load_error = error
         say(f"error: the model failed to load: {error}")
         return
+    admin_key = admin_key_of(app.options.access.admin_key)
+    if admin_key is not None:  # prefill replicas share the fleet's admin key; without one there is no PD
+        engine.enable_pulls({"authorization": f"Bearer {admin_key}"})
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     async_engine.start()
     engine_box.append(async_engine)

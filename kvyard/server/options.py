@@ -8,6 +8,8 @@ from kvyard.api.auth import AccessConfig
 from kvyard.net.http_server import HttpServerConfig
 from kvyard.settings import setting
 
+ROLES = ("unified", "prefill", "decode")
+
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
@@ -16,6 +18,9 @@ class ServerOptions:
     max_queued_seqs: int = setting(512, help="sequences (prompts × n) accepted beyond --max-num-seqs before "
                                    "answering 429")  # fmt: skip
 
+    role: str = setting("unified", choices=ROLES, help="what the router sends here: whole requests (unified), "
+                        "prefills whose decode runs elsewhere (prefill), or decodes of prompts prefilled elsewhere "
+                        "(decode); every role still serves any request")  # fmt: skip
     ignore_unknown_fields: bool = setting(False, help="ignore request fields kvyard does not know instead of "
                                           "answering 400 (for clients that send other engines' fields)")  # fmt: skip
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
@@ -24,6 +29,8 @@ class ServerOptions:
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.max_queued_seqs < 0:
             raise ValueError(f"max_queued_seqs must be >= 0, got {self.max_queued_seqs}")
 

@@ -13,10 +13,13 @@ from kvyard.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    KVTransferFields,
     ResumeState,
     SamplingFields,
 )
+from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.transfer import TransferHandle
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 
 
@@ -35,6 +38,7 @@ class PreparedRequest:
     logprobs: int | None
     stream_progress: bool = False  # each chunk after an SSE comment with its token ids (see completions)
     resume: ResumeState | None = None  # continue a stream another replica began
+    kv_transfer: KVTransferParams | None = None  # prefill for, or pull the prompt's KV from, another replica
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -63,6 +67,8 @@ def prepare_completion(
     tokens = [_tokens_of(engine, prompt, index, len(prompts)) for index, prompt in enumerate(prompts)]
     if body.resume is not None and len(tokens) != 1:
         raise bad_request("resume continues one choice: send one prompt", "resume")
+    if body.kv_transfer_params is not None and len(tokens) != 1:
+        raise bad_request("a disaggregated request has one prompt", "kv_transfer_params")
     return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
 
 
@@ -97,10 +103,20 @@ def _prepared(
         logprobs=logprobs,
         stream_progress=body.stream_progress,
         resume=resume,
+        kv_transfer=kv_transfer_params(body.kv_transfer_params),
     )
     if resume is not None and resume.created is not None:
         prepared.created = resume.created
     return prepared
+
+
+def kv_transfer_params(fields: KVTransferFields | None) -> KVTransferParams | None:
+    if fields is None:
+        return None
+    if fields.do_remote_decode:
+        return KVTransferParams(export_id=fields.transfer_id)
+    assert fields.source is not None  # the model's validator requires it
+    return KVTransferParams(pull_from=TransferHandle(fields.source.rstrip("/"), fields.transfer_id))
 
 
 def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:

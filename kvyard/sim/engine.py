@@ -15,6 +15,7 @@ blocks: a step is arithmetic on the scheduler's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
-from kvyard.engine.core import EngineCore, EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.core import EngineCore, EngineStats, ExportRead, KVSnapshot, RequestOutput
+from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
 from kvyard.sim.config import SimConfig
@@ -34,6 +36,7 @@ from kvyard.sim.tokens import ByteTokenizer
 
 # A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
 LAG_TOLERANCE_S = 0.005
+IDLE_WAKE_S = 0.5
 RESTARTED = "the replica restarted while serving this request"
 
 
@@ -129,10 +132,11 @@ class SimEngine:
         cache_salt: str | None = None,
         final_only: bool = False,
         resumed_output_ids: Sequence[int] = (),
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; closing the iterator early aborts the request."""
         self.check_ready()
-        self.core.add_request(request_id, prompt_token_ids, params, cache_salt, resumed_output_ids)
+        self.core.add_request(request_id, prompt_token_ids, params, cache_salt, resumed_output_ids, kv_transfer)
         stream = self._streams[request_id] = _Stream(final_only)
         self._wake.set()
         finished = False
@@ -146,6 +150,12 @@ class SimEngine:
                 del self._streams[request_id]
                 if not finished:
                     self.core.abort_request(request_id)
+
+    async def read_export(self, transfer_id: str, start: int) -> ExportRead | None:
+        return self.core.read_export(transfer_id, start)
+
+    async def release_export(self, transfer_id: str) -> bool:
+        return self.core.release_export(transfer_id)
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -175,7 +185,9 @@ class SimEngine:
                     continue
                 self._deliver(pending)
                 self._wake.clear()
-                await self._wake.wait()
+                with contextlib.suppress(TimeoutError):  # wake now and then for upkeep (transfer leases)
+                    await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+                core.housekeeping()
                 step_end = loop.time()
                 continue
             now = loop.time()

@@ -1,0 +1,84 @@
+"""The decode side of a transfer: pull a request's blocks from the replica that prefilled it.
+
+Pulls run on their own threads (a few at once: they wait on the network, not the CPU), each bounded by the
+transfer's deadline and idle timeout; the engine admits the request when its pull has ended, however it
+ended, and computes what the pull did not bring. Choices of one request (`n > 1`) share one pull. After a
+pull the prefill side is told to release its lease; counters say how pulls went and why any fell back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvyard.engine.kv_transfer import DeviceBlocks
+from kvyard.kvcache.codec import DecodedBlock
+from kvyard.kvcache.transfer import PulledBlocks, PullLimits, TransferHandle, pull_blocks, release_transfer
+
+MAX_PARALLEL_PULLS = 4
+
+
+@dataclass(slots=True)
+class PullCounters:
+    pulls: int = 0
+    complete: int = 0  # pulls that brought every block asked for
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    fallbacks: Counter[str] = field(default_factory=Counter)  # pulls that fell short, by reason
+
+    def copy(self) -> PullCounters:
+        return PullCounters(self.pulls, self.complete, self.blocks, self.bytes, self.seconds, Counter(self.fallbacks))
+
+
+class KVPullLink:
+    def __init__(self, device: DeviceBlocks, limits: PullLimits) -> None:
+        self.device = device
+        self.limits = limits
+        self._counters = PullCounters()
+        self._lock = threading.Lock()
+        self._in_flight: dict[tuple[str, str], Future[Sequence[DecodedBlock]]] = {}
+        self._threads = ThreadPoolExecutor(max_workers=MAX_PARALLEL_PULLS, thread_name_prefix="kvyard-kv-pull")
+
+    def start_pull(
+        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int
+    ) -> Future[Sequence[DecodedBlock]]:
+        with self._lock:
+            future = self._in_flight.get((handle.source, handle.transfer_id))
+            if future is None:
+                future = self._threads.submit(self._pull, handle, root_key, list(keys), first_block)
+                self._in_flight[handle.source, handle.transfer_id] = future
+            return future
+
+    def release(self, handle: TransferHandle) -> None:
+        self._threads.submit(release_transfer, handle, self.limits.headers, self.limits.idle_s)
+
+    def install(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
+        self.device.write(block_ids, blocks)
+
+    def counters(self) -> PullCounters:
+        with self._lock:
+            return self._counters.copy()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _pull(self, handle: TransferHandle, root_key: bytes, keys: list[bytes], first_block: int) -> PulledBlocks:
+        result = pull_blocks(handle, root_key, keys, first_block, self.device.format, self.limits)
+        if result.failure not in ("connect",):
+            release_transfer(handle, self.limits.headers, self.limits.idle_s)
+        with self._lock:
+            self._in_flight.pop((handle.source, handle.transfer_id), None)
+            counters = self._counters
+            counters.pulls += 1
+            counters.blocks += len(result)
+            counters.bytes += result.num_bytes
+            counters.seconds += result.seconds
+            if result.failure is None:
+                counters.complete += 1
+            else:
+                counters.fallbacks[result.failure] += 1
+        return result

@@ -1,0 +1,239 @@
+"""Prefill/decode disaggregation end to end: real `kvyard serve` processes on loopback, one prefilling and one
+decoding, with the KV moved between them; outputs compared token for token with a unified run."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pd_utils import PD_HEADERS, CorruptingRelay, pd_request, prefill_body
+from server_utils import ADMIN, ServerProcess, start_server
+
+BLOCK_SIZE = 16
+
+
+def make_prompt(seed: int, length: int = 300) -> list[int]:
+    generator = random.Random(seed)
+    return [generator.randrange(3, 1000) for _ in range(length)]
+
+
+def body_of(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    """Every sample of /metrics whose name starts with kvyard_kv_transfer, labels kept in the name."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("kvyard_kv_transfer"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def unified(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    """The reference: the whole request on one replica, under a salt no other request uses (no cache hits)."""
+    response = httpx.post(f"{server.url}/v1/completions", json={**body, "cache_salt": f"ref-{random.random()}"},
+                          timeout=120)  # fmt: skip
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def tokens_of(result: dict[str, Any]) -> list[str]:
+    return [choice["text"] for choice in sorted(result["choices"], key=lambda c: c["index"])]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(
+    request: pytest.FixtureRequest, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A prefill replica (small chunks, so a prompt prefills over several steps) and a decode replica."""
+    logs = tmp_path_factory.mktemp(f"pd-{request.param}")
+    model = model_dirs[request.param]
+    prefill = start_server(model, logs, "--role", "prefill", "--max-num-batched-tokens", "64", "--kv-tier", "none")
+    decode = start_server(model, logs, "--role", "decode", "--kv-tier", "none")
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def test_pd_output_equals_unified_and_the_kv_was_pulled(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    body = body_of(make_prompt(1))
+    before = metrics(decode)
+    result = pd_request(prefill.url, decode.url, body).json()
+    assert tokens_of(result) == tokens_of(unified(decode, body))
+    after = metrics(decode)
+    wanted_blocks = (300 - 1) // BLOCK_SIZE
+    assert after["kvyard_kv_transfer_pulled_blocks_total"] - before["kvyard_kv_transfer_pulled_blocks_total"] == (
+        wanted_blocks
+    )
+    assert after["kvyard_kv_transfer_pulls_complete_total"] == before["kvyard_kv_transfer_pulls_complete_total"] + 1
+    # Nothing was computed from a cache on the prefill side: the decode replica reports no cached tokens.
+    assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_pd_streaming_and_n_choices(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    body = body_of(make_prompt(2), n=3)
+    reference = tokens_of(unified(decode, body))
+    assert tokens_of(pd_request(prefill.url, decode.url, body).json()) == reference
+    stream_body = body_of(make_prompt(3), stream=True)
+    reference_text = tokens_of(unified(decode, body_of(make_prompt(3))))[0]
+    result = pd_request(prefill.url, decode.url, stream_body)
+    assert result.decode.status_code == 200
+    text = "".join(
+        chunk["choices"][0]["text"]
+        for line in result.decode.text.splitlines()
+        if line.startswith("data: {")
+        for chunk in [httpx.Response(200, content=line[6:]).json()]
+        if chunk["choices"]
+    )
+    assert text == reference_text
+
+
+def test_pd_with_prefix_cache_hits_on_either_side(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    history = make_prompt(4, 200)
+    first = body_of(history, cache_salt="session-4")
+    assert pd_request(prefill.url, decode.url, first).json()
+    # The next turn extends the history: the prefill replica has its first 12 blocks cached, the decode replica
+    # too (it registered the pulled blocks), so it pulls only the new ones.
+    turn = body_of(history + make_prompt(5, 100), cache_salt="session-4")
+    before = metrics(decode)
+    result = pd_request(prefill.url, decode.url, turn).json()
+    reference = unified(decode, turn)
+    assert tokens_of(result) == tokens_of(reference)
+    pulled_key = "kvyard_kv_transfer_pulled_blocks_total"
+    pulled = metrics(decode)[pulled_key] - before[pulled_key]
+    assert pulled == (300 - 1) // BLOCK_SIZE - 200 // BLOCK_SIZE
+    assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 200 // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_the_prefill_side_releases_its_blocks(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    pd_request(prefill.url, decode.url, body_of(make_prompt(6))).json()
+    deadline = time.monotonic() + 10
+    while metrics(prefill)["kvyard_kv_transfer_leased_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(prefill)["kvyard_kv_transfer_leased_blocks"] == 0
+    assert httpx.get(f"{prefill.url}/load", timeout=10).json()["kv_blocks_used"] == 0
+
+
+def test_a_corrupt_block_is_recomputed(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    relay = CorruptingRelay(prefill.port, flip_at=2000)  # inside the first block, past the HTTP head
+    try:
+        body = body_of(make_prompt(7))
+        before = metrics(decode)
+        result = pd_request(prefill.url, decode.url, body, source=relay.url).json()
+        assert relay.flipped == 1
+        assert tokens_of(result) == tokens_of(unified(decode, body))
+        after = metrics(decode)
+        key = 'kvyard_kv_transfer_fallbacks_total{reason="corrupt"}'
+        assert after[key] == before.get(key, 0) + 1
+    finally:
+        relay.close()
+
+
+def test_kv_transfer_params_need_the_admin_key(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    body = body_of(make_prompt(8), kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x" * 16,
+                                                       "source": "http://127.0.0.1:9"})  # fmt: skip
+    response = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 401
+    assert "kv_transfer_params" in response.json()["error"]["message"]
+    for bad, field in (({"transfer_id": "x" * 16}, "kv_transfer_params"),
+                       ({"do_remote_prefill": True, "transfer_id": "x" * 16}, "kv_transfer_params"),
+                       ({"do_remote_decode": True, "transfer_id": "short"}, "kv_transfer_params.transfer_id"),
+                       ({"do_remote_prefill": True, "transfer_id": "x" * 16, "source": "file:///etc"},
+                        "kv_transfer_params.source")):  # fmt: skip
+        response = httpx.post(f"{decode.url}/v1/completions", json=body_of([5, 6], kv_transfer_params=bad),
+                              headers=PD_HEADERS, timeout=30)  # fmt: skip
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == field, response.text
+    reading = httpx.get(f"{prefill.url}/kv/transfer", params={"id": "x" * 16}, timeout=30)
+    assert reading.status_code == 401
+    with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": "x" * 16}, headers=ADMIN) as admitted:
+        assert admitted.status_code == 200
+
+
+def test_a_prefill_replica_killed_mid_transfer_falls_back(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = model_dirs["llama"]
+    # One prompt token per step at most: the prefill takes long enough to be killed halfway.
+    prefill = start_server(model, tmp_path, "--max-num-batched-tokens", "16", "--kv-tier", "none")
+    decode = start_server(model, tmp_path, "--kv-tier", "none")
+    try:
+        body = body_of(make_prompt(9, 1500))
+        reference = tokens_of(unified(decode, body))
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(pd_request, prefill.url, decode.url, body)
+            deadline = time.monotonic() + 60
+            while metrics(decode).get("kvyard_kv_transfer_pulls_total", 0) == 0 and time.monotonic() < deadline:
+                if metrics(prefill)["kvyard_kv_transfer_exported_blocks_total"] >= 10:
+                    break
+                time.sleep(0.02)
+            prefill.process.send_signal(signal.SIGKILL)
+            result = running.result()
+        assert result.decode.status_code == 200, result.decode.text
+        assert tokens_of(result.decode.json()) == reference
+        fallbacks = {k: v for k, v in metrics(decode).items() if k.startswith("kvyard_kv_transfer_fallbacks_total")}
+        assert fallbacks == {'kvyard_kv_transfer_fallbacks_total{reason="connection_lost"}': 1.0}, fallbacks
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """500 prefills for decode replicas that pull and release, die halfway through a pull, or never come: once
+    the leases have run out the prefill replica's pool is back where it started."""
+    prefill = start_server(model_dirs["llama"], tmp_path, "--kv-lease-s", "1", "--kv-tier", "none")
+    fates = random.Random(0)
+    plans = [(index, fates.choice(["release", "die_mid_pull", "never_come"])) for index in range(500)]
+
+    def run(plan: tuple[int, str]) -> None:
+        index, fate = plan
+        transfer_id = f"lease-test-{index:04d}"
+        body = prefill_body(body_of(make_prompt(1000 + index, 40)), transfer_id)
+        response = httpx.post(f"{prefill.url}/v1/completions", json=body, headers=PD_HEADERS, timeout=60)
+        assert response.status_code == 200, response.text
+        if fate == "release":
+            with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN,
+                              timeout=60) as stream:  # fmt: skip
+                assert stream.status_code == 200
+                stream.read()
+            released = httpx.post(f"{prefill.url}/kv/transfer/release", params={"id": transfer_id}, headers=ADMIN)
+            assert released.status_code == 200, released.text
+        elif fate == "die_mid_pull":
+            with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN,
+                              timeout=60) as stream:  # fmt: skip
+                next(stream.iter_bytes())
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(run, plans))
+        counts = metrics(prefill)
+        assert counts["kvyard_kv_transfer_exports_total"] == 500
+        assert counts["kvyard_kv_transfer_leases_released_total"] == sum(fate == "release" for _, fate in plans)
+        deadline = time.monotonic() + 10
+        while metrics(prefill)["kvyard_kv_transfer_active_leases"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        counts = metrics(prefill)
+        assert counts["kvyard_kv_transfer_active_leases"] == 0
+        assert counts["kvyard_kv_transfer_leased_blocks"] == 0
+        released = counts["kvyard_kv_transfer_leases_released_total"]
+        assert counts["kvyard_kv_transfer_leases_expired_total"] == 500 - released
+        assert httpx.get(f"{prefill.url}/load", timeout=10).json()["kv_blocks_used"] == 0
+    finally:
+        prefill.stop()
