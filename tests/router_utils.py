@@ -35,7 +35,8 @@ def start_router(
         if admin_off:  # no admin API to ask: wait until the router serves
             wait_for(lambda: _healthy(router), timeout, "router healthy")
         else:
-            wait_for(lambda: _all_ready(router, len(replicas), replicas_publish_events), timeout, "router ready")
+            count = len(replicas) + extra.count("--prefill") + extra.count("--decode")
+            wait_for(lambda: _all_ready(router, count, replicas_publish_events), timeout, "router ready")
     except BaseException:
         router.stop()
         raise

@@ -3,6 +3,7 @@ decoding, with the KV moved between them; outputs compared token for token with 
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import time
@@ -91,13 +92,8 @@ def test_pd_streaming_and_n_choices(pair: tuple[ServerProcess, ServerProcess]) -
     reference_text = tokens_of(unified(decode, body_of(make_prompt(3))))[0]
     result = pd_request(prefill.url, decode.url, stream_body)
     assert result.decode.status_code == 200
-    text = "".join(
-        chunk["choices"][0]["text"]
-        for line in result.decode.text.splitlines()
-        if line.startswith("data: {")
-        for chunk in [httpx.Response(200, content=line[6:]).json()]
-        if chunk["choices"]
-    )
+    chunks = [json.loads(line[6:]) for line in result.decode.text.splitlines() if line.startswith("data: {")]
+    text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
     assert text == reference_text
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
+from kvyard.api.auth import REPLICA_ADMIN_KEY_ENV
 from kvyard.cli import fail
 from kvyard.cli.options import add_config_options, config_from_args
 from kvyard.router.config import RouterConfig
@@ -17,6 +19,11 @@ def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser("route", help=DESCRIPTION, description=DESCRIPTION)
     parser.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL (repeatable; more via POST /admin/replicas at run time)")  # fmt: skip
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill replica (repeatable): prefills requests whose decode runs on a decode replica; "
+                        "needs --replica-admin-key")  # fmt: skip
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode replica (repeatable; a --replica reporting role decode counts too)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
@@ -30,9 +37,12 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(RouterConfig, args)
     except (ValueError, TypeError) as error:
         return fail(str(error))
+    if args.prefill and not (config.replica_admin_key or os.environ.get(REPLICA_ADMIN_KEY_ENV)):
+        return fail("--prefill needs --replica-admin-key (or $KVYARD_REPLICA_ADMIN_KEY): replicas accept "
+                    "disaggregated requests only with their admin key")  # fmt: skip
     import uvloop
 
     from kvyard.router.app import serve
 
-    uvloop.run(serve(config, args.replica, args.host, args.port))
+    uvloop.run(serve(config, args.replica, args.host, args.port, args.prefill, args.decode))
     return 0

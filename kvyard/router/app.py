@@ -12,8 +12,8 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -30,7 +30,8 @@ from kvyard.api.ratelimit import RateLimiter
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
-from kvyard.router.policies import Policy, RouteRequest, make_policy
+from kvyard.router.pd import PREFILL, PDPlan, PDPlanner, prefill_leg
+from kvyard.router.policies import Decision, Policy, RouteRequest, make_policy
 from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import Replica
@@ -53,7 +54,9 @@ class Router:
     keys: KeySet
     admin_key: AdminKey
     limiter: RateLimiter
+    planner: PDPlanner
     in_flight: int = 0
+    _prefill_legs: set[asyncio.Task[None]] = field(default_factory=set)
 
     @classmethod
     def create(cls, config: RouterConfig) -> Router:
@@ -67,7 +70,7 @@ class Router:
         admin_key = AdminKey.from_settings(config.access.admin_key)
         limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
         return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder, keys, admin_key,
-                   limiter)  # fmt: skip
+                   limiter, PDPlanner.create(config))  # fmt: skip
 
     async def close(self) -> None:
         await self.registry.close()
@@ -157,13 +160,20 @@ class Router:
             candidates = self.candidates(model, tried)
             if not candidates:
                 break
+            disaggregate = self._disaggregated(candidates) and not (follower is not None and follower.relayed)
             if route_request is None:
-                route_request = await self._route_request(request, kind, body, candidates)
+                route_request = await self._route_request(request, kind, body, candidates, disaggregate)
             started = time.perf_counter()
-            decision = self.policy.choose(route_request, candidates)
+            if disaggregate:
+                decision, attempt = self._plan_pd(kind, path, body, route_request, candidates)
+            else:
+                decision, attempt = self.policy.choose(route_request, candidates), body
             self.metrics.decision_latency.observe(time.perf_counter() - started)
             tried.add(decision.replica.url)
-            attempt_body = follower.upstream_body(body) if follower is not None else upstream_body
+            if follower is not None:
+                attempt_body = follower.upstream_body(attempt)
+            else:
+                attempt_body = upstream_body if attempt is body else orjson.dumps(attempt)
             outcome = await self.forwarder.forward(request, responder, path, decision, stream, attempt_body, follower)
             if outcome is None:
                 return
@@ -180,12 +190,37 @@ class Router:
         raise APIError(503, "no healthy replica could take the request; retry later", code="no_replica",
                        retry_after=1)  # fmt: skip
 
+    def _disaggregated(self, candidates: list[Replica]) -> bool:
+        """Prefill replicas are among the candidates, and the router holds the admin key PD legs need."""
+        return bool(self.registry.upstream.pd_headers) and any(r.role == PREFILL for r in candidates)
+
+    def _plan_pd(
+        self, kind: str, path: str, body: dict[str, Any], route_request: RouteRequest, candidates: list[Replica]
+    ) -> tuple[Decision, dict[str, Any]]:
+        """The decode replica's decision and body; the prefill leg, when there is one, is already on its way."""
+        plan = self.planner.plan(route_request, candidates)
+        self.metrics.pd_routes.labels(plan.reason).inc()
+        if plan.prefill is None:
+            return plan.decode, body
+        self._send_prefill_leg(kind, path, body, plan)
+        plan.decode.headers = self.registry.upstream.pd_headers
+        plan.decode.prefill_cost = 0.0  # it pulls the prompt's blocks, computing only the last few tokens
+        return plan.decode, {**body, "kv_transfer_params": plan.decode_fields()}
+
+    def _send_prefill_leg(self, kind: str, path: str, body: dict[str, Any], plan: PDPlan) -> None:
+        assert plan.prefill is not None
+        plan.prefill.headers = self.registry.upstream.pd_headers
+        leg = orjson.dumps(prefill_leg(kind, body, plan.transfer_id))
+        task = asyncio.create_task(self.forwarder.prefill(plan.prefill, path, leg))
+        self._prefill_legs.add(task)
+        task.add_done_callback(self._prefill_legs.discard)
+
     async def _route_request(
-        self, request: HttpRequest, kind: str, body: dict[str, Any], candidates: list[Replica]
+        self, request: HttpRequest, kind: str, body: dict[str, Any], candidates: list[Replica], disaggregate: bool
     ) -> RouteRequest:
         session_key = request.headers.get(self.config.session_header) or body.get("user")
         token_ids = None
-        if self.config.policy == "cache_aware":
+        if self.config.policy == "cache_aware" or disaggregate:
             token_ids = await self.tokenizer.token_ids(kind, body, candidates)
         salt = body.get("cache_salt")
         return RouteRequest(kind, body, str(session_key) if session_key else None, token_ids,
@@ -315,11 +350,18 @@ _ACCESS: dict[str, Access] = {
 # ---------------------------------------------------------------------------- process
 
 
-async def serve(config: RouterConfig, replica_urls: list[str], host: str, port: int) -> None:
+async def serve(
+    config: RouterConfig, replica_urls: Sequence[str], host: str, port: int, prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
+) -> None:  # fmt: skip
     """Run the router until SIGINT/SIGTERM, then let requests in progress finish."""
     router = Router.create(config)
     for url in replica_urls:
         router.registry.add(url)
+    for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
+        for url in urls:
+            router.registry.add(url, role)
+    replica_urls = [*replica_urls, *prefill_urls, *decode_urls]
     server = HttpServer(router.handle, config.http)
     await server.start(host, port)
     scheme = "https" if config.http.ssl_certfile else "http"

@@ -9,6 +9,7 @@ from kvyard.net.http_server import HttpServerConfig
 from kvyard.settings import setting
 
 POLICIES = ("round_robin", "least_load", "session", "cache_aware")
+DISAGGREGATION = ("conditional", "always")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,11 @@ class RouterConfig:
     # that replica would have saved (its history is needed again next turn; a copy evicts others' histories).
     session_recompute_weight: float = setting(300.0, help="cache_aware: the same for moving a session away from "
                                               "the replica that served its last turn")  # fmt: skip
+    disaggregation: str = setting("conditional", choices=DISAGGREGATION, help="with prefill replicas: send every "
+                                  "request's prefill to one (always), or only when the decode replica would have more "
+                                  "than --pd-local-prefill-tokens to compute (conditional)")  # fmt: skip
+    pd_local_prefill_tokens: int = setting(512, help="conditional disaggregation: a decode replica with at most this "
+                                           "many prompt tokens to compute prefills them itself")  # fmt: skip
     replica_api_key: str | None = setting(None, help="the key the router sends to replicas (also "
                                           "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
                                           default_text="none", secret=True)  # fmt: skip
@@ -61,5 +67,7 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         object.__setattr__(self, "session_header", self.session_header.lower())  # as the HTTP server stores it
+        if self.disaggregation not in DISAGGREGATION:
+            raise ValueError(f"disaggregation must be one of {', '.join(DISAGGREGATION)}, got {self.disaggregation!r}")
         if self.max_attempts < 1 or self.max_in_flight < 1:
             raise ValueError("max_attempts and max_in_flight must be at least 1")

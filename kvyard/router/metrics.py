@@ -33,6 +33,8 @@ class RouterMetrics:
     rejected: Counter = field(init=False)
     in_flight: Gauge = field(init=False)
     healthy: Gauge = field(init=False)
+    pd_routes: Counter = field(init=False)
+    pd_prefills: Counter = field(init=False)
     _replicas: dict[str, ReplicaMetrics] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,11 @@ class RouterMetrics:
                                 registry=r)  # fmt: skip
         self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)
         self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas receiving new requests", registry=r)
+        self.pd_routes = Counter("kvyard_router_pd_requests", "Requests routed with prefill/decode replicas, by how: "
+                                 "remote (a prefill replica prefilled), short or no_prefill_replica (the decode "
+                                 "replica prefilled)", ["path"], registry=r)  # fmt: skip
+        self.pd_prefills = Counter("kvyard_router_pd_prefill_legs", "Prefill legs, by outcome (ok, status_N, "
+                                   "connect, broken)", ["outcome"], registry=r)  # fmt: skip
 
     def replica(self, url: str) -> ReplicaMetrics:
         children = self._replicas.get(url)

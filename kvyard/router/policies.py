@@ -34,6 +34,7 @@ class Decision:
     predicted_cached_tokens: int | None = None
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
+    headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 
 
 class Policy(Protocol):

@@ -130,7 +130,7 @@ class Forwarder:
         relay: _Relay | None,
     ) -> Retry | None:  # fmt: skip
         replica = decision.replica
-        headers = {"Content-Type": "application/json", **replica.api_headers}
+        headers = {"Content-Type": "application/json", **replica.api_headers, **(decision.headers or {})}
         for name in _FORWARDED_HEADERS:
             value = request.headers.get(name)
             if value is not None:
@@ -163,6 +163,37 @@ class Forwarder:
         stored = _stored(response, body, replica)
         responder.send(stored.status, stored.body, stored.headers, stored.content_type)
         return None
+
+    async def prefill(self, decision: Decision, path: str, body: bytes) -> None:
+        """The prefill leg of a disaggregated request: its answer (one token) is not the client's, but the
+        replica's queue, cache index and health are accounted as for any request. A failure only counts: the
+        decode replica, finding nothing to pull, computes the prompt itself."""
+        replica = decision.replica
+        replica.in_flight += 1
+        replica.awaiting_first_byte += 1
+        replica.pending_prefill_cost += decision.prefill_cost
+        if decision.keys:
+            replica.index.note_routed(decision.keys, math.inf)
+        self.metrics.replica(replica.url).routed.inc()
+        outcome = "ok"
+        try:
+            headers = {"Content-Type": "application/json", **replica.api_headers, **(decision.headers or {})}
+            response = await replica.http.request("POST", path, body, headers=headers)
+            if response.status != 200:
+                outcome = f"status_{response.status}"
+        except ConnectError:
+            self.registry.report_failure(replica, "connect")
+            outcome = "connect"
+        except HttpError:
+            self.registry.report_failure(replica, "broken_before_first_byte")
+            outcome = "broken"
+        finally:
+            replica.in_flight -= 1
+            replica.awaiting_first_byte -= 1
+            replica.pending_prefill_cost -= decision.prefill_cost
+            if decision.keys:
+                replica.index.note_routed(decision.keys)
+            self.metrics.pd_prefills.labels(outcome).inc()
 
     def _broken_mid_stream(self, responder: Responder, follower: StreamFollower | None, reason: str) -> Retry | None:
         if follower is not None and follower.answered:  # only the usage chunk is missing

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvyard.api.auth import REPLICA_ADMIN_KEY_ENV, REPLICA_API_KEY_ENV
+from kvyard.api.auth import ADMIN_KEY_HEADER, REPLICA_ADMIN_KEY_ENV, REPLICA_API_KEY_ENV
 from kvyard.api.load import LoadReport
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
@@ -29,13 +29,15 @@ class UpstreamAuth:
 
     api_headers: dict[str, str]
     admin_headers: dict[str, str]
+    pd_headers: dict[str, str] = field(default_factory=dict)  # the admin key beside the API key (PD legs)
 
     @classmethod
     def from_config(cls, config: RouterConfig, environ: Mapping[str, str] = os.environ) -> UpstreamAuth:
         api_key = config.replica_api_key or environ.get(REPLICA_API_KEY_ENV)
         admin_key = config.replica_admin_key or environ.get(REPLICA_ADMIN_KEY_ENV)
         return cls({"Authorization": f"Bearer {api_key}"} if api_key else {},
-                   {"Authorization": f"Bearer {admin_key}"} if admin_key else {})  # fmt: skip
+                   {"Authorization": f"Bearer {admin_key}"} if admin_key else {},
+                   {ADMIN_KEY_HEADER: admin_key} if admin_key else {})  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -47,7 +49,8 @@ class Registry:
     replicas: dict[str, Replica] = field(default_factory=dict)
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
-    def add(self, url: str) -> Replica:
+    def add(self, url: str, role: str | None = None) -> Replica:
+        """Route to `url`; `role` (prefill or decode) overrides the role the replica reports."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
@@ -55,9 +58,10 @@ class Registry:
             replica = self.replicas[url]
             if replica.state is State.DRAINING:
                 replica.state = State.HEALTHY
+            replica.configured_role = role or replica.configured_role
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks)
-        replica = Replica(url, index=index, connect_timeout_s=self.config.connect_timeout_s,
+        replica = Replica(url, configured_role=role, index=index, connect_timeout_s=self.config.connect_timeout_s,
                           api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers)  # fmt: skip
         self.replicas[url] = replica
         self._tasks[url] = [

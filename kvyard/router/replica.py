@@ -21,6 +21,7 @@ class State(enum.StrEnum):
 class Replica:
     url: str
     state: State = State.HEALTHY
+    configured_role: str | None = None  # --prefill/--decode; None: the role its load report states
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
     model_ids: tuple[str, ...] = ()
@@ -43,6 +44,11 @@ class Replica:
         self.http = HttpClient(self.url, connect_timeout=self.connect_timeout_s)
 
     @property
+    def role(self) -> str:
+        """unified, prefill or decode (prefill/decode disaggregation)."""
+        return self.configured_role or self.load.role
+
+    @property
     def routable(self) -> bool:
         return self.state is State.HEALTHY
 
@@ -55,6 +61,7 @@ class Replica:
         return {
             "url": self.url,
             "state": self.state.value,
+            "role": self.role,
             "models": list(self.model_ids),
             "kv_events": self.index.has_events,
             "index_blocks": self.index.num_blocks,

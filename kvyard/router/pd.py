@@ -1,0 +1,104 @@
+"""Prefill/decode disaggregation in the router: pick a decode replica, decide whether a prefill replica prefills
+for it, and build the two legs (DESIGN.md, contract 6).
+
+The decode replica is chosen first, cache-aware over the decode pool: the replica that holds the session's
+history has the least to compute or pull, and the cost model spreads load as it does for unified replicas.
+Then, per request, **conditional disaggregation**: when the tokens the decode replica would have to compute
+(the prompt minus what it holds) are few, it prefills them itself; moving KV for a continuing turn whose
+history is already there costs more than it saves. Otherwise a prefill replica is chosen, cache-aware over the
+prefill pool, among those whose block namespace (model, weights digest, dtype, block size) equals the decode
+replica's: blocks of another model are never mixed in, and a fleet where no such pair exists gets a clear
+error rather than a silent fallback. Both legs go out at once with one fresh transfer id; the decode replica
+pulls blocks while the prefill replica computes them, and falls back to computing them itself on any failure.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from kvyard.api.errors import APIError
+from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.router.config import RouterConfig
+from kvyard.router.policies import CacheAware, Decision, RouteRequest
+from kvyard.router.replica import Replica
+
+PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
+
+
+@dataclass(slots=True)
+class PDPlan:
+    decode: Decision
+    prefill: Decision | None  # None: the decode replica prefills the request itself
+    reason: str  # remote | short (few tokens to compute) | no_prefill_replica
+    transfer_id: str = ""
+
+    def decode_fields(self) -> dict[str, Any]:
+        """`kv_transfer_params` of the decode leg."""
+        assert self.prefill is not None
+        return {"do_remote_prefill": True, "transfer_id": self.transfer_id, "source": self.prefill.replica.url}
+
+
+@dataclass(slots=True)
+class PDPlanner:
+    config: RouterConfig
+    decode_policy: CacheAware
+    prefill_policy: CacheAware
+
+    @classmethod
+    def create(cls, config: RouterConfig) -> PDPlanner:
+        return cls(config, CacheAware(config), CacheAware(config))
+
+    def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
+        decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates
+        decode = self.decode_policy.choose(request, decoders)
+        prefillers = [r for r in candidates if r.role == PREFILL]
+        if not prefillers:
+            return PDPlan(decode, None, "no_prefill_replica")
+        if self._short(request, decode):
+            return PDPlan(decode, None, "short")
+        compatible = [r for r in prefillers
+                      if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)]  # fmt: skip
+        if not compatible:
+            raise APIError(503, _mismatch_message(decode.replica, prefillers), code="pd_model_mismatch")
+        prefill = self.prefill_policy.choose(request, compatible)
+        return PDPlan(decode, prefill, "remote", secrets.token_hex(16))
+
+    def _short(self, request: RouteRequest, decode: Decision) -> bool:
+        """Few enough tokens to compute that the decode replica prefills them itself (conditional mode)."""
+        if self.config.disaggregation != "conditional" or request.token_ids is None:
+            return False
+        to_compute = len(request.token_ids) - (decode.predicted_cached_tokens or 0)
+        return to_compute <= self.config.pd_local_prefill_tokens
+
+
+def same_kv(left: KeyNamespace | None, right: KeyNamespace | None) -> bool:
+    """Blocks of one can be used by the other: same model identity, dtype and block size (any salt)."""
+    if left is None or right is None:
+        return False
+    return (left.model_name, left.model_digest, left.dtype, left.block_size) == (
+        right.model_name, right.model_digest, right.dtype, right.block_size)  # fmt: skip
+
+
+def _mismatch_message(decode: Replica, prefillers: list[Replica]) -> str:
+    def describe(replica: Replica) -> str:
+        ns = replica.namespace
+        if ns is None:
+            return f"{replica.url} (namespace unknown: no KV snapshot yet, or no --replica-admin-key)"
+        return f"{replica.url} ({ns.model_name}, weights {ns.model_digest[:12]}, {ns.dtype}, block {ns.block_size})"
+
+    return (f"no prefill replica serves the same KV as decode replica {describe(decode)}: "
+            f"{'; '.join(describe(r) for r in prefillers)}. Disaggregation needs the same model, weights, dtype "
+            "and block size on both sides")  # fmt: skip
+
+
+def prefill_leg(kind: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill replica's request: the prompt, one token, one choice, no stream; it keeps the blocks."""
+    dropped = ("n", "stream", "stream_options", "stream_progress", "resume", "best_of", "logprobs", "top_logprobs")
+    leg = {key: value for key, value in body.items() if key not in dropped}
+    leg["max_tokens"] = 1
+    if kind == "chat":
+        leg["max_completion_tokens"] = 1
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return leg
