@@ -13,12 +13,21 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvyard.engine.kv_transfer import DeviceBlocks
-from kvyard.kvcache.codec import DecodedBlock
+from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 from kvyard.kvcache.transfer import PulledBlocks, PullLimits, TransferHandle, pull_blocks, release_transfer
 
 MAX_PARALLEL_PULLS = 4
+
+
+class BlockWriter(Protocol):
+    """Where pulled blocks go: the device cache (kv_transfer.DeviceBlocks), or the simulator's stand-in."""
+
+    @property
+    def format(self) -> BlockFormat: ...
+
+    def write(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -35,7 +44,7 @@ class PullCounters:
 
 
 class KVPullLink:
-    def __init__(self, device: DeviceBlocks, limits: PullLimits) -> None:
+    def __init__(self, device: BlockWriter, limits: PullLimits) -> None:
         self.device = device
         self.limits = limits
         self._counters = PullCounters()
