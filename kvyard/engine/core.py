@@ -265,7 +265,8 @@ class EngineCore:
         """Run one scheduling step; returns an output for every request that produced a token."""
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
-            self.kv_manager.wait_for_loads(self.scheduler.waiting, IDLE_LOAD_WAIT_S)
+            idle_wait = IDLE_LOAD_WAIT_S if self.kv_manager.load_wait_s else 0.0
+            self.kv_manager.wait_for_loads(self.scheduler.waiting, idle_wait)
             return []
         scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
         sampled = self.runner.execute(scheduled)
@@ -370,9 +371,16 @@ class EngineCore:
         """The decode side is done with a transfer (engine thread); False when it is unknown or expired."""
         return self.kv_exports.release(transfer_id)
 
-    def attach_puller(self, puller: BlockPuller | None) -> None:
-        """Let requests pull their prompts' blocks from prefill replicas (None: they compute them)."""
+    def attach_puller(self, puller: BlockPuller | None, block_on_loads: bool = True) -> None:
+        """Let requests pull their prompts' blocks from prefill replicas (None: they compute them). An engine on
+        an event loop passes `block_on_loads=False`: steps then never wait for a load to finish."""
         self.kv_manager.puller = puller if self.config.enable_prefix_caching else None
+        if not block_on_loads:
+            self.kv_manager.load_wait_s = 0.0
+
+    def loads_pending(self) -> bool:
+        """Some waiting request waits for blocks being loaded or pulled."""
+        return any(request.tier_load is not None for request in self.scheduler.waiting)
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

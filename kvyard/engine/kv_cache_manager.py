@@ -52,6 +52,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.tier = tier
         self.puller: BlockPuller | None = None
+        # Thread-driven engines wait this long for a load that may finish at once; an engine stepped on an
+        # event loop (the simulator) sets 0 and never blocks.
+        self.load_wait_s = LOAD_WAIT_IN_STEP_S
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
         self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
@@ -69,7 +72,8 @@ class KVCacheManager:
                 request.tier_checked = True
                 return True
             request.tier_load = load
-            wait([load.future], timeout=LOAD_WAIT_IN_STEP_S)
+            if self.load_wait_s > 0:
+                wait([load.future], timeout=self.load_wait_s)
         return request.tier_load.future.done()
 
     def _start_load(self, request: Request, first_block: int, max_blocks: int) -> TierLoad | None:
@@ -91,7 +95,7 @@ class KVCacheManager:
     def wait_for_loads(self, requests: Iterable[Request], timeout: float) -> None:
         """Block until one of the tier loads of `requests` finishes, at most `timeout` s (nothing else to do)."""
         futures = [r.tier_load.future for r in requests if r.tier_load is not None]
-        if futures:
+        if futures and timeout > 0:
             wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
 
     def find_cached_prefix(self, request: Request) -> list[int]:
