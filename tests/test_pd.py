@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_utils import PD_HEADERS, CorruptingRelay, pd_request, prefill_body
+from pd_utils import PD_HEADERS, CorruptingRelay, decode_body, pd_request, prefill_body
 from server_utils import ADMIN, ServerProcess, start_server
 
 BLOCK_SIZE = 16
@@ -233,3 +233,25 @@ def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path
         assert httpx.get(f"{prefill.url}/load", timeout=10).json()["kv_blocks_used"] == 0
     finally:
         prefill.stop()
+
+
+def test_a_client_that_disconnects_leaks_nothing(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    prefill, decode = pair
+    body = body_of(make_prompt(10, 600), max_tokens=200, stream=True)
+    transfer_id = "disconnect-test-0001"
+    with ThreadPoolExecutor(1) as pool:
+        leg = pool.submit(httpx.post, f"{prefill.url}/v1/completions", json=prefill_body(body, transfer_id),
+                          headers=PD_HEADERS, timeout=120)  # fmt: skip
+        with httpx.stream("POST", f"{decode.url}/v1/completions", json=decode_body(body, transfer_id, prefill.url),
+                          headers=PD_HEADERS, timeout=120) as response:  # fmt: skip
+            assert response.status_code == 200
+            next(response.iter_lines())  # the first token is out: the client goes away mid-stream
+        assert leg.result().status_code == 200
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (
+        metrics(prefill)["kvyard_kv_transfer_leased_blocks"] or httpx.get(f"{decode.url}/load").json()["kv_blocks_used"]
+    ):
+        time.sleep(0.1)
+    assert metrics(prefill)["kvyard_kv_transfer_leased_blocks"] == 0
+    assert httpx.get(f"{decode.url}/load", timeout=10).json()["kv_blocks_used"] == 0
+    assert httpx.get(f"{prefill.url}/load", timeout=10).json()["kv_blocks_used"] == 0
