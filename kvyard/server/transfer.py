@@ -19,7 +19,7 @@ from kvyard.server.backend import ReplicaEngine
 
 APPEAR_WAIT_S = 10.0
 HEARTBEAT_S = 1.0
-POLL_S = 0.002
+POLL_S = (0.002, 0.02)  # the wait between looks for new blocks, doubling from the first to the second while idle
 TRANSFER_HEADERS = {"Content-Type": "application/octet-stream", "Cache-Control": "no-cache"}
 
 
@@ -30,6 +30,7 @@ async def send_transfer(
     responder.flush_head()
     next_block, seen, told_cached = start, False, False
     opened = last_write = time.monotonic()
+    poll_s = POLL_S[0]
     while not stopping():
         read = await engine.read_export(transfer_id, next_block)
         now = time.monotonic()
@@ -53,9 +54,11 @@ async def send_transfer(
                 responder.write(end_frame(view.status, view.reason, view.num_blocks))
                 break
             if read.blobs:
+                poll_s = POLL_S[0]
                 continue
         if now - last_write >= HEARTBEAT_S:
             responder.write(frame(HEARTBEAT))
             last_write = now
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll_s)
+        poll_s = min(poll_s * 2, POLL_S[1])
     responder.end()

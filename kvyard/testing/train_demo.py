@@ -137,10 +137,23 @@ def train(out: Path, settings: TrainSettings) -> dict[str, Any]:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             if (start_dir / name).is_file():
                 (out / name).write_bytes((start_dir / name).read_bytes())
+        end_on_both_ends(out, tokenizer)
     info = {**info, "settings": asdict(settings), "python": sys.version.split()[0], "torch": torch.__version__,
             "transformers": transformers.__version__}  # fmt: skip
     (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def end_on_both_ends(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The model ends a chat answer with the end-of-turn token and plain code with the end-of-text token it was
+    trained on: make both end generation (config.json and generation_config.json list both)."""
+    ends = [int(tokenizer.convert_tokens_to_ids(token)) for token in (LLAMA3.eos_token, LLAMA3.text_end_token)]  # type: ignore[arg-type]
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config["eos_token_id"] = ends
+            path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _run(model: LlamaForCausalLM, rows: torch.Tensor, held: torch.Tensor, settings: TrainSettings) -> dict[str, Any]:
