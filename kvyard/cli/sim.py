@@ -2,6 +2,10 @@
 
 Each is the engine's own core with a cost model in place of the model, served over the same replica API
 as `kvyard serve` (KV events included), for routing experiments at a scale one machine cannot run models.
+With `--prefill-replicas K` the first K replicas are prefill replicas and the rest decode replicas: with an admin
+key (`--admin-key` or $KVYARD_ADMIN_KEY, which every replica shares) they move a request's blocks over HTTP as
+real replicas do, each pull charged the modeled transfer time (--kv-bytes-per-token, --transfer-gb-per-s,
+--transfer-latency-s).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvyard.api.auth import admin_key_of
 from kvyard.cli import fail
 from kvyard.cli.options import add_config_options, config_from_args
 from kvyard.engine.scheduler import SchedulerConfig
@@ -35,6 +40,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100, help="first port; 0: a free port per replica (default: 8100)")
     parser.add_argument("--replicas", type=int, default=1, help="simulated replicas (default: 1)")
+    parser.add_argument("--prefill-replicas", type=int, default=0, metavar="K",
+                        help="prefill/decode disaggregation: the first K replicas report role prefill, the others "
+                        "decode (overrides --role); 0: every replica has --role (default: 0)")  # fmt: skip
     parser.add_argument("--ports-file", type=Path, default=None, help="write {'ports': [...], 'urls': [...]} here")
     parser.add_argument("--namespace-from", type=Path, default=None, metavar="MODEL_DIR",
                         help="take model name, digest and dtype from a kvyard model directory, so block keys "
@@ -81,13 +89,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper())
     if args.replicas < 1:
         return fail("--replicas must be at least 1")
+    from kvyard.testing.sim_cluster import pd_roles, sim_replica_specs
+
     try:
         config = sim_config(args)
         options = config_from_args(ServerOptions, args, owned_by="kvyard-sim")
+        roles = pd_roles(args.replicas, args.prefill_replicas) if args.prefill_replicas else []
     except (ValueError, TypeError, OSError) as error:
         return fail(str(error))
+    if roles and admin_key_of(options.access.admin_key) is None:
+        print("kvyard sim: warning: without an admin key (--admin-key or $KVYARD_ADMIN_KEY) replicas move no KV: "
+              "every decode replica computes its prompts itself", file=sys.stderr)  # fmt: skip
     from kvyard.server.serve import serve_replicas
-    from kvyard.testing.sim_cluster import sim_replica_specs
 
-    return serve_replicas(lambda: sim_replica_specs([config] * args.replicas), options, args.host, args.port,
-                          args.ports_file)  # fmt: skip
+    return serve_replicas(lambda: sim_replica_specs([config] * args.replicas, options, roles), options, args.host,
+                          args.port, args.ports_file)  # fmt: skip

@@ -83,21 +83,24 @@ ExtraRoutes = Callable[[ReplicaApp], Mapping[tuple[str, str], Endpoint]]
 
 @dataclass(slots=True)
 class ReplicaSpec:
-    """An engine to serve, its background work, and admin routes beyond the replica API (made for its app)."""
+    """An engine to serve, its background work, admin routes beyond the replica API (made for its app), and its
+    own server options (a replica's role), else the ones all replicas share."""
 
     engine: ReplicaEngine
     background: Callable[[], Awaitable[None]] | None = None
     admin_routes: ExtraRoutes | None = None
+    options: ServerOptions | None = None
 
 
 async def host_replicas(
     specs: Sequence[ReplicaSpec], options: ServerOptions, host_name: str = "127.0.0.1", port: int = 0
 ) -> list[Hosted]:
-    """Replica i listens on `port + i`, or on a free port of its own when `port` is 0."""
+    """Replica i listens on `port + i`, or on a free port of its own when `port` is 0; a spec's own options replace
+    `options`."""
     hosted: list[Hosted] = []
     try:
         for index, spec in enumerate(specs):
-            app = ReplicaApp(options, spec.engine)
+            app = ReplicaApp(spec.options or options, spec.engine)
             if spec.admin_routes is not None:
                 app.add_routes(spec.admin_routes(app), Access.ADMIN)
             background = [spec.background()] if spec.background is not None else []

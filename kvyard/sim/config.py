@@ -8,6 +8,7 @@ from kvyard.api.checks import ContextLimits
 from kvyard.engine.core import CoreConfig, EngineCore
 from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.config import KVTransferConfig
 from kvyard.settings import setting
 from kvyard.sim.cost_model import CostModel
 from kvyard.sim.cost_runner import CostRunner
@@ -27,22 +28,39 @@ class SimConfig:
     max_model_len: int = setting(131072, help="context length of the simulated model")
     vocab_size: int = setting(32000, help="vocabulary size (token ids are checked against it)")
     time_scale: float = setting(1.0, help="wall seconds per simulated second (0.1: ten times faster than the "
-                                "engine it models)")  # fmt: skip
+                                "engine it models); KV-transfer pull deadlines scale with it")  # fmt: skip
     stream_interval_s: float = setting(0.002, help="least wall time between two deliveries of a stream's tokens "
                                        "after its first (longer: fewer writes, less CPU)")  # fmt: skip
     tick_s: float = setting(0.002, help="timing resolution: steps ending less than this ahead of the wall clock "
                             "run without sleeping (longer: fewer wake-ups, less CPU)")  # fmt: skip
+    # Moving KV between replicas (prefill/decode disaggregation): the blocks that really travel are small
+    # stand-ins; a pull of B blocks is charged `transfer_seconds(B)` as if the model's KV had moved.
+    kv_bytes_per_token: int = setting(16384, help="KV bytes per token of the simulated model, for the cost of a "
+                                      "transfer; 16384 is the model the default cost model was calibrated on "
+                                      "(kvyard's llama bench preset in float32: 8 layers x 2 (K and V) x 4 KV heads "
+                                      "x 64 dims x 4 bytes)")  # fmt: skip
+    transfer_gb_per_s: float = setting(1.25, help="bandwidth of a KV transfer from a prefill replica, in GB/s "
+                                       "(10^9 bytes); 1.25 is one 10 Gb/s Ethernet link")  # fmt: skip
+    transfer_latency_s: float = setting(0.001, help="simulated seconds every transfer takes on top of its bytes "
+                                        "(connection and first byte on a LAN)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # The pull deadline is a time of the modeled engine (scaled by time_scale). The lease and the idle timeout stay
+    # wall times, like the transfer server's own (heartbeats, the wait for a transfer not yet known): a lease scaled
+    # alone would send a late pull into that unscaled wait.
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     cost: CostModel = field(default_factory=CostModel)  # from `--calibrate`, else the defaults
     event_log_capacity: int = 65536
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
-        for name in ("stream_interval_s", "tick_s"):
+        if not self.transfer_gb_per_s > 0:
+            raise ValueError(f"transfer_gb_per_s must be positive, got {self.transfer_gb_per_s}")
+        for name in ("stream_interval_s", "tick_s", "transfer_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "vocab_size", "event_log_capacity"):
+        for name in ("block_size", "num_kv_blocks", "max_model_len", "vocab_size", "event_log_capacity",
+                     "kv_bytes_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -54,9 +72,21 @@ class SimConfig:
     def limits(self) -> ContextLimits:
         return ContextLimits(self.max_model_len, self.vocab_size, self.block_size, self.num_kv_blocks)
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block's KV in the simulated model (what a transfer of it would move)."""
+        return self.kv_bytes_per_token * self.block_size
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        """Simulated seconds to move `num_blocks` blocks from a prefill replica: latency plus bytes over
+        bandwidth, none of it overlapped with the prefill that computed them (an upper bound for a transfer
+        streamed while prefill runs)."""
+        return self.transfer_latency_s + num_blocks * self.kv_bytes_per_block / (self.transfer_gb_per_s * 1e9)
+
     def core_config(self) -> CoreConfig:
         return CoreConfig(self.limits, self.scheduler, record_kv_events=True,
-                          event_log_capacity=self.event_log_capacity)  # fmt: skip
+                          event_log_capacity=self.event_log_capacity,
+                          kv_lease_s=self.kv_transfer.kv_lease_s)  # fmt: skip
 
     def build_core(self) -> tuple[EngineCore, CostRunner]:
         """A fresh engine core (empty cache, events from sequence 1) and its cost runner."""

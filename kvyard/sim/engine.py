@@ -10,6 +10,11 @@ writes. When the process cannot keep up, the replica runs late, never faster; th
 
 Many of these run in one process and one event loop (`kvyard sim --replicas N`), so nothing here
 blocks: a step is arithmetic on the scheduler's state.
+
+Prefill/decode disaggregation works as on a real replica (`sim.transfer`): a prefill replica's leased blocks are
+sent as small stand-in blocks over HTTP, a decode replica pulls them on the engine's pull threads, and its request
+is admitted once the modeled transfer time has passed; meanwhile the loop checks again every tick instead of
+waiting on the load.
 """
 
 from __future__ import annotations
@@ -17,26 +22,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
 from kvyard.engine.core import EngineCore, EngineStats, ExportRead, KVSnapshot, RequestOutput
+from kvyard.engine.kv_pull_link import KVPullLink, PullCounters
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.transfer import PullLimits
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_runner import CostRunner
 from kvyard.sim.tokens import ByteTokenizer
+from kvyard.sim.transfer import ModeledPuller, ModeledTransfers, StandInBlocks
 
 # A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
 LAG_TOLERANCE_S = 0.005
 IDLE_WAKE_S = 0.5
+MIN_LOAD_POLL_S = 0.001  # while only pulls are pending, look again this often even with tick_s 0
 RESTARTED = "the replica restarted while serving this request"
 
 
@@ -69,8 +78,18 @@ class _Stream:
             await self.ready.wait()
 
 
+CollectorFactory = Callable[["SimEngine"], Collector]
+
+
 class SimEngine:
-    def __init__(self, config: SimConfig, index: int = 0) -> None:
+    """`admin_key`: the fleet's admin key, which this replica sends when it pulls a prompt's blocks from a prefill
+    replica (none: it computes every prompt itself). `collectors`: more metrics of this engine, made for it
+    (the KV-transfer counters, whose collector lives with the server)."""
+
+    def __init__(
+        self, config: SimConfig, index: int = 0, admin_key: str | None = None,
+        collectors: Sequence[CollectorFactory] = (),
+    ) -> None:  # fmt: skip
         self.config = config
         self.index = index
         self.healthy = True  # False (set through the fault-injection API) answers 503
@@ -78,15 +97,41 @@ class SimEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._vocabulary = ByteTokenizer()
+        self._pull_headers = {"authorization": f"Bearer {admin_key}"} if admin_key else None
+        self.puller: ModeledPuller | None = None
         self._fresh_state()
+        self._collectors: list[Collector] = [_SimCollector(self), *(make(self) for make in collectors)]
 
     def _fresh_state(self) -> None:
         """An empty cache and a new event log (sequence from 1): a newly started replica."""
         core, runner = self.config.build_core()
+        core.block_reader = StandInBlocks()
+        if self.puller is not None:
+            self.puller.close()
+        self.puller = self._make_puller()
+        if self.puller is not None:
+            core.attach_puller(self.puller, block_on_loads=False)
         self.core: EngineCore = core
         self.runner: CostRunner = runner
         self.lag_s = 0.0
         self.busy_s = 0.0
+
+    def _make_puller(self) -> ModeledPuller | None:
+        """The deadline is a time of the modeled engine, so it scales with time_scale; the idle timeout watches the
+        HTTP peer itself, which sends heartbeats every wall second (see SimConfig.kv_transfer)."""
+        if self._pull_headers is None:
+            return None
+        transfer = self.config.kv_transfer
+        limits = PullLimits(transfer.kv_transfer_timeout_s * self.config.time_scale, transfer.kv_transfer_idle_s,
+                            self._pull_headers)  # fmt: skip
+        return ModeledPuller(KVPullLink(StandInBlocks(), limits), self.config)
+
+    def pull_counters(self) -> PullCounters | None:
+        """How pulls from prefill replicas went (None: this replica does not pull)."""
+        return self.puller.link.counters() if self.puller is not None else None
+
+    def modeled_transfers(self) -> ModeledTransfers:
+        return self.puller.modeled() if self.puller is not None else ModeledTransfers()
 
     def restart(self) -> None:
         """Behave like a replica that crashed and came back: every request in flight fails, the cache is gone."""
@@ -167,11 +212,18 @@ class SimEngine:
         return self.core.kv_snapshot()
 
     def collectors(self) -> list[Collector]:
-        return [_SimCollector(self)]
+        return list(self._collectors)
 
     # ------------------------------------------------------------------ the step loop
 
     async def run(self) -> None:
+        try:
+            await self._step_loop()
+        finally:
+            if self.puller is not None:
+                self.puller.close()
+
+    async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         step_end = last_delivery = loop.time()
         pending: list[RequestOutput] = []
@@ -180,6 +232,12 @@ class SimEngine:
             steps_before = runner.num_steps
             outputs = core.step()
             if runner.num_steps == steps_before:
+                if core.loads_pending():  # requests wait for pulled blocks: look again shortly, never spin
+                    self._deliver(pending)
+                    await asyncio.sleep(max(self.config.tick_s, MIN_LOAD_POLL_S))
+                    core.housekeeping()
+                    step_end = loop.time()
+                    continue
                 if core.has_unfinished_requests():
                     await asyncio.sleep(0)  # only preemptions: the next schedule admits them again
                     continue
@@ -220,8 +278,13 @@ class _SimCollector(Collector):
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost "
                                   "model (the process could not keep up)", value=self.engine.lag_s)  # fmt: skip
         yield GaugeMetricFamily("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps "
                                   "(cost model times time scale)", value=self.engine.busy_s)  # fmt: skip
+        modeled = self.engine.modeled_transfers()
+        yield CounterMetricFamily("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have "
+                                  "moved in the simulated model", value=modeled.bytes)  # fmt: skip
+        yield CounterMetricFamily("kvyard_sim_transfer_model_seconds", "Simulated seconds charged for pulls "
+                                  "(latency plus bytes over bandwidth)", value=modeled.seconds)  # fmt: skip

@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import cast
 
-from kvyard.api.auth import AccessConfig
+from prometheus_client.registry import Collector
+
+from kvyard.api.auth import AccessConfig, admin_key_of
 from kvyard.net.http_server import HttpServerConfig
+from kvyard.server.kv_tier_metrics import KVTransferCollector
 from kvyard.server.options import ServerOptions
 from kvyard.server.serve import ReplicaCluster, ReplicaSpec
 from kvyard.sim.config import SimConfig
 from kvyard.sim.engine import SimEngine
 from kvyard.sim.fault_routes import fault_routes
 
-
-def sim_replica_specs(configs: Sequence[SimConfig]) -> list[ReplicaSpec]:
-    """One replica per config, with its step loop and the fault-injection routes."""
-    engines = [SimEngine(config, index) for index, config in enumerate(configs)]
-    return [ReplicaSpec(engine, engine.run, partial(fault_routes, engine)) for engine in engines]
-
-
 TEST_ADMIN_KEY = "kvyard-test-admin"  # the admin key of test clusters: KV events and fault injection
+
+
+def pd_roles(num_replicas: int, num_prefill: int) -> list[str]:
+    """Roles of a fleet whose first `num_prefill` replicas prefill for the rest, which decode (0: all unified)."""
+    if not 0 <= num_prefill <= num_replicas:
+        raise ValueError(f"prefill replicas must be between 0 and the {num_replicas} replicas, got {num_prefill}")
+    if num_prefill == 0:
+        return ["unified"] * num_replicas
+    return ["prefill"] * num_prefill + ["decode"] * (num_replicas - num_prefill)
+
+
+def sim_replica_specs(
+    configs: Sequence[SimConfig], options: ServerOptions | None = None, roles: Sequence[str] = ()
+) -> list[ReplicaSpec]:
+    """One replica per config, with its step loop and the fault-injection routes. `options`: those all replicas are
+    served with (their admin key is the one a decode replica pulls with); `roles`: one per replica, else each has
+    the role of `options`."""
+    options = options or sim_server_options()
+    if roles and len(roles) != len(configs):
+        raise ValueError(f"{len(roles)} roles for {len(configs)} replicas")
+    admin_key = admin_key_of(options.access.admin_key)
+    engines = [SimEngine(config, index, admin_key, (transfer_collector,)) for index, config in enumerate(configs)]
+    own: list[ServerOptions | None] = [dataclasses.replace(options, role=role) for role in roles]
+    return [ReplicaSpec(engine, engine.run, partial(fault_routes, engine), replica_options)
+            for engine, replica_options in zip(engines, own or [None] * len(engines))]  # fmt: skip
+
+
+def transfer_collector(engine: SimEngine) -> Collector:
+    """The KV-transfer counters of a real replica (leases, pulls), for a simulated one."""
+    return KVTransferCollector(lambda: engine.core.kv_exports, engine.pull_counters)
 
 
 def sim_server_options(
@@ -35,10 +62,14 @@ def sim_server_options(
 
 
 class SimCluster(ReplicaCluster):
-    """`with SimCluster([config] * 3) as sim: sim.urls`; `sim.replicas` are the live `SimEngine`s."""
+    """`with SimCluster([config] * 3) as sim: sim.urls`; `sim.replicas` are the live `SimEngine`s. `roles`: one per
+    replica (see `pd_roles`), else every replica has the role of `options`."""
 
-    def __init__(self, configs: Sequence[SimConfig], options: ServerOptions | None = None) -> None:
-        super().__init__(lambda: sim_replica_specs(configs), options or sim_server_options())
+    def __init__(
+        self, configs: Sequence[SimConfig], options: ServerOptions | None = None, roles: Sequence[str] = ()
+    ) -> None:
+        options = options or sim_server_options()
+        super().__init__(lambda: sim_replica_specs(configs, options, roles), options)
 
     @property
     def replicas(self) -> list[SimEngine]:
