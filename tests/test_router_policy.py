@@ -59,3 +59,46 @@ def test_new_conversations_take_turns_over_equal_idle_replicas() -> None:
         )
         chosen.append(policy.choose(request, replicas).replica.url)
     assert chosen == ["http://a", "http://b", "http://c"] * 2
+
+
+def pd_fleet(policy: CacheAware) -> list[Replica]:
+    """A prefill replica and three decode replicas; decode replica d0 holds HISTORY, all share one namespace."""
+    from kvyard.api.load import LoadReport
+    from kvyard.kvcache.block_key import KeyNamespace
+
+    namespace = KeyNamespace("m", "digest", "float32", 16)
+    replicas = [Replica("http://p", configured_role="prefill")]
+    replicas += [Replica(f"http://d{i}", configured_role="decode") for i in range(3)]
+    for replica in replicas:
+        replica.namespace, replica.load = namespace, LoadReport()
+        replica.index.reset([], seq=0)
+    request = RouteRequest("completion", {"model": "m"}, None, HISTORY, None)
+    root, block_size = policy._root(request, replicas[1])
+    replicas[1].index.reset(PromptKeys.of(root, block_size, HISTORY).all(), seq=1)
+    return replicas
+
+
+def test_prefilled_elsewhere_decodes_spread_by_load_not_by_a_held_prefix() -> None:
+    from kvyard.router.pd import PDPlanner
+
+    planner = PDPlanner.create(RouterConfig(disaggregation="always"))
+    replicas = pd_fleet(planner.decode_policy)
+    chosen = []
+    for turn in range(6):  # new conversations sharing d0's prefix; each running decode weighs on its replica
+        plan = planner.plan(RouteRequest("completion", {"model": "m"}, None, [*HISTORY, turn], None), replicas)
+        assert plan.prefill is not None and plan.prefill.replica.url == "http://p"
+        plan.decode.replica.streaming += 1
+        chosen.append(plan.decode.replica.url)
+    assert {chosen.count(url) for url in ("http://d0", "http://d1", "http://d2")} == {2}
+
+
+def test_conditional_disaggregation_prefills_a_continuing_turn_where_its_history_is() -> None:
+    from kvyard.router.pd import PDPlanner
+
+    planner = PDPlanner.create(RouterConfig(disaggregation="conditional", pd_local_prefill_tokens=512))
+    replicas = pd_fleet(planner.decode_policy)
+    plan = planner.plan(RouteRequest("completion", {"model": "m"}, None, TURN, None), replicas)
+    assert (plan.reason, plan.decode.replica.url, plan.prefill) == ("short", "http://d0", None)
+    fresh = list(range(9000, 9000 + 2048))  # nobody holds it: prefilled remotely
+    plan = planner.plan(RouteRequest("completion", {"model": "m"}, None, fresh, None), replicas)
+    assert plan.reason == "remote" and plan.prefill is not None

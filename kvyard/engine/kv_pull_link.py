@@ -1,7 +1,7 @@
 """The decode side of a transfer: pull a request's blocks from the replica that prefilled it.
 
-Pulls run on their own threads (a few at once: they wait on the network, not the CPU), each bounded by the
-transfer's deadline and idle timeout; the engine admits the request when its pull has ended, however it
+Pulls run on their own threads (many at once: they mostly wait, on the network and the remote prefill), each
+bounded by the transfer's deadline and idle timeout; the engine admits the request when its pull has ended, however it
 ended, and computes what the pull did not bring. Choices of one request (`n > 1`) share one pull. After a
 pull the prefill side is told to release its lease; counters say how pulls went and why any fell back.
 """
@@ -18,7 +18,7 @@ from typing import Protocol
 from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 from kvyard.kvcache.transfer import PulledBlocks, PullLimits, TransferHandle, pull_blocks, release_transfer
 
-MAX_PARALLEL_PULLS = 4
+MAX_PARALLEL_PULLS = 32  # a pull holds its thread while its prompt is prefilled elsewhere: mostly waiting
 
 
 class BlockWriter(Protocol):

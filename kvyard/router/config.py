@@ -49,6 +49,11 @@ class RouterConfig:
                                   "than --pd-local-prefill-tokens to compute (conditional)")  # fmt: skip
     pd_local_prefill_tokens: int = setting(512, help="conditional disaggregation: a decode replica with at most this "
                                            "many prompt tokens to compute prefills them itself")  # fmt: skip
+    # A running request takes a share of every decode step for the rest of its output: ~64 more steps of one
+    # sequence weigh as much as 256 prefill tokens in the sim cost model (1.8 ms per sequence, 0.43 per token).
+    pd_decode_request_cost: float = setting(256.0, help="disaggregated requests: how much a request running on a "
+                                            "decode replica weighs, in prefill tokens, against the tokens a "
+                                            "replica would have to pull")  # fmt: skip
     replica_api_key: str | None = setting(None, help="the key the router sends to replicas (also "
                                           "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
                                           default_text="none", secret=True)  # fmt: skip

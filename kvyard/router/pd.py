@@ -14,6 +14,7 @@ pulls blocks while the prefill replica computes them, and falls back to computin
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ from kvyard.router.policies import CacheAware, Decision, RouteRequest
 from kvyard.router.replica import Replica
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
+# What a pulled token costs the decode replica (receive, verify, copy: the prefill replica did the compute), in
+# prefill-token equivalents. A rough figure: it only has to be small next to a running request's cost
+# (RouterConfig.running_request_cost), so that decodes spread by load rather than by who holds a prefix.
+PULL_TOKEN_COST = 0.05
 
 
 @dataclass(slots=True)
@@ -43,27 +48,45 @@ class PDPlan:
 @dataclass(slots=True)
 class PDPlanner:
     config: RouterConfig
-    decode_policy: CacheAware
+    decode_policy: CacheAware  # a decode replica that prefills the request itself
+    remote_decode_policy: CacheAware  # one that pulls the prompt: running decodes weigh more than pulled tokens
     prefill_policy: CacheAware
 
     @classmethod
     def create(cls, config: RouterConfig) -> PDPlanner:
-        return cls(config, CacheAware(config), CacheAware(config))
+        remote = dataclasses.replace(config, running_request_cost=config.pd_decode_request_cost)
+        return cls(config, CacheAware(config), CacheAware(remote), CacheAware(config))
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
         decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates
-        decode = self.decode_policy.choose(request, decoders)
         prefillers = [r for r in candidates if r.role == PREFILL]
         if not prefillers:
-            return PDPlan(decode, None, "no_prefill_replica")
-        if self._short(request, decode):
-            return PDPlan(decode, None, "short")
+            return PDPlan(self.decode_policy.choose(request, decoders), None, "no_prefill_replica")
+        if self._local_candidate(request, decoders):
+            decode = self.decode_policy.choose(request, decoders)
+            if self._short(request, decode):
+                return PDPlan(decode, None, "short")
+        else:
+            # The prompt is prefilled elsewhere: what a decode replica lacks costs it a transfer, not a prefill,
+            # so decodes spread by load instead of crowding onto whichever replica holds a popular prefix.
+            decode = self.remote_decode_policy.choose(request, decoders, self._pull_cost)
         compatible = [r for r in prefillers
                       if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)]  # fmt: skip
         if not compatible:
             raise APIError(503, _mismatch_message(decode.replica, prefillers), code="pd_model_mismatch")
         prefill = self.prefill_policy.choose(request, compatible)
         return PDPlan(decode, prefill, "remote", secrets.token_hex(16))
+
+    def _local_candidate(self, request: RouteRequest, decoders: list[Replica]) -> bool:
+        """Some decode replica holds enough of the prompt to prefill the rest itself (conditional mode)."""
+        if self.config.disaggregation != "conditional" or not request.token_ids:
+            return False
+        most = max((self.decode_policy.predicted_cached_tokens(request, r) or 0) for r in decoders)
+        return len(request.token_ids) - most <= self.config.pd_local_prefill_tokens
+
+    @staticmethod
+    def _pull_cost(num_new: int, num_cached: int) -> float:
+        return PULL_TOKEN_COST * num_new
 
     def _short(self, request: RouteRequest, decode: Decision) -> bool:
         """Few enough tokens to compute that the decode replica prefills them itself (conditional mode)."""

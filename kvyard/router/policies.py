@@ -8,6 +8,7 @@ import itertools
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +18,7 @@ from kvyard.router.keys import PromptKeys
 from kvyard.router.replica import Replica
 
 RING_POINTS_PER_REPLICA = 64
+UncachedCost = Callable[[int, int], float]  # (prompt tokens a replica lacks, tokens it holds) -> cost
 
 
 @dataclass(slots=True)
@@ -124,14 +126,19 @@ class CacheAware:
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
     _last_replica: OrderedDict[str, str] = field(default_factory=OrderedDict)  # session key -> url
 
-    def choose(self, request: RouteRequest, candidates: list[Replica]) -> Decision:
+    def choose(
+        self, request: RouteRequest, candidates: list[Replica], uncached_cost: UncachedCost | None = None
+    ) -> Decision:
+        """`uncached_cost(num_new, num_cached)`: what the prompt tokens a replica lacks cost it (default: their
+        prefill; a decode replica that pulls them from a prefill replica pays only their transfer)."""
+        cost_of = uncached_cost or self.prefill_cost
         tokens = request.token_ids
         now = time.monotonic()
         keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
         options: list[tuple[Replica, int | None, float]] = []  # (replica, predicted cached tokens, prefill cost)
         for replica in candidates:
             cached = self._cached_tokens(request, replica, keys_by_root, now) if tokens else None
-            cost = self.prefill_cost(len(tokens) - (cached or 0), cached or 0) if tokens else 0.0
+            cost = cost_of(len(tokens) - (cached or 0), cached or 0) if tokens else 0.0
             options.append((replica, cached, cost))
         cheapest = min(cost for _, _, cost in options)
         home_url = self._last_replica.get(request.session_key) if request.session_key else None
@@ -154,6 +161,12 @@ class CacheAware:
         if tokens:
             chosen.keys = keys_by_root[self._root(request, chosen.replica)].all()
         return chosen
+
+    def predicted_cached_tokens(self, request: RouteRequest, replica: Replica) -> int | None:
+        """Prompt tokens `replica` holds, as `choose` predicts them (no decision is recorded)."""
+        if not request.token_ids:
+            return None
+        return self._cached_tokens(request, replica, {}, time.monotonic())
 
     def _remember_session(self, session_key: str, url: str) -> None:
         self._last_replica[session_key] = url
