@@ -12,20 +12,18 @@ from kvyard.engine.config import EngineConfig
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model directory (default: the embedded demo model, created on first use "
-                        "under $KVYARD_CACHE_DIR or ~/.cache/kvyard)")  # fmt: skip
+                        help="Hugging Face model directory (default: the embedded demo model, a small Llama trained "
+                        "on Python, kvyard/testing/kvyard-demo)")  # fmt: skip
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The given model directory, or the embedded default model (created on first use)."""
+    """The given model directory, or the embedded demo model."""
     if model:
         return model
-    from kvyard.testing.create_model import default_model_dir, ensure_default_model
+    from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
-    if not default_model_dir().is_dir():
-        print(f"kvyard: no model given: creating the embedded demo model in {default_model_dir()} "
-              "(once; about a minute) ...", file=sys.stderr, flush=True)  # fmt: skip
-    return str(ensure_default_model())
+    print(f"kvyard: no model given: serving the embedded demo model ({DEMO_MODEL_DIR})", file=sys.stderr, flush=True)
+    return str(DEMO_MODEL_DIR)
 
 
 def add_engine_options(parser: argparse.ArgumentParser, **overrides: Any) -> None:

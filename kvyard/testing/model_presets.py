@@ -3,6 +3,8 @@ can offer them as choices without loading either."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PRESETS = ("tiny", "small", "bench", "demo")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -10,3 +12,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The default model: big enough to be a meaningful benchmark, still created in well under a minute.
 DEFAULT_ARCH = "llama"
 DEFAULT_PRESET = "bench"
+
+# The embedded demo model: a small Llama trained on the standard library's Python by `train_demo`, committed
+# (float16, ~17 MB) so that `kvyard serve` needs nothing else. The presets above stay for tests and benchmarks.
+DEMO_MODEL_DIR = Path(__file__).resolve().with_name("kvyard-demo")
