@@ -217,7 +217,8 @@ def main() -> int:
     from kvyard.testing.create_model import DEFAULT_ARCH, DEFAULT_PRESET, ensure_default_model
 
     model = ensure_default_model(DEFAULT_ARCH, DEFAULT_PRESET)
-    lengths = [random.Random(7).randint(args.min_prompt, args.max_prompt) for _ in range(args.arrivals)]
+    lengths_rng = random.Random(7)
+    lengths = [lengths_rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.arrivals)]
     logs = args.out.parent / "pd_replicas_logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
