@@ -255,3 +255,17 @@ def test_a_client_that_disconnects_leaks_nothing(pair: tuple[ServerProcess, Serv
     assert metrics(prefill)["kvyard_kv_transfer_leased_blocks"] == 0
     assert httpx.get(f"{decode.url}/load", timeout=10).json()["kv_blocks_used"] == 0
     assert httpx.get(f"{prefill.url}/load", timeout=10).json()["kv_blocks_used"] == 0
+
+
+def test_blocks_reserved_for_a_pull_are_freed_when_its_client_leaves(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    """The decode replica reserves blocks for the prompt while it waits for a prefill that never comes; the client
+    gives up; once the pull has ended (the prefill replica says the transfer is unknown), the blocks are free."""
+    prefill, decode = pair
+    body = decode_body(body_of(make_prompt(11, 600)), "never-prefilled-0001", prefill.url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{decode.url}/v1/completions", json=body, headers=PD_HEADERS, timeout=2)
+    assert httpx.get(f"{decode.url}/load", timeout=10).json()["kv_blocks_used"] == (600 - 1) // BLOCK_SIZE
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{decode.url}/load", timeout=10).json()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(f"{decode.url}/load", timeout=10).json()["kv_blocks_used"] == 0

@@ -281,9 +281,11 @@ class EngineCore:
         return outputs
 
     def housekeeping(self, now: float | None = None) -> None:
-        """Time-driven upkeep, also while idle: end the leases of transfers nobody released."""
+        """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks
+        reserved for pulls whose request went away."""
         if self.kv_exports.num_active:
             self.kv_exports.expire(now)
+        self.kv_manager.reap_orphaned_loads()
 
     def _accept_token(self, token: SampledToken, now: float) -> RequestOutput:
         request = token.request

@@ -36,9 +36,15 @@ class BlockPuller(BlockSource, Protocol):
     """Pulls the blocks of a request prefilled on another replica (see kv_pull_link.KVPullLink)."""
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int
-    ) -> Future[Sequence[Any]]:
-        """Pull blocks `first_block`, ... of the transfer (whose keys are `keys`) on another thread."""
+        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        block_ids: Sequence[int] | None = None,
+    ) -> Future[Sequence[Any]]:  # fmt: skip
+        """Pull blocks `first_block`, ... of the transfer (whose keys are `keys`) on another thread, writing each
+        verified block into `block_ids` as it arrives (None: the caller installs them)."""
+        ...
+
+    def pulling(self, handle: TransferHandle) -> bool:
+        """A pull of this transfer is running (choices of one request share it)."""
         ...
 
     def release(self, handle: TransferHandle) -> None:
@@ -59,6 +65,7 @@ class KVCacheManager:
         self.num_hit_tokens = 0
         self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
         self.num_pulled_tokens = 0  # of those, pulled from a prefill replica
+        self._orphaned: list[TierLoad] = []  # loads of requests that ended, holding reserved blocks
 
     def ready_to_admit(self, request: Request) -> bool:
         """False while blocks of `request` are being loaded; the first call starts the load."""
@@ -66,8 +73,8 @@ class KVCacheManager:
             return True
         if request.tier_load is None:
             max_blocks = self._max_cached_blocks(request)
-            first_block = len(self._device_prefix(request, max_blocks))
-            load = self._start_load(request, first_block, max_blocks)
+            device_blocks = self._device_prefix(request, max_blocks)
+            load = self._start_load(request, device_blocks, max_blocks)
             if load is None:
                 request.tier_checked = True
                 return True
@@ -76,9 +83,10 @@ class KVCacheManager:
                 wait([load.future], timeout=self.load_wait_s)
         return request.tier_load.future.done()
 
-    def _start_load(self, request: Request, first_block: int, max_blocks: int) -> TierLoad | None:
+    def _start_load(self, request: Request, device_blocks: list[int], max_blocks: int) -> TierLoad | None:
         """Pull from the prefill replica when the request was prefilled elsewhere (once: after a preemption its
         blocks are in the device cache or gone), else look in the lower tier."""
+        first_block = len(device_blocks)
         keys = request.block_keys[first_block:max_blocks]
         transfer = request.kv_transfer
         if self.puller is not None and transfer is not None and transfer.pull_from is not None:
@@ -86,11 +94,42 @@ class KVCacheManager:
             if not keys:  # the device cache has it all: only let the prefill side go
                 self.puller.release(transfer.pull_from)
                 return None
-            future = self.puller.start_pull(transfer.pull_from, request.cache_root_key, keys, first_block)
-            return TierLoad(first_block, future, self.puller)
+            return self._start_pull(request, transfer.pull_from, device_blocks, keys)
         if self.tier is not None and keys:
             return TierLoad(first_block, self.tier.start_fetch(request.cache_root_key, keys), self.tier)
         return None
+
+    def _start_pull(
+        self, request: Request, handle: TransferHandle, device_blocks: list[int], keys: list[bytes]
+    ) -> TierLoad:
+        """Reserve device blocks for what the pull brings, so the puller writes each block in place as it arrives
+        (off the engine thread: no step stalls copying a long prompt's KV at admission)."""
+        first_block = len(device_blocks)
+        if self.puller is None or self.puller.pulling(handle):  # another choice's pull: it installs at admission
+            assert self.puller is not None
+            return TierLoad(first_block, self.puller.start_pull(handle, request.cache_root_key, keys, first_block),
+                            self.puller)  # fmt: skip
+        self.pool.touch(device_blocks)  # reserving must not evict the prefix the pulled blocks continue
+        try:
+            reserved = self.pool.allocate(min(len(keys), self.pool.num_free_blocks))
+        finally:
+            self.pool.free(reversed(device_blocks))
+        future = self.puller.start_pull(handle, request.cache_root_key, keys[: len(reserved)], first_block, reserved)
+        return TierLoad(first_block, future, self.puller, reserved)
+
+    def drop_load(self, request: Request) -> None:
+        """The request ends while its load runs: blocks reserved for it are freed once the load is done."""
+        load, request.tier_load = request.tier_load, None
+        if load is not None and load.block_ids:
+            self._orphaned.append(load)
+
+    def reap_orphaned_loads(self) -> None:
+        """Free the reserved blocks of loads whose request went away, once nothing writes into them."""
+        done = [load for load in self._orphaned if load.future.done()]
+        for load in done:
+            self._orphaned.remove(load)
+            assert load.block_ids is not None
+            self.pool.free(reversed(load.block_ids))
 
     def wait_for_loads(self, requests: Iterable[Request], timeout: float) -> None:
         """Block until one of the tier loads of `requests` finishes, at most `timeout` s (nothing else to do)."""
@@ -131,8 +170,11 @@ class KVCacheManager:
             fetched = load.future.result()
         except Exception:  # the source reports its own faults; a load that raised is a miss
             _LOG.exception("loading KV blocks failed")
+            if load.block_ids:
+                self.pool.free(reversed(load.block_ids))
             return []
-        source_cached_tokens: int | None = getattr(fetched, "source_cached_tokens", None)
+        if load.block_ids is not None:
+            return self._adopt_written(request, device_blocks, max_blocks, load, fetched)
         skip = len(device_blocks) - load.first_block  # blocks the device cache gained since the load began
         if skip < 0:
             return []  # the device cache lost blocks before the loaded ones: they no longer continue it
@@ -151,10 +193,32 @@ class KVCacheManager:
             self.num_tier_hit_tokens += len(loaded) * self.block_size
         else:
             self.num_pulled_tokens += len(loaded) * self.block_size
+        self._set_source_cached(request, fetched, len(device_blocks) + len(loaded))
+        return loaded
+
+    def _adopt_written(
+        self, request: Request, device_blocks: list[int], max_blocks: int, load: TierLoad, fetched: Sequence[Any]
+    ) -> list[int]:
+        """Like `_install_loaded`, for blocks the source already wrote into the reserved `load.block_ids`: register
+        those that continue the device prefix, free all reservations (the registered ones stay cached)."""
+        reserved = load.block_ids or []
+        skip = len(device_blocks) - load.first_block
+        adopted: list[int] = []
+        if skip >= 0:
+            adopted = reserved[skip : min(len(fetched), skip + max_blocks - len(device_blocks))]
+            keys = request.block_keys[len(device_blocks) : len(device_blocks) + len(adopted)]
+            registered = {block for block, _ in self.pool.register_blocks(adopted, keys)}
+            adopted = adopted[: next((i for i, b in enumerate(adopted) if b not in registered), len(adopted))]
+        self.pool.free(reversed(reserved))
+        self.num_pulled_tokens += len(adopted) * self.block_size
+        self._set_source_cached(request, fetched, len(device_blocks) + len(adopted))
+        return adopted
+
+    def _set_source_cached(self, request: Request, fetched: Sequence[Any], num_blocks: int) -> None:
+        source_cached_tokens: int | None = getattr(fetched, "source_cached_tokens", None)
         if source_cached_tokens is not None and request.num_cached_tokens < 0:
             # Pulled blocks were computed, on the prefill side: only what it had cached was computed nowhere.
-            request.num_cached_tokens = min(source_cached_tokens, (len(device_blocks) + len(loaded)) * self.block_size)
-        return loaded
+            request.num_cached_tokens = min(source_cached_tokens, num_blocks * self.block_size)
 
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -190,6 +254,7 @@ class KVCacheManager:
             self.tier.offload(request.cache_root_key, [key for _, key in registered], [b for b, _ in registered])
 
     def free(self, request: Request) -> None:
+        self.drop_load(request)
         # Tail blocks first, so they are evicted before the shared-prefix blocks.
         self.pool.free(reversed(request.block_table))
         request.block_table = []

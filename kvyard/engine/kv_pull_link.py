@@ -53,14 +53,20 @@ class KVPullLink:
         self._threads = ThreadPoolExecutor(max_workers=MAX_PARALLEL_PULLS, thread_name_prefix="kvyard-kv-pull")
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int
-    ) -> Future[Sequence[DecodedBlock]]:
+        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        block_ids: Sequence[int] | None = None,
+    ) -> Future[Sequence[DecodedBlock]]:  # fmt: skip
         with self._lock:
             future = self._in_flight.get((handle.source, handle.transfer_id))
             if future is None:
-                future = self._threads.submit(self._pull, handle, root_key, list(keys), first_block)
+                writer = _InPlaceWriter(self.device, list(block_ids)) if block_ids is not None else None
+                future = self._threads.submit(self._pull, handle, root_key, list(keys), first_block, writer)
                 self._in_flight[handle.source, handle.transfer_id] = future
             return future
+
+    def pulling(self, handle: TransferHandle) -> bool:
+        with self._lock:
+            return (handle.source, handle.transfer_id) in self._in_flight
 
     def release(self, handle: TransferHandle) -> None:
         self._threads.submit(release_transfer, handle, self.limits.headers, self.limits.idle_s)
@@ -75,8 +81,16 @@ class KVPullLink:
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
-    def _pull(self, handle: TransferHandle, root_key: bytes, keys: list[bytes], first_block: int) -> PulledBlocks:
-        result = pull_blocks(handle, root_key, keys, first_block, self.device.format, self.limits)
+    def _pull(
+        self, handle: TransferHandle, root_key: bytes, keys: list[bytes], first_block: int,
+        writer: _InPlaceWriter | None,
+    ) -> PulledBlocks:  # fmt: skip
+        sink = writer.add if writer is not None else None
+        try:
+            result = pull_blocks(handle, root_key, keys, first_block, self.device.format, self.limits, sink)
+        finally:
+            if writer is not None:
+                writer.flush()
         if result.failure not in ("connect",):
             release_transfer(handle, self.limits.headers, self.limits.idle_s)
         with self._lock:
@@ -91,3 +105,24 @@ class KVPullLink:
             else:
                 counters.fallbacks[result.failure] += 1
         return result
+
+
+@dataclass(slots=True)
+class _InPlaceWriter:
+    """Writes pulled blocks into the blocks reserved for them, a batch at a time, on the pull's thread. Nothing
+    else touches reserved blocks until the engine adopts them, so writing them while the engine steps is safe."""
+
+    device: BlockWriter
+    block_ids: list[int]
+    batch: int = 16
+    _pending: list[tuple[int, DecodedBlock]] = field(default_factory=list)
+
+    def add(self, index: int, block: DecodedBlock) -> None:
+        self._pending.append((index, block))
+        if len(self._pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self.device.write([self.block_ids[i] for i, _ in self._pending], [b for _, b in self._pending])
+            self._pending = []

@@ -39,7 +39,7 @@ class BlockSource(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TierLoad:
     """KV blocks of a waiting request being loaded, from block `first_block` on, from the lower tier or (for a
     request prefilled elsewhere) from another replica."""
@@ -47,6 +47,7 @@ class TierLoad:
     first_block: int
     future: Future[Sequence[Any]]
     source: BlockSource
+    block_ids: list[int] | None = None  # blocks reserved for it, written by the source as they arrive
 
 
 @dataclass(frozen=True, slots=True)

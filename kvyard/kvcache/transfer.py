@@ -19,7 +19,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -78,12 +78,16 @@ class PullLimits:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+BlockSink = Callable[[int, DecodedBlock], None]  # (index among the pulled blocks, the verified block)
+
+
 def pull_blocks(
     handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int, fmt: BlockFormat,
-    limits: PullLimits,
+    limits: PullLimits, on_block: BlockSink | None = None,
 ) -> PulledBlocks:  # fmt: skip
     """Blocks `first_block`, `first_block + 1`, ... of a transfer, verified against `keys` (the keys of those
-    blocks), until all of `keys` are in or the transfer ends; never raises for a transfer that fails."""
+    blocks), until all of `keys` are in or the transfer ends; never raises for a transfer that fails.
+    `on_block` sees each verified block as it arrives (to write it into the cache at once)."""
     result = PulledBlocks()
     started = time.monotonic()
     deadline = started + limits.deadline_s
@@ -96,7 +100,7 @@ def pull_blocks(
         if response.status != 200:
             result.failure = f"http_{response.status}"
             return result
-        _read_frames(response, root_key, keys, fmt, deadline, result)
+        _read_frames(response, root_key, keys, fmt, deadline, result, on_block)
     except TimeoutError:
         result.failure = "timeout"
     except (ConnectionRefusedError, socket.gaierror):
@@ -112,7 +116,7 @@ def pull_blocks(
 
 def _read_frames(
     response: http.client.HTTPResponse, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float,
-    result: PulledBlocks,
+    result: PulledBlocks, on_block: BlockSink | None,
 ) -> None:  # fmt: skip
     while len(result) < len(keys):
         if time.monotonic() > deadline:
@@ -133,13 +137,16 @@ def _read_frames(
             raise ValueError(f"unknown frame kind {kind!r}")
         result.num_bytes += len(body)
         try:
-            result.append(decode_block(body, root_key, keys[len(result)], fmt))
+            block = decode_block(body, root_key, keys[len(result)], fmt)
         except BlockMismatchError:
             result.failure = "mismatch"
             return
         except BlockRejectedError:
             result.failure = "corrupt"
             return
+        if on_block is not None:
+            on_block(len(result), block)
+        result.append(block)
 
 
 def _read_frame(response: http.client.HTTPResponse) -> tuple[bytes, bytes]:

@@ -59,9 +59,10 @@ class ModeledPuller:
         self._lock = threading.Lock()
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int
-    ) -> Future[Sequence[Any]]:
-        pulled = self.link.start_pull(handle, root_key, keys, first_block)
+        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        block_ids: Sequence[int] | None = None,
+    ) -> Future[Sequence[Any]]:  # fmt: skip
+        pulled = self.link.start_pull(handle, root_key, keys, first_block, block_ids)
         with self._lock:
             modeled = self._held.get(pulled)
             if modeled is not None:
@@ -69,6 +70,9 @@ class ModeledPuller:
             modeled = self._held[pulled] = Future()
         pulled.add_done_callback(lambda done: self._hold_back(done, modeled))
         return modeled
+
+    def pulling(self, handle: TransferHandle) -> bool:
+        return self.link.pulling(handle)
 
     def release(self, handle: TransferHandle) -> None:
         self.link.release(handle)
