@@ -192,6 +192,12 @@ def run_workload(url: str, args: argparse.Namespace, lengths: list[int]) -> dict
     }
 
 
+def prometheus_samples(url: str, prefix: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {name: float(value) for line in text.splitlines() if line.startswith(prefix)
+            for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -228,6 +234,10 @@ def main() -> int:
         try:
             print(f"pd_replicas: {kind}: running the workload ...", file=sys.stderr, flush=True)
             results[kind] = run_workload(fleet.router_url, args, lengths)
+            results[kind]["router_pd_paths"] = prometheus_samples(fleet.router_url, "kvyard_router_pd_requests_total")
+            if kind == "pd":
+                results[kind]["decode_pull_fallbacks"] = prometheus_samples(
+                    f"http://127.0.0.1:{args.port + 10 * offset + 2}", "kvyard_kv_transfer_fallbacks_total")
         finally:
             fleet.stop()
         print(f"pd_replicas: {kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)

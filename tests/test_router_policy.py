@@ -102,3 +102,19 @@ def test_conditional_disaggregation_prefills_a_continuing_turn_where_its_history
     fresh = list(range(9000, 9000 + 2048))  # nobody holds it: prefilled remotely
     plan = planner.plan(RouteRequest("completion", {"model": "m"}, None, fresh, None), replicas)
     assert plan.reason == "remote" and plan.prefill is not None
+
+
+def test_conditional_disaggregation_prefills_locally_when_the_prefill_pool_is_backed_up() -> None:
+    from kvyard.router.pd import PDPlanner
+
+    planner = PDPlanner.create(RouterConfig(disaggregation="conditional", pd_local_prefill_tokens=512))
+    replicas = pd_fleet(planner.decode_policy)
+    fresh = RouteRequest("completion", {"model": "m"}, None, list(range(9000, 9000 + 2048)), None)
+    prefill_work = planner.decode_policy.prefill_cost(2048, 0)
+    replicas[0].pending_prefill_cost = 1.5 * prefill_work  # the prefill replica has more queued than this prompt
+    plan = planner.plan(fresh, replicas)
+    assert (plan.reason, plan.prefill) == ("prefill_busy", None)
+    assert plan.decode.prefill_cost == prefill_work  # the decode replica's queue now counts this prefill
+    for decoder in replicas[1:]:
+        decoder.streaming = 1  # a stream runs on every decode replica: a local prefill would hold it up
+    assert planner.plan(fresh, replicas).reason == "remote"

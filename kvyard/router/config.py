@@ -46,7 +46,8 @@ class RouterConfig:
                                               "the replica that served its last turn")  # fmt: skip
     disaggregation: str = setting("conditional", choices=DISAGGREGATION, help="with prefill replicas: send every "
                                   "request's prefill to one (always), or only when the decode replica would have more "
-                                  "than --pd-local-prefill-tokens to compute (conditional)")  # fmt: skip
+                                  "than --pd-local-prefill-tokens to compute, unless it runs no decode and would start "
+                                  "the prompt sooner than the prefill pool (conditional)")  # fmt: skip
     pd_local_prefill_tokens: int = setting(512, help="conditional disaggregation: a decode replica with at most this "
                                            "many prompt tokens to compute prefills them itself")  # fmt: skip
     # A running request takes a share of every decode step for the rest of its output: ~64 more steps of one

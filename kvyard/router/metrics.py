@@ -69,8 +69,8 @@ class RouterMetrics:
         self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)
         self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas receiving new requests", registry=r)
         self.pd_routes = Counter("kvyard_router_pd_requests", "Requests routed with prefill/decode replicas, by how: "
-                                 "remote (a prefill replica prefilled), short or no_prefill_replica (the decode "
-                                 "replica prefilled)", ["path"], registry=r)  # fmt: skip
+                                 "remote (a prefill replica prefilled), short, prefill_busy or no_prefill_replica "
+                                 "(the decode replica prefilled)", ["path"], registry=r)  # fmt: skip
         self.pd_prefills = Counter("kvyard_router_pd_prefill_legs", "Prefill legs, by outcome (ok, status_N, "
                                    "connect, broken)", ["outcome"], registry=r)  # fmt: skip
 

@@ -36,7 +36,7 @@ PULL_TOKEN_COST = 0.05
 class PDPlan:
     decode: Decision
     prefill: Decision | None  # None: the decode replica prefills the request itself
-    reason: str  # remote | short (few tokens to compute) | no_prefill_replica
+    reason: str  # remote | short (few tokens to compute) | prefill_busy (sooner here) | no_prefill_replica
     transfer_id: str = ""
 
     def decode_fields(self) -> dict[str, Any]:
@@ -74,8 +74,35 @@ class PDPlanner:
                       if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)]  # fmt: skip
         if not compatible:
             raise APIError(503, _mismatch_message(decode.replica, prefillers), code="pd_model_mismatch")
+        if self.config.disaggregation == "conditional" and request.token_ids and self._prefill_pool_busy(
+            request, decode, compatible
+        ):
+            decode.prefill_cost = self._local_prefill_cost(request, decode)
+            return PDPlan(decode, None, "prefill_busy")
         prefill = self.prefill_policy.choose(request, compatible)
         return PDPlan(decode, prefill, "remote", secrets.token_hex(16))
+
+    def _prefill_pool_busy(self, request: RouteRequest, decode: Decision, prefillers: list[Replica]) -> bool:
+        """The decode replica runs no decode that a prefill would hold up, and the prompt would start sooner there
+        than behind the prefill pool's queue (predicted costs, prefill-token equivalents; a tie goes to the
+        prefill pool). A decode replica with streams running never prefills a long prompt: inter-token latency
+        is what disaggregation is for."""
+        replica = decode.replica
+        if max(replica.load.num_running, replica.streaming, replica.awaiting_first_byte) > 0:
+            return False
+        policy = self.decode_policy
+        local = policy.queue_cost(replica) + self._local_prefill_cost(request, decode)
+        tokens = len(request.token_ids or ())
+        remote = min(
+            self.prefill_policy.queue_cost(p)
+            + policy.prefill_cost(tokens - (cached := policy.predicted_cached_tokens(request, p) or 0), cached)
+            for p in prefillers
+        )
+        return remote > local
+
+    def _local_prefill_cost(self, request: RouteRequest, decode: Decision) -> float:
+        cached = decode.predicted_cached_tokens or 0
+        return self.decode_policy.prefill_cost(len(request.token_ids or ()) - cached, cached)
 
     def _local_candidate(self, request: RouteRequest, decoders: list[Replica]) -> bool:
         """Some decode replica holds enough of the prompt to prefill the rest itself (conditional mode)."""

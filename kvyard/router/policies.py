@@ -191,6 +191,10 @@ class CacheAware:
             blocks += 1
         return blocks * prompt_keys.block_size
 
+    def queue_cost(self, replica: Replica) -> float:
+        """The work ahead of a new request on `replica`, in prefill-token equivalents."""
+        return self._queue_cost(replica)
+
     def _queue_cost(self, replica: Replica) -> float:
         config, load = self.config, replica.load
         external_waiting = max(0, load.num_waiting - replica.awaiting_first_byte)
