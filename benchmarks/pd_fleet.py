@@ -50,6 +50,7 @@ from routing import (
     TraceRequest,
     free_port,
     ideal_hit_ratio,
+    launch_sims,
     load_trace,
     percentile,
     prompt_text,
@@ -113,14 +114,7 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
                "--transfer-gb-per-s", str(args.transfer_gb_per_s), "--transfer-latency-s",
                str(args.transfer_latency_s), "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s),
                "--admin-key", ADMIN_KEY]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ports_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"simulated replicas did not start: {log.read_text()}")
-        time.sleep(0.1)
-    urls: list[str] = json.loads(ports_file.read_text())["urls"]
-    return process, urls
+    return launch_sims(command, ports_file, log)
 
 
 def start_router(args: argparse.Namespace, fleet: Fleet, workers: list[str], log: Path) -> tuple[

@@ -178,6 +178,11 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
                "--ports-file", str(ports_file), "--num-kv-blocks", str(args.capacity_blocks),
                "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005",
                "--admin-key", ADMIN_KEY]  # fmt: skip
+    return launch_sims(command, ports_file, log)
+
+
+def launch_sims(command: list[str], ports_file: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """Run a `kvyard sim` command line; its process and replica URLs once it has written `ports_file`."""
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not ports_file.exists():
