@@ -368,6 +368,9 @@ async def serve(
     replicas = ", ".join(replica_urls) or "none yet (add them with POST /admin/replicas)"
     _say(f"listening on {scheme}://{host}:{server.port}, policy {config.policy}, {len(replica_urls)} replica(s): "
          f"{replicas}")  # fmt: skip
+    if prefill_urls or decode_urls:
+        _say(f"disaggregation {config.disaggregation}: prefill {', '.join(prefill_urls) or 'none'}; decode "
+             f"{', '.join(decode_urls) or 'those reporting role decode'}")  # fmt: skip
     _say(f"API keys {'required' if router.keys.enabled else 'not required'}; admin plane "
          f"{'on' if router.admin_key.digest is not None else 'off (no --admin-key)'}")  # fmt: skip
     stop = asyncio.Event()
