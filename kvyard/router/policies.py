@@ -197,7 +197,8 @@ class CacheAware:
 
     def _queue_cost(self, replica: Replica) -> float:
         config, load = self.config, replica.load
-        external_waiting = max(0, load.num_waiting - replica.awaiting_first_byte)
+        # Waiting requests the report counts and the router knows are not waiting (any more) are not ahead.
+        external_waiting = max(0, load.num_waiting - replica.awaiting_first_byte - replica.first_bytes_since_load)
         running = max(load.num_running, replica.streaming)
         return (
             replica.pending_prefill_cost

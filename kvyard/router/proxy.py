@@ -110,6 +110,7 @@ class Forwarder:
             if not first_byte:
                 first_byte = True
                 replica.awaiting_first_byte -= 1
+                replica.first_bytes_since_load += 1
                 replica.pending_prefill_cost -= decision.prefill_cost
                 if decision.keys:
                     replica.index.note_routed(decision.keys)
@@ -190,6 +191,7 @@ class Forwarder:
         finally:
             replica.in_flight -= 1
             replica.awaiting_first_byte -= 1
+            replica.first_bytes_since_load += 1
             replica.pending_prefill_cost -= decision.prefill_cost
             if decision.keys:
                 replica.index.note_routed(decision.keys)

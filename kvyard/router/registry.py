@@ -136,6 +136,7 @@ class Registry:
                 if not replica.model_ids:
                     replica.model_ids = await self._model_ids(replica, timeout)
                 replica.load = await self._load(replica, timeout)
+                replica.first_bytes_since_load = 0
                 replica.consecutive_failures = 0
                 self._readmit(replica)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as error:

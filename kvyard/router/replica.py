@@ -29,6 +29,7 @@ class Replica:
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the
     # last load report: requests waiting for their first byte and the prefill work still to do for them.
     awaiting_first_byte: int = 0
+    first_bytes_since_load: int = 0  # requests that left the replica's queue since its last load report
     pending_prefill_cost: float = 0.0  # prefill-token equivalents (see RouterConfig)
     streaming: int = 0
     in_flight: int = 0
