@@ -94,28 +94,27 @@ class KVCacheManager:
             if not keys:  # the device cache has it all: only let the prefill side go
                 self.puller.release(transfer.pull_from)
                 return None
-            return self._start_pull(request, transfer.pull_from, device_blocks, keys)
+            return self._start_pull(self.puller, request, transfer.pull_from, device_blocks, keys)
         if self.tier is not None and keys:
             return TierLoad(first_block, self.tier.start_fetch(request.cache_root_key, keys), self.tier)
         return None
 
     def _start_pull(
-        self, request: Request, handle: TransferHandle, device_blocks: list[int], keys: list[bytes]
-    ) -> TierLoad:
+        self, puller: BlockPuller, request: Request, handle: TransferHandle, device_blocks: list[int],
+        keys: list[bytes],
+    ) -> TierLoad:  # fmt: skip
         """Reserve device blocks for what the pull brings, so the puller writes each block in place as it arrives
         (off the engine thread: no step stalls copying a long prompt's KV at admission)."""
         first_block = len(device_blocks)
-        if self.puller is None or self.puller.pulling(handle):  # another choice's pull: it installs at admission
-            assert self.puller is not None
-            return TierLoad(first_block, self.puller.start_pull(handle, request.cache_root_key, keys, first_block),
-                            self.puller)  # fmt: skip
+        if puller.pulling(handle):  # another choice's pull: its blocks are installed at admission
+            return TierLoad(first_block, puller.start_pull(handle, request.cache_root_key, keys, first_block), puller)
         self.pool.touch(device_blocks)  # reserving must not evict the prefix the pulled blocks continue
         try:
             reserved = self.pool.allocate(min(len(keys), self.pool.num_free_blocks))
         finally:
             self.pool.free(reversed(device_blocks))
-        future = self.puller.start_pull(handle, request.cache_root_key, keys[: len(reserved)], first_block, reserved)
-        return TierLoad(first_block, future, self.puller, reserved)
+        future = puller.start_pull(handle, request.cache_root_key, keys[: len(reserved)], first_block, reserved)
+        return TierLoad(first_block, future, puller, reserved)
 
     def drop_load(self, request: Request) -> None:
         """The request ends while its load runs: blocks reserved for it are freed once the load is done."""
