@@ -146,3 +146,26 @@ def test_pd_roles() -> None:
     assert pd_roles(3, 0) == ["unified"] * 3
     assert pd_roles(4, 1) == ["prefill", "decode", "decode", "decode"]
 
+
+
+def test_pulled_blocks_of_waiting_requests_never_stall_the_decode_replica() -> None:
+    """More PD requests than the decode replica's pool holds: blocks that finished pulls wrote must not stay pinned by
+    requests still waiting, or a preempted request at the head of the queue can never get blocks again."""
+    small = replace(CONFIG, num_kv_blocks=48)
+    with SimCluster([CONFIG, small], roles=pd_roles(2, 1)) as sim:
+        prefill, decode = sim.urls
+        answers: list[Any] = []
+
+        def send(seed: int) -> None:
+            answers.append(pd_request(prefill, decode, {"prompt": prompt(seed, 41), "max_tokens": 60,
+                                                        "ignore_eos": True}, timeout=60))  # fmt: skip
+
+        threads = [threading.Thread(target=send, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert len(answers) == 8 and all(a.json()["usage"]["completion_tokens"] == 60 for a in answers)
+        assert metric_value(metrics(decode), "kvyard_kv_transfer_pulled_blocks_total") > 0
+        assert metric_value(metrics(decode), "kvyard_num_preemptions") > 0  # the pool really ran out
+        wait_for(lambda: httpx.get(f"{decode}/load").json()["kv_blocks_used"] == 0, 20, "every block unpinned")

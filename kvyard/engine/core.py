@@ -267,6 +267,7 @@ class EngineCore:
         if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
             idle_wait = IDLE_LOAD_WAIT_S if self.kv_manager.load_wait_s else 0.0
             self.kv_manager.wait_for_loads(self.scheduler.waiting, idle_wait)
+            self.housekeeping()
             return []
         scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
         sampled = self.runner.execute(scheduled)
@@ -282,10 +283,11 @@ class EngineCore:
 
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks
-        reserved for pulls whose request went away."""
+        reserved for pulls whose request went away, and unpin those that finished pulls wrote."""
         if self.kv_exports.num_active:
             self.kv_exports.expire(now)
         self.kv_manager.reap_orphaned_loads()
+        self.kv_manager.settle_written_pulls(self.scheduler.waiting)
 
     def _accept_token(self, token: SampledToken, now: float) -> RequestOutput:
         request = token.request

@@ -116,6 +116,19 @@ class KVCacheManager:
         future = puller.start_pull(handle, request.cache_root_key, keys[: len(reserved)], first_block, reserved)
         return TierLoad(first_block, future, puller, reserved)
 
+    def settle_written_pulls(self, requests: Iterable[Request]) -> None:
+        """Blocks that a finished pull wrote in place enter the prefix cache now, unreferenced, instead of staying
+        pinned until their request is admitted: waiting requests whose pinned blocks filled the pool would leave
+        none for the request at the head of the queue (a stall nothing ends). Each finds its blocks at admission
+        as device hits, unless the pool needed them first (then it computes them)."""
+        for request in requests:
+            load = request.tier_load
+            if load is None or load.block_ids is None or not load.future.done():
+                continue
+            request.tier_load, request.tier_checked = None, True
+            max_blocks = self._max_cached_blocks(request)
+            self._install_loaded(request, self._device_prefix(request, max_blocks), max_blocks, load)
+
     def drop_load(self, request: Request) -> None:
         """The request ends while its load runs: blocks reserved for it are freed once the load is done."""
         load, request.tier_load = request.tier_load, None
