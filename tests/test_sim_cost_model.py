@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 from pathlib import Path
@@ -9,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from kvyard.cli.sim import add_sim_arguments, sim_config
 from kvyard.sim.calibration import CalibrationError, _batch_lengths, _replay_seconds, attention_ratio, calibrate
 from kvyard.sim.calibration import calibrate_from_json as calibrate_file
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
+from kvyard.sim.roofline import roofline_preset
 
 BENCHMARK_JSON = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "offline_throughput.json"
 MODEL = CostModel(step_base_s=0.03, prefill_token_s=5e-4, attention_pair_s=2e-7, decode_seq_s=2e-3,
@@ -111,3 +114,38 @@ def test_calibration_names_a_missing_field(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(CalibrationError, match="cannot read"):
         calibrate_file(path)
+
+
+def test_roofline_preset_has_the_gpu_shape_prefill_bound_by_compute_decode_by_bandwidth() -> None:
+    preset = roofline_preset("h100-llama3-8b")
+    cost, model, device = preset.cost, preset.model, preset.device
+    assert model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, 128 dims, bf16
+    # A step reads every weight once: 16 GB at 75 % of 3.35 TB/s, plus the launch overhead.
+    assert cost.step_base_s == pytest.approx(8.03e9 * 2 / (3.35e12 * 0.75) + device.launch_overhead_s)
+    assert cost.prefill_token_s == pytest.approx(2 * 8.03e9 / (989e12 * 0.5))
+    # Decode: one more sequence costs little beside the weight read; a 2k-token prefill chunk costs ten steps.
+    assert cost.decode_step_seconds(64, 64 * 1000) < 3 * cost.decode_step_seconds(1, 1000)
+    assert cost.prefill_seconds(2048) > 10 * cost.decode_step_seconds(1, 1000)
+    # On the measured CPU model the same comparison is the other way round: decode is not bandwidth-bound there.
+    cpu = CostModel()
+    assert cpu.decode_step_seconds(64, 64 * 1000) > 3 * cpu.decode_step_seconds(1, 1000)
+
+
+def test_unknown_roofline_preset_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="h100-llama3-8b"):
+        roofline_preset("tpu-v9")
+
+
+def test_sim_cost_preset_sets_cost_kv_bytes_and_bandwidth_unless_given() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    preset = roofline_preset("h100-llama3-8b")
+    config = sim_config(parser.parse_args(["--cost-preset", preset.name]))
+    assert (config.cost, config.kv_bytes_per_token, config.transfer_gb_per_s) == (
+        preset.cost, 131072, preset.transfer_gb_per_s)  # fmt: skip
+    given = sim_config(parser.parse_args(["--cost-preset", preset.name, "--transfer-gb-per-s", "3"]))
+    assert (given.cost, given.transfer_gb_per_s) == (preset.cost, 3.0)
+    default = sim_config(parser.parse_args([]))
+    assert (default.cost, default.kv_bytes_per_token, default.transfer_gb_per_s) == (CostModel(), 16384, 1.25)
+    with pytest.raises(ValueError, match="--calibrate and --cost-preset"):
+        sim_config(parser.parse_args(["--cost-preset", preset.name, "--calibrate", str(BENCHMARK_JSON)]))

@@ -23,6 +23,7 @@ from kvyard.cli.options import add_config_options, config_from_args
 from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.server.options import ServerOptions
 from kvyard.sim.config import SimConfig
+from kvyard.sim.roofline import ROOFLINE_PRESETS, roofline_preset
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
 SIM_SERVER_DEFAULTS = {"max_queued_seqs": 1024, "ignore_unknown_fields": True, "shutdown_grace_s": 5.0}
@@ -50,11 +51,18 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", type=Path, default=None, metavar="PATH",
                         help="fit the cost model to a benchmarks/offline_throughput.py result JSON")  # fmt: skip
     parser.add_argument("--calibrate-engine", default="kvyard", help="which engine of that JSON to fit")
+    parser.add_argument("--cost-preset", default=None, choices=[p.name for p in ROOFLINE_PRESETS],
+                        help="a roofline cost model of a GPU and model this machine lacks (kvyard/sim/roofline.py: "
+                        "estimates from public specifications, not measurements); it also sets the KV bytes per "
+                        "token and transfer bandwidth unless given")  # fmt: skip
     parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
-    add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None},
+    add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None,
+                                                    "kv_bytes_per_token": None, "transfer_gb_per_s": None},
                        shown_defaults={"model_name": "kvyard-sim, or the --namespace-from directory's name",
                                        "dtype": "float32, or the --namespace-from model's",
-                                       "max_num_batched_tokens": "the --calibrate engine's, else 2048"})  # fmt: skip
+                                       "max_num_batched_tokens": "the --calibrate engine's, else 2048",
+                                       "kv_bytes_per_token": "the --cost-preset model's, else 16384",
+                                       "transfer_gb_per_s": "the --cost-preset's, else 1.25"})  # fmt: skip
     add_config_options(parser, ServerOptions, defaults=SIM_SERVER_DEFAULTS, exclude={"cache_salt_per_api_key"})
 
 
@@ -64,6 +72,16 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
 
     fixed: dict[str, Any] = {}
     budget = args.max_num_batched_tokens
+    if args.calibrate is not None and args.cost_preset is not None:
+        raise ValueError("--calibrate and --cost-preset both choose the cost model: give one")
+    default = SimConfig()
+    fixed.update(kv_bytes_per_token=default.kv_bytes_per_token, transfer_gb_per_s=default.transfer_gb_per_s)
+    if args.cost_preset is not None:
+        preset = roofline_preset(args.cost_preset)
+        fixed.update(cost=preset.cost, kv_bytes_per_token=preset.model.kv_bytes_per_token,
+                     transfer_gb_per_s=preset.transfer_gb_per_s)  # fmt: skip
+    fixed.update({name: getattr(args, name) for name in ("kv_bytes_per_token", "transfer_gb_per_s")
+                  if getattr(args, name) is not None})  # fmt: skip
     if args.calibrate is not None:
         calibration = calibrate_from_json(args.calibrate, args.calibrate_engine)
         fixed["cost"] = calibration.cost

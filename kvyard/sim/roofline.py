@@ -1,0 +1,97 @@
+"""Cost models of accelerators this machine does not have, derived from a model's shape and a device's peak figures.
+
+The default cost model is measured (kvyard's engine on this machine's CPU). On a CPU a decode token costs about
+as much compute as a prefill token and long prompts dominate every workload; on a GPU prefill is bound by compute
+and decode by memory bandwidth (every step reads all weights, every decode token reads its whole KV), which is what
+prefill/decode disaggregation exploits. A roofline estimate gives the simulator that shape:
+
+    step_base_s       = weight bytes / (bandwidth x bandwidth efficiency) + launch overhead
+    prefill_token_s   = 2 x parameters / (peak FLOP/s x compute efficiency)     linear layers of one token
+    attention_pair_s  = 4 x layers x query heads x head dim / (peak FLOP/s x attention efficiency)
+    decode_seq_s      = prefill_token_s                                         the same linear layers
+    decode_context_s  = KV bytes per token / (bandwidth x bandwidth efficiency)
+
+These are estimates from public specifications, not measurements: results of a simulator run on them say what the
+arithmetic implies, and their conditions must say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvyard.sim.cost_model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    parameters: float
+    layers: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_value: int  # weights and KV
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.parameters * self.bytes_per_value
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_value
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    peak_flops: float  # dense, in the model's dtype
+    bandwidth_bytes_per_s: float
+    compute_efficiency: float = 0.5  # linear layers of a large prefill batch
+    attention_efficiency: float = 0.4
+    bandwidth_efficiency: float = 0.75
+    launch_overhead_s: float = 5e-4  # per forward pass, with graphs captured
+
+
+@dataclass(frozen=True, slots=True)
+class RooflinePreset:
+    name: str
+    model: ModelShape
+    device: Device
+    transfer_gb_per_s: float  # between replicas, for disaggregation
+    transfer_note: str
+
+    @property
+    def cost(self) -> CostModel:
+        return roofline_cost(self.model, self.device)
+
+
+def roofline_cost(model: ModelShape, device: Device) -> CostModel:
+    flops = device.peak_flops * device.compute_efficiency
+    bandwidth = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
+    token_s = 2 * model.parameters / flops
+    pair_flops = 4 * model.layers * model.query_heads * model.head_dim
+    return CostModel(
+        step_base_s=model.weight_bytes / bandwidth + device.launch_overhead_s,
+        prefill_token_s=token_s,
+        attention_pair_s=pair_flops / (device.peak_flops * device.attention_efficiency),
+        decode_seq_s=token_s,
+        decode_context_s=model.kv_bytes_per_token / bandwidth,
+    )
+
+
+LLAMA3_8B_BF16 = ModelShape("Llama-3-8B bf16", parameters=8.03e9, layers=32, query_heads=32, kv_heads=8,
+                            head_dim=128, bytes_per_value=2)  # fmt: skip
+H100_SXM = Device("H100 SXM", peak_flops=989e12, bandwidth_bytes_per_s=3.35e12)
+H100_LLAMA3_8B = RooflinePreset(
+    "h100-llama3-8b", LLAMA3_8B_BF16, H100_SXM, transfer_gb_per_s=25.0,
+    transfer_note="one 200 Gb/s RDMA NIC per replica",
+)  # fmt: skip
+ROOFLINE_PRESETS = (H100_LLAMA3_8B,)
+
+
+def roofline_preset(name: str) -> RooflinePreset:
+    for preset in ROOFLINE_PRESETS:
+        if preset.name == name:
+            return preset
+    known = ", ".join(p.name for p in ROOFLINE_PRESETS)
+    raise ValueError(f"unknown cost preset {name!r} (known: {known})")
