@@ -2,36 +2,40 @@
 
 Every configuration has the same `--replicas` (8) simulated replicas (one `kvyard sim` process, per-replica prefix
 cache smaller than the working set) behind kvyard's router: all unified with `--policy cache_aware`, and each split
-of P prefill plus 8-P decode replicas (`--splits`, default 2, 3 and 4) under `--disaggregation conditional` and
-`always`. Each run replays the first `--requests` requests of the Mooncake conversation trace at their (sped-up)
-arrival times as streaming completions, prompts and users built as in routing.py (one byte per token, equal hash
-ids give equal prefixes, `user = conv-<second hash id>`), each asking for its trace output length (capped by
-`--max-output`) with `ignore_eos`. The arrival speed-up makes the fleet's simulated work fill `--utilisation`
-of all replicas, as in routing.py; the same arrivals go to every configuration.
+of P prefill plus 8-P decode replicas (`--splits`) under `--disaggregation conditional` and `always`. Each run
+replays the first `--requests` requests of the Mooncake conversation trace at their (sped-up) arrival times as
+streaming completions, prompts and users built as in routing.py (one byte per token, equal hash ids give equal
+prefixes, `user = conv-<second hash id>`), each asking for its trace output length (capped by `--max-output`) with
+`ignore_eos`. The same arrivals go to every configuration, at each offered load of `--loads` (the fleet's
+estimated busy fraction; the arrival speed-up follows from it).
+
+The cost model (`--cost-preset`) decides what disaggregation can gain. `h100-llama3-8b` (default) is a roofline
+estimate of Llama-3-8B bf16 on H100s with 200 Gb/s RDMA between replicas (kvyard/sim/roofline.py): prefill bound by
+compute, decode by memory bandwidth, as on the GPUs PD is built for; its figures come from public specifications,
+not from a measurement. `cpu` is the model measured on this machine's CPU, where decode is cheap beside prefill
+(about 1 % of this trace's work).
 
 Per request the client records TTFT (time to the first streamed token) and TPOT ((last token - first token) /
-(output tokens - 1), requests of one token have none). Times are reported in **simulated seconds** (wall
-seconds / time scale), the time of the CPU engine the sim's cost model was calibrated on; fixed wall costs of
-HTTP and the router are magnified by 1 / time scale the same way for every configuration, more often for PD (two
-legs and a pull). Goodput, DistServe-style, is the rate of requests that finished with TTFT <= the TTFT bound
-AND TPOT <= the TPOT bound. Unless `--ttft-slo-s` / `--tpot-slo-s` are given, each bound is the unified run's own
-90th percentile of that metric: the tightest bounds the unified fleet meets for 90 % of requests, DistServe's
-attainment target, metric by metric (it meets both together for 80-90 %). They are chosen from the baseline
-alone, before any PD number is looked at. Transfer bytes per request are the decode sims' modeled KV bytes
-(`kvyard_sim_transfer_model_bytes_total`: blocks pulled x block size x `--kv-bytes-per-token`) over the completed
-requests; each pull is charged latency + bytes / bandwidth of simulated time (`kvyard sim --help`). A run that
-has not finished `--drain-s` wall seconds after the last arrival is cut: its unfinished requests count as failed.
+(output tokens - 1)), in **simulated seconds** (wall seconds / time scale). A request meets the SLO when TTFT <=
+max(`--ttft-slo-min-s`, `--ttft-slo-factor` x its prompt's prefill time alone on an idle replica of the cost model)
+and TPOT <= `--tpot-slo-s` (a request of one token has no TPOT to miss); the bounds are fixed before any run. SLO
+attainment is the fraction of requests that meet it. **Goodput**, DistServe's way, is the highest arrival rate at
+which attainment stays >= `--attainment` (90 %), interpolated between the loads run; the rate of requests meeting
+the SLO at each load is reported too. Transfer bytes per request are the decode sims' modeled KV bytes
+(`kvyard_sim_transfer_model_bytes_total`) over the completed requests; each pull is charged latency + bytes /
+bandwidth of simulated time. A run that has not finished `--drain-s` wall seconds after its last arrival is cut:
+its unfinished requests count as failed.
 
     .venv/bin/python benchmarks/pd_fleet.py                 # full size: benchmarks/results/pd_fleet.{json,png}
-    .venv/bin/python benchmarks/pd_fleet.py --smoke         # about 2 minutes: benchmarks/results/pd_fleet_smoke.*
+    .venv/bin/python benchmarks/pd_fleet.py --smoke         # about 3 minutes: benchmarks/results/pd_fleet_smoke.*
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
-import math
 import os
 import signal
 import subprocess
@@ -58,7 +62,8 @@ from routing import (
 )
 
 from kvyard.sim.config import SimConfig
-from kvyard.sim.cost_model import CostModel
+from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
+from kvyard.sim.roofline import ROOFLINE_PRESETS, roofline_preset
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -66,8 +71,9 @@ ADMIN_KEY = "pd-fleet-benchmark-admin"  # the sims' admin plane (KV events, tran
 # Longer than any prefill of the default slice alone (its longest prompt, 120k tokens, takes about 1,100 simulated
 # seconds), so a pull ends when its prefill ends unless queueing adds most of an hour.
 PULL_DEADLINE_S = 3600.0
-SLO_QUANTILE = 0.9  # DistServe's attainment target: the default bounds are the unified run's 90th percentiles
-SMOKE = {"requests": 40, "drain_s": 15.0}
+SMOKE = {"requests": 60, "drain_s": 20.0, "loads": "0.6,1.2", "splits": "4"}
+CAPACITY_TOKENS = 32768 * 16  # per replica, as routing.py's run of record
+CPU_PRESET = "cpu"  # the sim's default cost model, measured on this machine
 Sample = tuple[float | None, float | None]  # one request's (TTFT, TPOT), simulated seconds; TTFT None: it failed
 
 
@@ -109,11 +115,15 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
     ports_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--prefill-replicas",
                str(fleet.prefill_replicas), "--port", "0", "--ports-file", str(ports_file), "--num-kv-blocks",
-               str(args.capacity_blocks), "--time-scale", str(args.time_scale), "--stream-interval-s",
-               str(args.stream_interval_s), "--kv-bytes-per-token", str(args.kv_bytes_per_token),
-               "--transfer-gb-per-s", str(args.transfer_gb_per_s), "--transfer-latency-s",
-               str(args.transfer_latency_s), "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s),
-               "--admin-key", ADMIN_KEY]  # fmt: skip
+               str(args.capacity_blocks), "--block-size", str(args.block_size), "--time-scale", str(args.time_scale),
+               "--stream-interval-s", str(args.stream_interval_s), "--transfer-latency-s", str(args.transfer_latency_s),
+               "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY]  # fmt: skip
+    if args.cost_preset != CPU_PRESET:
+        command += ["--cost-preset", args.cost_preset]
+    if args.kv_bytes_per_token is not None:
+        command += ["--kv-bytes-per-token", str(args.kv_bytes_per_token)]
+    if args.transfer_gb_per_s is not None:
+        command += ["--transfer-gb-per-s", str(args.transfer_gb_per_s)]
     return launch_sims(command, ports_file, log)
 
 
@@ -270,8 +280,9 @@ def summarize(fleet: Fleet, results: list[Result], elapsed_wall: float, time_sca
         "fleet": fleet.name, "prefill_replicas": fleet.prefill_replicas, "disaggregation": fleet.disaggregation,
         "completed": len(done), "failed": len(results) - len(done),
         "failed_statuses": sorted({r.status for r in results if not r.ok}),
-        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
-        "tpot_p50_s": percentile(tpots, 0.5), "tpot_p99_s": percentile(tpots, 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
+        "ttft_p99_s": percentile(ttfts, 0.99), "tpot_p50_s": percentile(tpots, 0.5),
+        "tpot_p90_s": percentile(tpots, 0.9), "tpot_p99_s": percentile(tpots, 0.99),
         "requests_per_s": len(done) / elapsed, "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
         "hit_ratio": sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_tokens for r in done)),
         "elapsed_s": elapsed, "elapsed_wall_s": elapsed_wall,
@@ -285,17 +296,43 @@ def sample(result: Result, time_scale: float) -> Sample:
     return round(result.ttft_s / time_scale, 4), None if tpot is None else round(tpot / time_scale, 5)
 
 
-def meets(row: Sample, ttft_slo: float, tpot_slo: float) -> bool:
+def meets(row: Sample, ttft_bound: float, tpot_bound: float) -> bool:
     """Finished within both bounds (a request of one token has no TPOT to miss)."""
     ttft, tpot = row
-    return ttft is not None and ttft <= ttft_slo and (tpot is None or tpot <= tpot_slo)
+    return ttft is not None and ttft <= ttft_bound and (tpot is None or tpot <= tpot_bound)
 
 
-def with_goodput(run: dict[str, Any], rows: list[Sample], ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
-    if math.isnan(ttft_slo) or math.isnan(tpot_slo):  # no unified run to take the bounds from
-        return {**run, "goodput_requests_per_s": None, "slo_attainment": None}
-    good = sum(meets(row, ttft_slo, tpot_slo) for row in rows)
-    return {**run, "goodput_requests_per_s": good / run["elapsed_s"], "slo_attainment": good / max(1, len(rows))}
+def alone_prefill_seconds(cost: CostModel, prompt_tokens: int, budget: int) -> float:
+    """A prompt's prefill on an idle replica, chunk by chunk as the scheduler's token budget cuts it."""
+    seconds, done = 0.0, 0
+    while done < prompt_tokens:
+        chunk = min(budget, prompt_tokens - done)
+        seconds += cost.step_seconds(StepShape(prefill_tokens=chunk, prefill_pairs=prefill_pairs(chunk, done)))
+        done += chunk
+    return seconds
+
+
+def ttft_bounds(args: argparse.Namespace, requests: list[TraceRequest]) -> list[float]:
+    cost, budget = cost_model(args), SimConfig().scheduler.max_num_batched_tokens
+    return [max(args.ttft_slo_min_s, args.ttft_slo_factor * alone_prefill_seconds(cost, r.input_length, budget))
+            for r in requests]  # fmt: skip
+
+
+def with_attainment(run: dict[str, Any], rows: list[Sample], ttft_bounds: list[float], tpot_bound: float) -> dict[
+        str, Any]:  # fmt: skip
+    good = sum(meets(row, bound, tpot_bound) for row, bound in zip(rows, ttft_bounds, strict=True))
+    return {**run, "slo_attainment": good / max(1, len(rows)), "slo_met_per_s": good / run["elapsed_s"]}
+
+
+def goodput(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """DistServe's goodput: the highest offered rate whose SLO attainment is >= `target`, linear between the loads
+    run (attainment 1 at rate 0). `bound` says when it lies outside them."""
+    points = [(0.0, 1.0), *sorted((r["offered_requests_per_s"], r["slo_attainment"]) for r in runs)]
+    for (rate, attained), (next_rate, next_attained) in itertools.pairwise(points):
+        if next_attained < target <= attained:
+            rate += (attained - target) / (attained - next_attained) * (next_rate - rate)
+            return {"requests_per_s": rate, "bound": "interpolated" if rate > points[1][0] else "below the loads run"}
+    return {"requests_per_s": points[-1][0], "bound": "at least (every load met the target)"}
 
 
 def run_fleet(fleet: Fleet, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
@@ -309,7 +346,6 @@ def run_fleet(fleet: Fleet, args: argparse.Namespace, requests: list[TraceReques
         summary = summarize(fleet, results, elapsed, args.time_scale)
         summary.update(asyncio.run(fleet_metrics(url, workers, fleet)))
         summary["transfer_bytes_per_request"] = summary["modeled_transfer_bytes"] / max(1, summary["completed"])
-        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}), flush=True)
         return summary, [sample(r, args.time_scale) for r in results]
     finally:
         stop([router, sims])
@@ -318,63 +354,44 @@ def run_fleet(fleet: Fleet, args: argparse.Namespace, requests: list[TraceReques
 # ---------------------------------------------------------------------------- report
 
 
-def slo_bounds(args: argparse.Namespace, runs: list[dict[str, Any]], samples: dict[str, list[Sample]]) -> dict[
-        str, Any]:  # fmt: skip
-    unified = next((r["fleet"] for r in runs if r["prefill_replicas"] == 0), None)
-    rows = samples.get(unified or "", [])
-    ttfts = [t for t, _ in rows if t is not None]
-    tpots = [p for t, p in rows if t is not None and p is not None]
-    ttft = args.ttft_slo_s if args.ttft_slo_s is not None else percentile(ttfts, SLO_QUANTILE)
-    tpot = args.tpot_slo_s if args.tpot_slo_s is not None else percentile(tpots, SLO_QUANTILE)
-    source = "given" if args.ttft_slo_s is not None and args.tpot_slo_s is not None else (
-        f"the unified run's p{round(SLO_QUANTILE * 100)}, where not given")  # fmt: skip
-    return {"ttft_s": ttft, "tpot_s": tpot, "from": source}
-
-
 def table_row(run: dict[str, Any]) -> str:
-    goodput = "n/a" if run["goodput_requests_per_s"] is None else (
-        f"{run['goodput_requests_per_s']:.4f} ({run['slo_attainment']:.0%})")  # fmt: skip
-    return (f"{run['fleet']:<24} TTFT p50 {run['ttft_p50_s']:7.1f} p99 {run['ttft_p99_s']:7.1f}  TPOT p50 "
-            f"{run['tpot_p50_s']:.4f} p99 {run['tpot_p99_s']:.4f}  {run['requests_per_s']:.4f} req/s  goodput "
-            f"{goodput}  {run['transfer_bytes_per_request'] / 1e6:.1f} MB/req  failed {run['failed']}  pulls fell "
-            f"back {sum(run['pull_fallbacks'].values()):g}")  # fmt: skip
+    return (f"{run['fleet']:<24} load {run['offered_load']:.2f} ({run['offered_requests_per_s']:.2f} req/s)  "
+            f"TTFT p50 {run['ttft_p50_s']:6.2f} p99 {run['ttft_p99_s']:6.2f}  TPOT p50 {run['tpot_p50_s']:.4f} "
+            f"p99 {run['tpot_p99_s']:.4f}  SLO met {run['slo_attainment']:.0%}  "
+            f"{run['transfer_bytes_per_request'] / 1e6:.0f} MB/req  failed {run['failed']}  "
+            f"pulls fell back {sum(run['pull_fallbacks'].values()):g}  lag {max(run['sim_lag_wall_s'])} s")  # fmt: skip
 
 
-LABELS = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "tpot_p50_s": "TPOT p50", "tpot_p99_s": "TPOT p99",
-          "requests_per_s": "throughput", "goodput_requests_per_s": "goodput (both SLOs met)",
-          "transfer_bytes_per_request": "modeled KV bytes pulled"}  # fmt: skip
-
-
-def plot(runs: list[dict[str, Any]], slo: dict[str, Any], title: str, out: Path) -> None:
+def plot(report: dict[str, Any], title: str, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["fleet"].replace(" cache_aware", "\ncache_aware").replace(" ", "\n", 1) for r in runs]
-    positions = list(range(len(runs)))
     figure, axes = plt.subplots(2, 2, figsize=(15, 9))
-    panels = [
-        (axes[0][0], ("ttft_p50_s", "ttft_p99_s"), "TTFT (simulated s, log)", slo["ttft_s"], True),
-        (axes[0][1], ("tpot_p50_s", "tpot_p99_s"), "TPOT (simulated s, log)", slo["tpot_s"], True),
-        (axes[1][0], ("requests_per_s", "goodput_requests_per_s"), "requests per simulated s", None, False),
-        (axes[1][1], ("transfer_bytes_per_request",), "modeled KV transfer per request (MB)", None, False),
-    ]
-    for axis, keys, label, bound, log in panels:
-        width = 0.8 / len(keys)
-        for index, key in enumerate(keys):
-            scale = 1e-6 if key == "transfer_bytes_per_request" else 1.0
-            values = [(r.get(key) or 0.0) * scale for r in runs]
-            axis.bar([p + (index - (len(keys) - 1) / 2) * width for p in positions], values, width,
-                     label=LABELS[key])  # fmt: skip
-        if bound is not None and not math.isnan(bound):
-            axis.axhline(bound, color="red", linestyle="--", linewidth=1, label=f"SLO bound {bound:.3g} s")
-        if log:
-            axis.set_yscale("log")
-        axis.set_xticks(positions, names, fontsize=8)
+    target = report["conditions"]["slo"]["attainment_target"]
+    for name, summary in report["fleets"].items():
+        runs = sorted(summary["runs"], key=lambda r: r["offered_requests_per_s"])
+        rates = [r["offered_requests_per_s"] for r in runs]
+        style = "-" if summary["disaggregation"] != "always" else "--"
+        for axis, key in ((axes[0][0], "slo_attainment"), (axes[0][1], "tpot_p90_s"), (axes[1][0], "ttft_p90_s")):
+            axis.plot(rates, [r[key] for r in runs], style, marker="o", label=name)
+    axes[0][0].axhline(target, color="red", linestyle=":", linewidth=1, label=f"{target:.0%} target")
+    axes[0][1].axhline(report["conditions"]["slo"]["tpot_s"], color="red", linestyle=":", linewidth=1,
+                       label="TPOT bound")  # fmt: skip
+    for axis, label in ((axes[0][0], "SLO attainment"), (axes[0][1], "TPOT p90 (simulated s, log)"),
+                        (axes[1][0], "TTFT p90 (simulated s, log)")):  # fmt: skip
+        axis.set_xlabel("offered requests per simulated s")
         axis.set_ylabel(label)
-        axis.grid(alpha=0.3, axis="y")
-        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    axes[0][1].set_yscale("log")
+    axes[1][0].set_yscale("log")
+    names = list(report["fleets"])
+    axes[1][1].bar(range(len(names)), [report["fleets"][n]["goodput"]["requests_per_s"] for n in names])
+    axes[1][1].set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+    axes[1][1].set_ylabel(f"goodput: requests/s at >= {target:.0%} SLO attainment")
+    axes[1][1].grid(alpha=0.3, axis="y")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(out, dpi=100)
@@ -385,9 +402,9 @@ def parse_args() -> argparse.Namespace:
     sim = SimConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (JSONL)")
-    parser.add_argument("--requests", type=int, default=800, help="the first N requests of the trace (default: 800)")
-    parser.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE['requests']} requests, "
-                        f"{SMOKE['drain_s']:g} s drain, results to pd_fleet_smoke.*")  # fmt: skip
+    parser.add_argument("--requests", type=int, default=400, help="the first N requests of the trace (default: 400)")
+    parser.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE['requests']} requests, loads "
+                        f"{SMOKE['loads']}, split {SMOKE['splits']}, results to pd_fleet_smoke.*")  # fmt: skip
     parser.add_argument("--max-output", type=int, default=1024, help="cap on each request's output tokens "
                         "(default: 1024; the trace's own lengths below it)")  # fmt: skip
     parser.add_argument("--replicas", type=int, default=8, help="simulated replicas of every fleet (default: 8)")
@@ -395,37 +412,48 @@ def parse_args() -> argparse.Namespace:
                         "(default: 2,3,4)")  # fmt: skip
     parser.add_argument("--modes", default="conditional,always", help="router --disaggregation modes of the PD "
                         "fleets (default: conditional,always)")  # fmt: skip
+    parser.add_argument("--loads", default="0.5,0.7,0.9,1.1", help="offered loads, each the fleet's estimated "
+                        "busy fraction, comma-separated (default: 0.5,0.7,0.9,1.1)")  # fmt: skip
+    parser.add_argument("--cost-preset", default="h100-llama3-8b", choices=[CPU_PRESET, *(p.name for p in
+                        ROOFLINE_PRESETS)], help="the sims' cost model: a roofline preset, or cpu (measured "
+                        "here) (default: h100-llama3-8b)")  # fmt: skip
+    parser.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT bound: this many times the "
+                        "prompt's prefill alone on an idle replica (default: 5)")  # fmt: skip
+    parser.add_argument("--ttft-slo-min-s", type=float, default=0.5, help="TTFT bound: at least this, simulated "
+                        "seconds (default: 0.5)")  # fmt: skip
+    parser.add_argument("--tpot-slo-s", type=float, default=0.1, help="TPOT bound, simulated seconds "
+                        "(default: 0.1)")  # fmt: skip
+    parser.add_argument("--tpot-slo-grid", default="0.025,0.05,0.1,0.2", help="goodput is also reported for "
+                        "each of these TPOT bounds, from the same runs (default: 0.025,0.05,0.1,0.2)")  # fmt: skip
+    parser.add_argument("--attainment", type=float, default=0.9, help="goodput: the SLO attainment a rate must "
+                        "keep (default: 0.9, DistServe's)")  # fmt: skip
     parser.add_argument("--pd-local-prefill-tokens", type=int, default=512, help="router: conditional mode "
                         "prefills on the decode replica when at most this many tokens are left to compute "
                         "(default: 512, the router's own)")  # fmt: skip
-    parser.add_argument("--capacity-blocks", type=int, default=32768, help="KV blocks (16 tokens) per replica "
-                        "(default: 32768, as routing.py)")  # fmt: skip
-    parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second "
-                        "(default: 0.01)")  # fmt: skip
-    parser.add_argument("--stream-interval-s", type=float, default=0.002, help="sim: least wall time between "
-                        "two deliveries of a stream's tokens (default: 0.002)")  # fmt: skip
-    parser.add_argument("--kv-bytes-per-token", type=int, default=sim.kv_bytes_per_token, help="sim: KV bytes "
-                        f"per token of the modeled model (default: {sim.kv_bytes_per_token}, the cost model's "
-                        "llama bench preset in float32)")  # fmt: skip
-    parser.add_argument("--transfer-gb-per-s", type=float, default=sim.transfer_gb_per_s, help="sim: transfer "
-                        f"bandwidth, GB/s (default: {sim.transfer_gb_per_s:g}, 10 Gb/s Ethernet)")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64; the trace's "
+                        "prefixes are shared in 512-token units, so larger blocks lose no hit and make 4x fewer "
+                        "blocks for the sims to move, index and evict than 16)")  # fmt: skip
+    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default: "
+                        "524,288 tokens' worth, routing.py's 32,768 blocks of 16)")  # fmt: skip
+    parser.add_argument("--time-scale", type=float, default=0.5, help="sim: wall seconds per simulated second "
+                        "(default: 0.5)")  # fmt: skip
+    parser.add_argument("--stream-interval-s", type=float, default=0.02, help="sim: least wall time between "
+                        "two deliveries of a stream's tokens (default: 0.02; TPOT is measured first to last token, "
+                        "which batching does not change)")  # fmt: skip
+    parser.add_argument("--kv-bytes-per-token", type=int, default=None, help="sim: KV bytes per token of the "
+                        "modeled model (default: the cost preset's)")  # fmt: skip
+    parser.add_argument("--transfer-gb-per-s", type=float, default=None, help="sim: transfer bandwidth, GB/s "
+                        "(default: the cost preset's)")  # fmt: skip
     parser.add_argument("--transfer-latency-s", type=float, default=sim.transfer_latency_s, help="sim: simulated "
                         f"seconds per transfer on top of its bytes (default: {sim.transfer_latency_s:g})")  # fmt: skip
     parser.add_argument("--kv-transfer-timeout-s", type=float, default=PULL_DEADLINE_S, help="sim: longest a "
                         "decode replica waits for a pull, remote prefill included, in simulated seconds; then it "
-                        f"computes the rest itself (default: {PULL_DEADLINE_S:g}; the engine's own "
-                        f"{sim.kv_transfer.kv_transfer_timeout_s:g} is shorter than this cost model's prefill of "
-                        "the trace's long prompts, so it measures fallbacks rather than disaggregation)")  # fmt: skip
-    parser.add_argument("--utilisation", type=float, default=0.8, help="offered load as a fraction of the 8 "
-                        "replicas' capacity, estimated as in routing.py (default: 0.8)")  # fmt: skip
-    parser.add_argument("--drain-s", type=float, default=300.0, help="wall seconds a run may take after its "
-                        "last arrival; then what is unfinished is cut and counts as failed (default: 300)")  # fmt: skip
-    parser.add_argument("--ttft-slo-s", type=float, default=None, help="goodput's TTFT bound, simulated seconds "
-                        "(default: the unified run's p90 TTFT)")  # fmt: skip
-    parser.add_argument("--tpot-slo-s", type=float, default=None, help="goodput's TPOT bound, simulated seconds "
-                        "(default: the unified run's p90 TPOT)")  # fmt: skip
+                        f"computes the rest itself (default: {PULL_DEADLINE_S:g}, so that fallbacks do not stand "
+                        "in for disaggregation)")  # fmt: skip
+    parser.add_argument("--drain-s", type=float, default=120.0, help="wall seconds a run may take after its "
+                        "last arrival; then what is unfinished is cut and counts as failed (default: 120)")  # fmt: skip
     parser.add_argument("--only", action="append", default=[], help="run only fleets whose name contains this "
-                        "(repeatable); the default SLO bounds need the unified fleet")  # fmt: skip
+                        "(repeatable)")  # fmt: skip
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvyard-pd_fleet-logs",
                         help="where the sims' and routers' logs go (default: %(default)s)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
@@ -433,39 +461,66 @@ def parse_args() -> argparse.Namespace:
                         "(default: benchmarks/results/pd_fleet.json, or pd_fleet_smoke.json with --smoke)")  # fmt: skip
     args = parser.parse_args()
     if args.smoke:
-        args.requests, args.drain_s = SMOKE["requests"], SMOKE["drain_s"]
+        args.requests, args.drain_s, args.loads, args.splits = (SMOKE[k] for k in ("requests", "drain_s", "loads",
+                                                                                    "splits"))  # fmt: skip
     args.out = args.out or RESULTS / ("pd_fleet_smoke.json" if args.smoke else "pd_fleet.json")
+    args.capacity_blocks = args.capacity_blocks or CAPACITY_TOKENS // args.block_size
     return args
 
 
-def conditions(args: argparse.Namespace, requests: list[TraceRequest], speedup: float) -> dict[str, Any]:
+def cost_model(args: argparse.Namespace) -> CostModel:
+    return CostModel() if args.cost_preset == CPU_PRESET else roofline_preset(args.cost_preset).cost
+
+
+def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
     span = max(r.arrival_s for r in requests) or 1.0
+    sim = SimConfig()
+    preset = None if args.cost_preset == CPU_PRESET else roofline_preset(args.cost_preset)
     return {
         "trace": str(args.trace.name), "requests": len(requests), "trace_slice": f"first {len(requests)} requests",
-        "trace_span_s": span, "arrival_speedup": speedup, "replay_span_wall_s": span / speedup,
-        "replicas": args.replicas, "capacity_blocks_per_replica": args.capacity_blocks, "block_size": 16,
-        "max_output": args.max_output, "mean_input_tokens": sum(r.input_length for r in requests) / len(requests),
+        "trace_span_s": span, "replicas": args.replicas, "capacity_blocks_per_replica": args.capacity_blocks,
+        "block_size": args.block_size, "max_output": args.max_output,
+        "mean_input_tokens": sum(r.input_length for r in requests) / len(requests),
         "mean_output_tokens": sum(r.output_length for r in requests) / len(requests),
         "time_scale": args.time_scale, "stream_interval_s": args.stream_interval_s,
         "times": "simulated seconds (wall / time_scale); rates per simulated second",
-        "cost_model": asdict(CostModel()), "max_num_batched_tokens": SimConfig().scheduler.max_num_batched_tokens,
-        "kv_bytes_per_token": args.kv_bytes_per_token, "transfer_gb_per_s": args.transfer_gb_per_s,
+        "cost_preset": args.cost_preset,
+        "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores" if preset is None else
+        f"roofline estimate, not a measurement: {preset.model.name} on {preset.device.name} "
+        f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
+        "max_num_batched_tokens": sim.scheduler.max_num_batched_tokens,
+        "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
+                                                          sim.kv_bytes_per_token),
+        "transfer_gb_per_s": args.transfer_gb_per_s or (preset.transfer_gb_per_s if preset else
+                                                        sim.transfer_gb_per_s),
+        "transfer_link": preset.transfer_note if preset else "10 Gb/s Ethernet",
         "transfer_latency_s": args.transfer_latency_s, "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
-        "transfer_model": "latency + blocks x 16 x kv_bytes_per_token"
-        " / bandwidth, after the real pull (no overlap with prefill)", "offered_utilisation_estimate":
-        args.utilisation, "pd_local_prefill_tokens": args.pd_local_prefill_tokens, "drain_s": args.drain_s,
-        "ideal_hit_ratio_subset": ideal_hit_ratio(requests), "prefill_work_share_estimate": prefill_share(requests),
-        "router_policy": "cache_aware", "cpus": os.cpu_count(),
+        "transfer_model": "latency + blocks x block_size x kv_bytes_per_token / bandwidth, after the real pull "
+        "(no overlap with prefill)", "pd_local_prefill_tokens": args.pd_local_prefill_tokens, "drain_s": args.drain_s,
+        "ideal_hit_ratio_subset": ideal_hit_ratio(requests), "decode_work_share_estimate":
+        decode_share(requests, cost_model(args)), "router_policy": "cache_aware", "cpus": os.cpu_count(),
+        "slo": {"ttft": f"max({args.ttft_slo_min_s:g} s, {args.ttft_slo_factor:g} x the prompt's prefill alone "
+                f"on an idle replica)", "tpot_s": args.tpot_slo_s, "attainment_target": args.attainment},
     }  # fmt: skip
 
 
-def prefill_share(requests: list[TraceRequest]) -> float:
-    """Prefill's part of the simulated work (routing.service_seconds, which leaves out decode's attention and step
-    overhead, so an upper estimate): what decides how many replicas prefill needs."""
-    cost = CostModel()
-    decode = sum(r.output_length for r in requests) * cost.decode_seq_s
-    total = service_seconds(requests, ideal_hit_ratio(requests))
-    return (total - decode) / total
+DECODE_BATCH_ESTIMATE = 16  # decodes sharing a step, for the load estimate only
+
+
+def work_seconds(requests: list[TraceRequest], cost: CostModel) -> tuple[float, float]:
+    """(prefill, decode) simulated busy seconds the trace asks of the fleet: prefills with the ideal hit ratio
+    (routing.service_seconds) and decode tokens each with their context read and a share of a step."""
+    prefill = service_seconds(requests, ideal_hit_ratio(requests), cost) - sum(r.output_length for r in requests
+                                                                               ) * cost.decode_seq_s  # fmt: skip
+    per_step = cost.step_base_s / DECODE_BATCH_ESTIMATE + cost.decode_seq_s
+    decode = sum(r.output_length * (per_step + cost.decode_context_s * (r.input_length + r.output_length / 2))
+                 for r in requests)  # fmt: skip
+    return prefill, decode
+
+
+def decode_share(requests: list[TraceRequest], cost: CostModel) -> float:
+    prefill, decode = work_seconds(requests, cost)
+    return decode / (prefill + decode)
 
 
 def main() -> int:
@@ -474,35 +529,44 @@ def main() -> int:
     blocks: dict[int, str] = {}
     prompts = [prompt_text(r, blocks) for r in requests]
     span = max(r.arrival_s for r in requests) or 1.0
-    speedup = args.utilisation * args.replicas * span / (service_seconds(requests, ideal_hit_ratio(requests))
-                                                         * args.time_scale)  # fmt: skip
-    report: dict[str, Any] = {"conditions": conditions(args, requests, speedup)}
-    report["conditions"]["working_set_blocks"] = len(blocks) * TRACE_BLOCK // 16
+    work = sum(work_seconds(requests, cost_model(args)))
+    report: dict[str, Any] = {"conditions": conditions(args, requests)}
+    report["conditions"]["working_set_blocks"] = len(blocks) * TRACE_BLOCK // args.block_size
+    report["conditions"]["work_seconds_estimate"] = work
     print(json.dumps(report["conditions"]), flush=True)
     if args.dry_run:
         return 0
     splits = [int(s) for s in args.splits.split(",") if s.strip()]
     selected = [f for f in fleets(args.replicas, splits, args.modes.split(","))
                 if not args.only or any(pattern in f.name for pattern in args.only)]  # fmt: skip
-    logs = args.logs
-    logs.mkdir(parents=True, exist_ok=True)
-    runs: list[dict[str, Any]] = []
-    samples: dict[str, list[Sample]] = {}
+    args.logs.mkdir(parents=True, exist_ok=True)
+    bounds = ttft_bounds(args, requests)
+    report["fleets"] = {}
     for fleet in selected:
-        run, per_request = run_fleet(fleet, args, requests, prompts, speedup, logs)
-        runs.append(run)
-        samples[fleet.name] = per_request
-    slo = slo_bounds(args, runs, samples)
-    report["conditions"]["slo"] = slo
-    report["runs"] = [with_goodput(r, samples[r["fleet"]], slo["ttft_s"], slo["tpot_s"]) for r in runs]
-    report["per_request_ttft_tpot_s"] = samples
+        runs = []
+        for load in (float(x) for x in args.loads.split(",")):
+            speedup = load * args.replicas * span / (work * args.time_scale)
+            run, rows = run_fleet(fleet, args, requests, prompts, speedup, args.logs)
+            run.update(offered_load=load, offered_requests_per_s=len(requests) / (work / (load * args.replicas)),
+                       arrival_speedup=speedup, per_request_ttft_tpot_s=rows)  # fmt: skip
+            runs.append(with_attainment(run, rows, bounds, args.tpot_slo_s))
+            print(table_row(runs[-1]), flush=True)
+        report["fleets"][fleet.name] = {"prefill_replicas": fleet.prefill_replicas,
+                                        "disaggregation": fleet.disaggregation, "runs": runs,
+                                        "goodput": goodput(runs, args.attainment)}  # fmt: skip
+    report["goodput_requests_per_s"] = {name: f["goodput"]["requests_per_s"] for name, f in report["fleets"].items()}
+    report["goodput_by_tpot_slo"] = {
+        bound: {name: goodput([with_attainment(r, r["per_request_ttft_tpot_s"], bounds, float(bound))
+                               for r in f["runs"]], args.attainment)["requests_per_s"]
+                for name, f in report["fleets"].items()}
+        for bound in args.tpot_slo_grid.split(",")
+    }  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1))
     title = (f"Mooncake conversation trace, first {len(requests)} requests, {args.replicas} simulated replicas, "
-             f"time scale {args.time_scale:g}; goodput: TTFT <= {slo['ttft_s']:.3g} s and TPOT <= "
-             f"{slo['tpot_s']:.3g} s ({slo['from']})")  # fmt: skip
-    plot(report["runs"], slo, title, args.out.with_suffix(".png"))
-    for run in report["runs"]:
-        print(table_row(run), flush=True)
+             f"cost model {args.cost_preset}; SLO: TTFT <= {report['conditions']['slo']['ttft']}, TPOT <= "
+             f"{args.tpot_slo_s:g} s")  # fmt: skip
+    plot(report, title, args.out.with_suffix(".png"))
+    print(json.dumps(report["goodput_by_tpot_slo"], indent=1), flush=True)
     return 0
 
 

@@ -4,7 +4,9 @@ arrive, unified vs one prefill + one decode replica, side by side in one run on 
 Both fleets get the same two CPU cores and serve the embedded default model (`create_model` llama `bench`
 preset, random weights, fp32) through `kvyard route` (cache-aware policy):
 
-- unified: one `kvyard serve` on both cores (OMP_NUM_THREADS=2, `taskset -c 0,1`);
+- unified: one `kvyard serve` on both cores (OMP_NUM_THREADS=2, `taskset -c 0,1`), once for each step token budget
+  of `--unified-budgets` (default: 2048, the engine's default, and 512, smaller prefill chunks: shorter stalls,
+  more of them);
 - PD: a prefill replica pinned to core 0 and a decode replica pinned to core 1 (OMP_NUM_THREADS=1 each), the
   router with `--prefill` / `--decode` and conditional disaggregation (its default threshold: a request with
   more than 512 prompt tokens to compute on the decode replica is prefilled remotely).
@@ -12,7 +14,7 @@ preset, random weights, fp32) through `kvyard route` (cache-aware policy):
 Workload, identical for both: `--streams` greedy streams with short prompts decode for the whole run; after a
 warm-up, long prompts (uniform in [`--min-prompt`, `--max-prompt`] tokens, `--long-tokens` output tokens each)
 arrive every `--interval-s` seconds. Measured: the inter-token latency (ITL) of the running streams over the
-arrival window (p50, p99, max), the long prompts' time to first token, and output tokens per second of
+arrival window (p50, p99, p99.9, max), the long prompts' time to first token, and output tokens per second of
 everything. The router and this client share the two cores with the replicas in both runs.
 
     .venv/bin/python benchmarks/pd_replicas.py --out benchmarks/results/pd_replicas.json
@@ -94,10 +96,13 @@ def wait_healthy(url: str, timeout: float = 300) -> None:
 
 
 def start_fleet(kind: str, model: Path, logs: Path, base_port: int) -> Fleet:
+    """`kind`: "pd", or "unified-<token budget>"."""
     fleet = Fleet()
     router = [sys.executable, "-m", "kvyard", "route", "--port", str(base_port), "--replica-admin-key", ADMIN_KEY]
-    if kind == "unified":
-        fleet.processes.append(serve(model, base_port + 1, "0,1", 2, logs / f"{kind}.log"))
+    if kind.startswith("unified"):
+        budget = kind.removeprefix("unified-")
+        fleet.processes.append(serve(model, base_port + 1, "0,1", 2, logs / f"{kind}.log",
+                                     "--max-num-batched-tokens", budget))  # fmt: skip
         router += ["--replica", f"http://127.0.0.1:{base_port + 1}"]
     else:
         fleet.processes.append(serve(model, base_port + 1, "0", 1, logs / f"{kind}-prefill.log", "--role", "prefill"))
@@ -180,7 +185,8 @@ def run_workload(url: str, args: argparse.Namespace, lengths: list[int]) -> dict
         thread.join()
     elapsed = time.monotonic() - start
     itl = sorted(seen.itl_s)
-    itl_ms = {"p50": _ms(_pct(itl, 50)), "p99": _ms(_pct(itl, 99)), "max": _ms(itl[-1] if itl else 0),
+    itl_ms = {"p50": _ms(_pct(itl, 50)), "p99": _ms(_pct(itl, 99)), "p99.9": _ms(_pct(itl, 99.9)),
+              "max": _ms(itl[-1] if itl else 0),
               "mean": _ms(statistics.fmean(itl) if itl else 0), "count": len(itl)}  # fmt: skip
     ttft = {"p50": round(_pct(sorted(seen.ttft_s), 50), 3), "max": round(max(seen.ttft_s, default=0), 3),
             "count": len(seen.ttft_s)}  # fmt: skip
@@ -208,6 +214,20 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
 
 
+def _ratios(pd: dict[str, Any], unified: dict[str, Any]) -> dict[str, float]:
+    def ratio(a: float, b: float) -> float:
+        return round(a / max(b, 1e-9), 3)
+
+    return {
+        "itl_p99": ratio(pd["itl_ms"]["p99"], unified["itl_ms"]["p99"]),
+        "itl_p99.9": ratio(pd["itl_ms"]["p99.9"], unified["itl_ms"]["p99.9"]),
+        "itl_max": ratio(pd["itl_ms"]["max"], unified["itl_ms"]["max"]),
+        "itl_p50": ratio(pd["itl_ms"]["p50"], unified["itl_ms"]["p50"]),
+        "long_ttft_p50": ratio(pd["long_ttft_s"]["p50"], unified["long_ttft_s"]["p50"]),
+        "output_tokens_per_s": ratio(pd["output_tokens_per_s"], unified["output_tokens_per_s"]),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -218,6 +238,8 @@ def main() -> int:
     parser.add_argument("--min-prompt", type=int, default=2048, help="shortest long prompt (default: 2048)")
     parser.add_argument("--max-prompt", type=int, default=7936, help="longest long prompt (default: 7936)")
     parser.add_argument("--long-tokens", type=int, default=16, help="output tokens of each long prompt (default: 16)")
+    parser.add_argument("--unified-budgets", default="2048,512", help="step token budgets (--max-num-batched-tokens)"
+                        " of the unified runs, comma-separated (default: 2048,512)")  # fmt: skip
     parser.add_argument("--port", type=int, default=18400, help="first port to use (default: 18400)")
     args = parser.parse_args()
     from kvyard.testing.create_model import DEFAULT_ARCH, DEFAULT_PRESET, ensure_default_model
@@ -228,7 +250,8 @@ def main() -> int:
     logs = args.out.parent / "pd_replicas_logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    for offset, kind in enumerate(("unified", "pd")):
+    kinds = [f"unified-{budget.strip()}" for budget in args.unified_budgets.split(",") if budget.strip()] + ["pd"]
+    for offset, kind in enumerate(kinds):
         print(f"pd_replicas: starting the {kind} fleet ...", file=sys.stderr, flush=True)
         fleet = start_fleet(kind, model, logs, args.port + 10 * offset)
         try:
@@ -241,13 +264,14 @@ def main() -> int:
         finally:
             fleet.stop()
         print(f"pd_replicas: {kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)
-    unified, pd = results["unified"], results["pd"]
+    pd = results["pd"]
     conditions = {
         "model": f"{DEFAULT_ARCH} {DEFAULT_PRESET} preset (random weights), float32, block size 16",
         "hardware": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
-        "unified": "1 replica, OMP_NUM_THREADS=2, taskset -c 0,1",
-        "pd": "prefill replica taskset -c 0 + decode replica taskset -c 1, OMP_NUM_THREADS=1 each; router "
-              "--disaggregation conditional (--pd-local-prefill-tokens 512)",
+        "unified": "1 replica, OMP_NUM_THREADS=2, taskset -c 0,1; unified-N: --max-num-batched-tokens N",
+        "pd": "prefill replica taskset -c 0 + decode replica taskset -c 1, OMP_NUM_THREADS=1 each, "
+              "--max-num-batched-tokens 2048 (default); router --disaggregation conditional "
+              "(--pd-local-prefill-tokens 512)",
         "prefix caching": "on (no repeated prompts: no hits)", "kv tier": "off", "speculative decoding": "off",
         "streams": args.streams, "stream prompt tokens": 64, "long prompts": lengths,
         "long prompt output tokens": args.long_tokens, "interval_s": args.interval_s,
@@ -256,16 +280,11 @@ def main() -> int:
         "benchmark": "pd_replicas",
         "conditions": conditions,
         "results": results,
-        "ratios_pd_over_unified": {
-            "itl_p99": round(pd["itl_ms"]["p99"] / max(unified["itl_ms"]["p99"], 1e-9), 3),
-            "itl_p50": round(pd["itl_ms"]["p50"] / max(unified["itl_ms"]["p50"], 1e-9), 3),
-            "long_ttft_p50": round(pd["long_ttft_s"]["p50"] / max(unified["long_ttft_s"]["p50"], 1e-9), 3),
-            "output_tokens_per_s": round(pd["output_tokens_per_s"] / max(unified["output_tokens_per_s"], 1e-9), 3),
-        },
+        "ratios_pd_over_unified": {kind: _ratios(pd, results[kind]) for kind in kinds if kind != "pd"},
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["ratios_pd_over_unified"]))
-    failures = unified["failures"] + pd["failures"]
+    failures = [failure for kind in kinds for failure in results[kind]["failures"]]
     if failures:
         print(f"pd_replicas: {len(failures)} request(s) failed: {failures[:5]}", file=sys.stderr)
         return 1

@@ -153,10 +153,10 @@ def block_keys(request: TraceRequest, block_size: int) -> list[tuple[int, int]]:
     return [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
 
 
-def service_seconds(requests: list[TraceRequest], hit_ratio: float) -> float:
-    """Simulated busy time the trace asks of the fleet under the sim's default cost model, with prefills and
-    decodes batched as the sim does and a fraction `hit_ratio` of every prompt cached."""
-    cost = CostModel()
+def service_seconds(requests: list[TraceRequest], hit_ratio: float, cost: CostModel | None = None) -> float:
+    """Simulated busy time the trace asks of the fleet under `cost` (the sim's default cost model unless given),
+    with prefills and decodes batched as the sim does and a fraction `hit_ratio` of every prompt cached."""
+    cost = cost or CostModel()
     prefill = sum(r.input_length * (1 - hit_ratio) for r in requests) * cost.prefill_token_s
     prefill += sum(r.input_length**2 * (1 - hit_ratio**2) / 2 for r in requests) * cost.attention_pair_s
     prefill_steps = sum(r.input_length * (1 - hit_ratio) for r in requests) / MAX_BATCH_TOKENS * cost.step_base_s
