@@ -5,7 +5,9 @@ as `kvyard serve` (KV events included), for routing experiments at a scale one m
 With `--prefill-replicas K` the first K replicas are prefill replicas and the rest decode replicas: with an admin
 key (`--admin-key` or $KVYARD_ADMIN_KEY, which every replica shares) they move a request's blocks over HTTP as
 real replicas do, each pull charged the modeled transfer time (--kv-bytes-per-token, --transfer-gb-per-s,
---transfer-latency-s).
+--transfer-latency-s). With --host-tier-blocks each replica keeps blocks in a host-memory tier below its device cache,
+and with --shared-store-blocks all replicas of the process share one store, as `kvyard serve --kv-tier` does with
+memory and Redis; each load is charged its modeled time (see kvyard/sim/tier.py).
 """
 
 from __future__ import annotations

@@ -14,14 +14,26 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
-from kvyard.engine.kv_transfer import DeviceBlocks
-from kvyard.kvcache.codec import DecodedBlock
+from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
 
 
+class TierDevice(Protocol):
+    """The blocks the tier copies from and into: the device cache (kv_transfer.DeviceBlocks), or the simulator's
+    stand-in."""
+
+    @property
+    def format(self) -> BlockFormat: ...
+
+    def read(self, block_ids: Sequence[int]) -> Sequence[memoryview]: ...
+
+    def write(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None: ...
+
+
 class KVTierLink:
-    def __init__(self, store: TieredStore, device: DeviceBlocks, load_deadline_s: float) -> None:
+    def __init__(self, store: TieredStore, device: TierDevice, load_deadline_s: float) -> None:
         self.store = store
         self.device = device
         self.format = device.format

@@ -43,6 +43,30 @@ class SimConfig:
                                        "(10^9 bytes); 1.25 is one 10 Gb/s Ethernet link")  # fmt: skip
     transfer_latency_s: float = setting(0.001, help="simulated seconds every transfer takes on top of its bytes "
                                         "(connection and first byte on a LAN)")  # fmt: skip
+    # The KV tier below the device cache (`kvyard serve --kv-tier`): a host-memory tier per replica and a store shared
+    # by every replica of the process, holding stand-in blocks; a load is charged latency plus its bytes (at
+    # kv_bytes_per_token) over the bandwidth of the tier that served it. Writes are write-behind, off every request's
+    # path, so they are not charged.
+    host_tier_blocks: int = setting(0, help="blocks each replica keeps in its host-memory KV tier, least recently "
+                                    "used evicted first (0: no host tier)")  # fmt: skip
+    host_tier_gb_per_s: float = setting(0.36, help="load bandwidth of the host-memory tier in GB/s (10^9 bytes), "
+                                        "into the device cache; 0.36 is kvyard serve's memory tier end to end on a "
+                                        "2-core CPU (benchmarks/results/kv_tier.json, memory, "
+                                        "end_to_end_load_bandwidth_gb_s: a lower bound, the whole TTFT of a cached "
+                                        "4096-token prompt over its bytes)")  # fmt: skip
+    shared_store_blocks: int = setting(0, help="blocks of a KV store shared by all replicas of this process, like "
+                                       "kvyard serve's Redis tier, least recently used evicted first (0: no shared "
+                                       "store)")  # fmt: skip
+    shared_store_gb_per_s: float = setting(0.23, help="read bandwidth of the shared store in GB/s (10^9 bytes); "
+                                           "0.23 is kvyard's Redis tier on loopback, redis-py pipelines of 64 "
+                                           "blocks of 524 KB (benchmarks/results/kv_transfer.json, "
+                                           "redis_get_gb_per_s)")  # fmt: skip
+    shared_store_latency_s: float = setting(0.001, help="simulated seconds every lookup in the shared store takes on "
+                                            "top of its bytes, a miss included (one LAN round trip; assumed, not "
+                                            "measured)")  # fmt: skip
+    tier_load_deadline_s: float = setting(2.0, help="longest simulated wait for tier blocks at admission; blocks "
+                                          "that would arrive later are recomputed (kvyard serve's "
+                                          "--kv-load-deadline-s default)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The pull deadline is a time of the modeled engine (scaled by time_scale). The lease and the idle timeout stay
     # wall times, like the transfer server's own (heartbeats, the wait for a transfer not yet known): a lease scaled
@@ -54,9 +78,11 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
-        if not self.transfer_gb_per_s > 0:
-            raise ValueError(f"transfer_gb_per_s must be positive, got {self.transfer_gb_per_s}")
-        for name in ("stream_interval_s", "tick_s", "transfer_latency_s"):
+        for name in ("transfer_gb_per_s", "host_tier_gb_per_s", "shared_store_gb_per_s", "tier_load_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("stream_interval_s", "tick_s", "transfer_latency_s", "shared_store_latency_s",
+                     "host_tier_blocks", "shared_store_blocks"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("block_size", "num_kv_blocks", "max_model_len", "vocab_size", "event_log_capacity",

@@ -14,7 +14,8 @@ blocks: a step is arithmetic on the scheduler's state.
 Prefill/decode disaggregation works as on a real replica (`sim.transfer`): a prefill replica's leased blocks are
 sent as small stand-in blocks over HTTP, a decode replica pulls them on the engine's pull threads, and its request
 is admitted once the modeled transfer time has passed; meanwhile the loop checks again every tick instead of
-waiting on the load.
+waiting on the load. Loads from the KV tier below the device cache (`sim.tier`: a host tier per replica, a store shared
+by the replicas of the process) are waited for the same way.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from kvyard.engine.kv_pull_link import KVPullLink, PullCounters
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.memory_tier import MemoryTier
+from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_runner import CostRunner
+from kvyard.sim.tier import ModeledLoads, ModeledTierLink, build_tier_link
 from kvyard.sim.tokens import ByteTokenizer
 from kvyard.sim.transfer import ModeledPuller, ModeledTransfers, StandInBlocks
 
@@ -84,11 +88,12 @@ CollectorFactory = Callable[["SimEngine"], Collector]
 class SimEngine:
     """`admin_key`: the fleet's admin key, which this replica sends when it pulls a prompt's blocks from a prefill
     replica (none: it computes every prompt itself). `collectors`: more metrics of this engine, made for it
-    (the KV-transfer counters, whose collector lives with the server)."""
+    (the KV-transfer counters, whose collector lives with the server). `shared_store`: the KV store every replica
+    of the process shares (see `tier.shared_store`), used when `config.shared_store_blocks` is set."""
 
     def __init__(
         self, config: SimConfig, index: int = 0, admin_key: str | None = None,
-        collectors: Sequence[CollectorFactory] = (),
+        collectors: Sequence[CollectorFactory] = (), shared_store: MemoryTier | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.index = index
@@ -99,18 +104,21 @@ class SimEngine:
         self._vocabulary = ByteTokenizer()
         self._pull_headers = {"authorization": f"Bearer {admin_key}"} if admin_key else None
         self.puller: ModeledPuller | None = None
+        self.shared_store = shared_store
+        self.tier: ModeledTierLink | None = None
         self._fresh_state()
         self._collectors: list[Collector] = [_SimCollector(self), *(make(self) for make in collectors)]
 
     def _fresh_state(self) -> None:
-        """An empty cache and a new event log (sequence from 1): a newly started replica."""
+        """An empty cache, host tier included, and a new event log (sequence from 1): a newly started replica. The
+        shared store keeps what it holds."""
         core, runner = self.config.build_core()
         core.block_reader = StandInBlocks()
-        if self.puller is not None:
-            self.puller.close()
+        self._close_links()
         self.puller = self._make_puller()
-        if self.puller is not None:
-            core.attach_puller(self.puller, block_on_loads=False)
+        self.tier = build_tier_link(self.config, self.shared_store)
+        core.attach_tier(self.tier)
+        core.attach_puller(self.puller, block_on_loads=False)
         self.core: EngineCore = core
         self.runner: CostRunner = runner
         self.lag_s = 0.0
@@ -132,6 +140,23 @@ class SimEngine:
 
     def modeled_transfers(self) -> ModeledTransfers:
         return self.puller.modeled() if self.puller is not None else ModeledTransfers()
+
+    def modeled_tier_loads(self) -> dict[str, ModeledLoads]:
+        """What tier loads would have cost, by the tier that served them (empty: no tier)."""
+        return self.tier.modeled() if self.tier is not None else {}
+
+    def tier_snapshot(self) -> StoreSnapshot | None:
+        """The KV tier's counters, as `kvyard serve` exports them (None: no tier)."""
+        tier = self.tier
+        return tier.snapshot() if tier is not None else None
+
+    def _close_links(self) -> None:
+        if self.puller is not None:
+            self.puller.close()
+            self.puller = None
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     def restart(self) -> None:
         """Behave like a replica that crashed and came back: every request in flight fails, the cache is gone."""
@@ -220,8 +245,7 @@ class SimEngine:
         try:
             await self._step_loop()
         finally:
-            if self.puller is not None:
-                self.puller.close()
+            self._close_links()
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -288,3 +312,23 @@ class _SimCollector(Collector):
                                   "moved in the simulated model", value=modeled.bytes)  # fmt: skip
         yield CounterMetricFamily("kvyard_sim_transfer_model_seconds", "Simulated seconds charged for pulls "
                                   "(latency plus bytes over bandwidth)", value=modeled.seconds)  # fmt: skip
+        yield from self._tier_loads()
+
+    def _tier_loads(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        loads = self.engine.modeled_tier_loads()
+        tokens = CounterMetricFamily("kvyard_sim_tier_hit_tokens", "Prompt tokens loaded from the KV tier, by the "
+                                     "tier that served them (host, shared)", labels=["source"])  # fmt: skip
+        nbytes = CounterMetricFamily("kvyard_sim_tier_model_bytes", "KV bytes those loads would have moved in the "
+                                     "simulated model", labels=["source"])  # fmt: skip
+        seconds = CounterMetricFamily("kvyard_sim_tier_model_seconds", "Simulated seconds charged for tier "
+                                      "loads (latency plus bytes over bandwidth, misses included)",
+                                      labels=["source"])  # fmt: skip
+        for source, modeled in sorted(loads.items()):
+            tokens.add_metric([source], modeled.tokens)
+            nbytes.add_metric([source], modeled.bytes)
+            seconds.add_metric([source], modeled.seconds)
+        yield from (tokens, nbytes, seconds)
+        store = self.engine.shared_store
+        if store is not None and self.engine.config.shared_store_blocks:
+            yield GaugeMetricFamily("kvyard_sim_shared_store_blocks", "Blocks in the store the replicas of this "
+                                    "process share", value=len(store))  # fmt: skip

@@ -11,12 +11,13 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.auth import AccessConfig, admin_key_of
 from kvyard.net.http_server import HttpServerConfig
-from kvyard.server.kv_tier_metrics import KVTransferCollector
+from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.options import ServerOptions
 from kvyard.server.serve import ReplicaCluster, ReplicaSpec
 from kvyard.sim.config import SimConfig
 from kvyard.sim.engine import SimEngine
 from kvyard.sim.fault_routes import fault_routes
+from kvyard.sim.tier import shared_store
 
 TEST_ADMIN_KEY = "kvyard-test-admin"  # the admin key of test clusters: KV events and fault injection
 
@@ -35,12 +36,14 @@ def sim_replica_specs(
 ) -> list[ReplicaSpec]:
     """One replica per config, with its step loop and the fault-injection routes. `options`: those all replicas are
     served with (their admin key is the one a decode replica pulls with); `roles`: one per replica, else each has
-    the role of `options`."""
+    the role of `options`. Replicas with a shared KV store (`shared_store_blocks`) share one."""
     options = options or sim_server_options()
     if roles and len(roles) != len(configs):
         raise ValueError(f"{len(roles)} roles for {len(configs)} replicas")
     admin_key = admin_key_of(options.access.admin_key)
-    engines = [SimEngine(config, index, admin_key, (transfer_collector,)) for index, config in enumerate(configs)]
+    store = shared_store(configs)
+    engines = [SimEngine(config, index, admin_key, (transfer_collector, tier_collector), store)
+               for index, config in enumerate(configs)]  # fmt: skip
     own: list[ServerOptions | None] = [dataclasses.replace(options, role=role) for role in roles]
     return [ReplicaSpec(engine, engine.run, partial(fault_routes, engine), replica_options)
             for engine, replica_options in zip(engines, own or [None] * len(engines))]  # fmt: skip
@@ -49,6 +52,11 @@ def sim_replica_specs(
 def transfer_collector(engine: SimEngine) -> Collector:
     """The KV-transfer counters of a real replica (leases, pulls), for a simulated one."""
     return KVTransferCollector(lambda: engine.core.kv_exports, engine.pull_counters)
+
+
+def tier_collector(engine: SimEngine) -> Collector:
+    """The KV-tier counters of a real replica (kvyard_kv_tier_*), for a simulated one."""
+    return KVTierCollector(engine.tier_snapshot)
 
 
 def sim_server_options(
@@ -70,6 +78,10 @@ class SimCluster(ReplicaCluster):
     ) -> None:
         options = options or sim_server_options()
         super().__init__(lambda: sim_replica_specs(configs, options, roles), options)
+
+    def __enter__(self) -> SimCluster:
+        super().__enter__()
+        return self
 
     @property
     def replicas(self) -> list[SimEngine]:
