@@ -178,6 +178,10 @@ def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[by
                "--ports-file", str(ports_file), "--num-kv-blocks", str(args.capacity_blocks),
                "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005",
                "--admin-key", ADMIN_KEY]  # fmt: skip
+    if args.host_tier_blocks:
+        command += ["--host-tier-blocks", str(args.host_tier_blocks)]
+    if args.shared_store_blocks:
+        command += ["--shared-store-blocks", str(args.shared_store_blocks)]
     return launch_sims(command, ports_file, log)
 
 
@@ -444,6 +448,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
     parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
+    parser.add_argument("--host-tier-blocks", type=int, default=0, help="sim: a host-memory KV tier of this many "
+                        "blocks per replica (default: 0, none)")  # fmt: skip
+    parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
+                        "shared by all replicas; -1: the working set's size (default: 0, none)")  # fmt: skip
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
     parser.add_argument(
         "--only", action="append", default=[], help="run only routers whose name contains this (is it, with a final $)"
@@ -465,6 +473,8 @@ def main() -> int:
     # utilisation = work (wall) / (replicas * replay span); work (wall) = simulated work * time_scale
     work = service_seconds(requests, ideal)
     speedup = args.utilisation * args.replicas * trace_span / (work * args.time_scale)
+    if args.shared_store_blocks < 0:
+        args.shared_store_blocks = len(blocks) * TRACE_BLOCK // 16
     logs = args.out.parent / "routing-logs"
     logs.mkdir(parents=True, exist_ok=True)
     conditions = {
@@ -475,7 +485,8 @@ def main() -> int:
         "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
         "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366,
         "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
-        "cpus": os.cpu_count(),
+        "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
+        "shared_store_blocks": args.shared_store_blocks,
     }  # fmt: skip
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
