@@ -194,9 +194,10 @@ def test_a_prefill_replica_killed_mid_transfer_falls_back(
 def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """500 prefills for decode replicas that pull and release, die halfway through a pull, or never come: once
     the leases have run out the prefill replica's pool is back where it started."""
-    prefill = start_server(model_dirs["llama"], tmp_path, "--kv-lease-s", "1", "--kv-tier", "none")
+    prefill = start_server(model_dirs["llama"], tmp_path, "--kv-lease-s", "2", "--kv-tier", "none")
     fates = random.Random(0)
     plans = [(index, fates.choice(["release", "die_mid_pull", "never_come"])) for index in range(500)]
+    released_ok: list[int] = []
 
     def run(plan: tuple[int, str]) -> None:
         index, fate = plan
@@ -210,7 +211,11 @@ def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path
                 assert stream.status_code == 200
                 stream.read()
             released = httpx.post(f"{prefill.url}/kv/transfer/release", params={"id": transfer_id}, headers=ADMIN)
-            assert released.status_code == 200, released.text
+            # On a loaded machine the lease may run out between the pull and the release: then it is gone already.
+            gone = released.status_code == 404 and released.json()["error"]["code"] == "transfer_not_found"
+            assert released.status_code == 200 or gone, released.text
+            if released.status_code == 200:
+                released_ok.append(index)
         elif fate == "die_mid_pull":
             with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN,
                               timeout=60) as stream:  # fmt: skip
@@ -221,7 +226,8 @@ def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path
             list(pool.map(run, plans))
         counts = metrics(prefill)
         assert counts["kvyard_kv_transfer_exports_total"] == 500
-        assert counts["kvyard_kv_transfer_leases_released_total"] == sum(fate == "release" for _, fate in plans)
+        assert 0 < len(released_ok) <= sum(fate == "release" for _, fate in plans)
+        assert counts["kvyard_kv_transfer_leases_released_total"] == len(released_ok)
         deadline = time.monotonic() + 10
         while metrics(prefill)["kvyard_kv_transfer_active_leases"] and time.monotonic() < deadline:
             time.sleep(0.1)
