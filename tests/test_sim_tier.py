@@ -65,6 +65,12 @@ def evict_from_device(url: str, replica: SimEngine, *seeds: int) -> None:
     flush(replica)
 
 
+def cache_then_evict(url: str, replica: SimEngine) -> None:
+    """Prompt 1 computed, written to the tier, then pushed out of the device cache."""
+    complete(url, prompt(1))
+    evict_from_device(url, replica, 2, 3)
+
+
 def test_an_evicted_prompt_is_reloaded_from_the_host_tier() -> None:
     with SimCluster([HOST]) as sim:
         url, replica = sim.urls[0], sim.replicas[0]
@@ -88,9 +94,8 @@ def test_a_tier_load_is_held_back_by_its_modeled_time() -> None:
     # 10 blocks of 4,000 modeled bytes at 200 bytes per simulated second: 200 s, two wall seconds at scale 0.01.
     slow = replace(HOST, host_tier_gb_per_s=2e-7, tier_load_deadline_s=1000.0)
     with SimCluster([slow]) as sim:
-        url, replica = sim.urls[0], sim.replicas[0]
-        complete(url, prompt(1))
-        evict_from_device(url, replica, 2, 3)
+        url = sim.urls[0]
+        cache_then_evict(url, sim.replicas[0])
         held: list[dict[str, Any]] = []
         thread = threading.Thread(target=lambda: held.append(complete(url, prompt(1))))
         thread.start()
@@ -106,9 +111,8 @@ def test_blocks_that_would_arrive_after_the_load_deadline_are_computed() -> None
     # 20 simulated seconds a block: 5 of the 10 arrive within 110 s.
     slow = replace(HOST, host_tier_gb_per_s=2e-7, tier_load_deadline_s=110.0)
     with SimCluster([slow]) as sim:
-        url, replica = sim.urls[0], sim.replicas[0]
-        complete(url, prompt(1))
-        evict_from_device(url, replica, 2, 3)
+        url = sim.urls[0]
+        cache_then_evict(url, sim.replicas[0])
         assert cached_tokens(complete(url, prompt(1))) == 5 * BLOCK_SIZE
         assert metric(url, "kvyard_sim_tier_hit_tokens_total", source="host") == 5 * BLOCK_SIZE
 

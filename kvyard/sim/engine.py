@@ -259,7 +259,6 @@ class SimEngine:
                 if core.loads_pending():  # requests wait for pulled blocks: look again shortly, never spin
                     self._deliver(pending)
                     await asyncio.sleep(max(self.config.tick_s, MIN_LOAD_POLL_S))
-                    core.housekeeping()
                     step_end = loop.time()
                     continue
                 if core.has_unfinished_requests():
@@ -269,7 +268,6 @@ class SimEngine:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # wake now and then for upkeep (transfer leases)
                     await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
-                core.housekeeping()
                 step_end = loop.time()
                 continue
             now = loop.time()
