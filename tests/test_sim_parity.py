@@ -49,7 +49,8 @@ def sim_config_for(llama_dir: Path, *arguments: str) -> Any:
 
 def stored_keys(url: str) -> list[str]:
     page: dict[str, Any] = httpx.get(f"{url}/kv/events", headers=ADMIN, params={"since": 0, "stream": False}).json()
-    return [key for event in page["events"] if event["type"] == "stored" for key in event["block_keys"]]
+    return [key for event in page["events"] if (event["type"], event["medium"]) == ("stored", "device")
+            for key in event["block_keys"]]  # fmt: skip
 
 
 def test_sim_block_keys_equal_a_real_replicas(real_server: ServerProcess, llama_dir: Path) -> None:

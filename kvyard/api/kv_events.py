@@ -1,31 +1,39 @@
-"""The KV-event wire format (DESIGN.md, contract 3), for the replicas that send it and the router that reads it.
+"""The KV-event wire format (DESIGN.md, contracts 3 and 7), for the replicas that send it and the router that
+reads it.
 
-`GET /kv/events?since=N` streams server-sent events, one `data: {"seq", "type", "block_keys", "timestamp"}`
-per event (keys in hex) with sequence numbers > N; when events after N are no longer retained it sends one
-`event: gap` and ends, and the reader reloads `GET /kv/snapshot` (`{"seq", "block_keys", "namespace"}`)
-and resumes from its `seq`. `stream=false` answers one JSON page `{"events", "complete", "last_seq"}`.
+`GET /kv/events?since=N` streams server-sent events, one `data: {"seq", "type", "medium", "block_keys",
+"timestamp"}` per event (keys in hex; `medium` device, local or shared, see kvcache.events; a `cleared` event
+carries `store` instead of keys) with sequence numbers > N; when events after N are no longer retained it sends
+one `event: gap` and ends, and the reader reloads `GET /kv/snapshot` (`{"seq", "block_keys", "namespace",
+"local_keys", "shared_store"}`, the last `{"id", "ttl_s"}` or null) and resumes from its `seq`.
+`stream=false` answers one JSON page `{"events", "complete", "last_seq"}`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
 
 from kvyard.kvcache.block_key import KeyNamespace
-from kvyard.kvcache.events import EventKind, KVEvent, KVEventLog
+from kvyard.kvcache.events import MEDIA, EventKind, KVEvent, KVEventLog, Medium
 
 POLL_INTERVAL_S = 0.02  # how often a stream looks for new events in the log
 
 
 def event_json(event: KVEvent) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "seq": event.seq,
         "type": event.kind,
+        "medium": event.medium,
         "block_keys": [key.hex() for key in event.block_keys],
         "timestamp": event.timestamp,
     }
+    if event.store is not None:
+        body["store"] = event.store
+    return body
 
 
 def events_page(log: KVEventLog, since: int) -> dict[str, Any]:
@@ -50,8 +58,17 @@ def namespace_json(namespace: KeyNamespace) -> dict[str, Any]:
     return fields
 
 
-def snapshot_json(seq: int, block_keys: list[bytes], namespace: KeyNamespace) -> dict[str, Any]:
-    return {"seq": seq, "block_keys": [key.hex() for key in block_keys], "namespace": namespace_json(namespace)}
+def snapshot_json(
+    seq: int, block_keys: list[bytes], namespace: KeyNamespace, local_keys: Sequence[bytes] = (),
+    shared_store: tuple[str, float | None] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "seq": seq,
+        "block_keys": [key.hex() for key in block_keys],
+        "namespace": namespace_json(namespace),
+        "local_keys": [key.hex() for key in local_keys],
+        "shared_store": {"id": shared_store[0], "ttl_s": shared_store[1]} if shared_store is not None else None,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +78,18 @@ class WireEvent:
     seq: int
     kind: EventKind
     block_keys: list[bytes]
+    medium: Medium = "device"
+    store: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WireSnapshot:
+    seq: int
+    block_keys: list[bytes]
+    namespace: KeyNamespace
+    local_keys: list[bytes]
+    shared_store_id: str | None
+    shared_ttl_s: float | None
 
 
 def parse_event_line(line: bytes) -> WireEvent | None:
@@ -71,14 +100,27 @@ def parse_event_line(line: bytes) -> WireEvent | None:
     if not line.startswith(b"data:"):
         return None
     event = orjson.loads(line[5:])
-    kind = event["type"]
-    if kind not in ("stored", "removed"):
+    kind, medium = event["type"], event.get("medium", "device")
+    if kind not in ("stored", "removed", "cleared"):
         raise ValueError(f"unknown KV event type {kind!r}")
-    return WireEvent(int(event["seq"]), kind, [bytes.fromhex(key) for key in event["block_keys"]])
+    if medium not in MEDIA:
+        raise ValueError(f"unknown KV event medium {medium!r}")
+    store = event.get("store")
+    if kind == "cleared" and not isinstance(store, str):
+        raise ValueError("a cleared event without the store's id")
+    return WireEvent(int(event["seq"]), kind, [bytes.fromhex(key) for key in event["block_keys"]], medium, store)
 
 
-def parse_snapshot(body: dict[str, Any]) -> tuple[int, list[bytes], KeyNamespace]:
-    return int(body["seq"]), [bytes.fromhex(key) for key in body["block_keys"]], KeyNamespace(**body["namespace"])
+def parse_snapshot(body: dict[str, Any]) -> WireSnapshot:
+    shared = body.get("shared_store")
+    return WireSnapshot(
+        int(body["seq"]),
+        [bytes.fromhex(key) for key in body["block_keys"]],
+        KeyNamespace(**body["namespace"]),
+        [bytes.fromhex(key) for key in body.get("local_keys", ())],
+        str(shared["id"]) if shared else None,
+        float(shared["ttl_s"]) if shared and shared.get("ttl_s") is not None else None,
+    )
 
 
 class GapError(Exception):

@@ -15,6 +15,11 @@ class LoadReport:
     kv_blocks_total: int = 0
     tokens_in_flight: int = 0  # tokens of the running requests' sequences
     role: str = "unified"  # unified, prefill or decode (prefill/decode disaggregation)
+    # What a router needs to predict time to first token in seconds (DESIGN.md, contract 7); 0: not measured yet.
+    prefill_s_per_token: float = 0.0  # recent step seconds per token of steps that prefilled
+    local_tier_s_per_block: float = 0.0  # recent load seconds per block from the replica's own lower tiers
+    shared_tier_s_per_block: float = 0.0  # the same from the shared store
+    shared_tier_available: bool = True  # False while the shared store fails (its lookups are misses)
 
     @property
     def kv_usage(self) -> float:
@@ -29,11 +34,20 @@ class LoadReport:
         role = body.get("role", "unified")
         if role not in ("unified", "prefill", "decode"):
             raise TypeError(f"load report field role is not a role: {role!r}")
-        return cls(**{name: _count(body, name) for name in cls.__dataclass_fields__ if name != "role"}, role=role)
+        available = body.get("shared_tier_available", True)
+        if not isinstance(available, bool):
+            raise TypeError(f"load report field shared_tier_available is not a boolean: {available!r}")
+        fields: dict[str, Any] = {name: int(_number(body, name)) for name in _COUNTS}
+        fields.update({name: max(0.0, _number(body, name)) for name in _SECONDS})
+        return cls(**fields, role=role, shared_tier_available=available)
 
 
-def _count(body: dict[str, Any], name: str) -> int:
+_COUNTS = ("num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "tokens_in_flight")
+_SECONDS = ("prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block")
+
+
+def _number(body: dict[str, Any], name: str) -> float:
     value = body.get(name, 0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"load report field {name} is not a number: {value!r}")
-    return int(value)
+    return float(value)

@@ -27,8 +27,10 @@ from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.stats import RecentCost
 
 IDLE_LOAD_WAIT_S = 0.01
+MIN_MEASURED_PREFILL_TOKENS = 32  # steps this large say what a prefill token costs (decode-only steps do not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
     times: RequestTimes | None = None
+    num_local_tier_tokens: int = 0  # of the cached tokens, loaded from the replica's own lower tiers
+    num_shared_tier_tokens: int = 0  # of the cached tokens, loaded from the shared store
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """`later` (the same request's next output) with this one's new tokens and text in front of its own."""
@@ -120,6 +124,10 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     kv_tier_hit_tokens: int
     num_preemptions: int
+    kv_shared_hit_tokens: int = 0
+    prefill_s_per_token: float | None = None  # recent step seconds per token of steps that prefilled
+    tier_s_per_block: dict[str, float] = field(default_factory=dict)  # recent load seconds per block, by medium
+    shared_tier_available: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +145,8 @@ class KVSnapshot:
     seq: int
     block_keys: list[bytes]
     namespace: KeyNamespace
+    local_keys: list[bytes] = field(default_factory=list)  # held by the replica's own lower tiers
+    shared_store: tuple[str, float | None] | None = None  # the shared store's id and block TTL
 
 
 class EngineCore:
@@ -165,6 +175,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
+        self._prefill_cost = RecentCost(weight=0.1)
+        self._tier_costs: dict[str, RecentCost] = {}
 
     @property
     def model_name(self) -> str:
@@ -270,7 +282,9 @@ class EngineCore:
             self.housekeeping()
             return []
         scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
+        started = time.perf_counter()
         sampled = self.runner.execute(scheduled)
+        self._measure_step(scheduled, time.perf_counter() - started)
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv_manager.register_computed_blocks(item.request)
@@ -280,6 +294,12 @@ class EngineCore:
         outputs = [self._accept_token(token, now) for token in sampled]
         self.housekeeping(now)
         return outputs
+
+    def _measure_step(self, scheduled: Sequence[ScheduledRequest], wall_s: float) -> None:
+        """What a prefill token costs here, for the router's predicted TTFT (a modeled runner states its time)."""
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
+            self._prefill_cost.observe(getattr(self.runner, "last_step_seconds", wall_s), num_tokens)
 
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks
@@ -343,7 +363,22 @@ class EngineCore:
             prefix_cache_hit_tokens=kv.num_hit_tokens,
             kv_tier_hit_tokens=kv.num_tier_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
+            kv_shared_hit_tokens=kv.num_shared_hit_tokens,
+            prefill_s_per_token=self._prefill_cost.estimate,
+            tier_s_per_block=self._tier_load_costs(),
+            shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,
         )
+
+    def _tier_load_costs(self) -> dict[str, float]:
+        tier = self.kv_manager.tier
+        if tier is None:
+            return {}
+        costs: dict[str, float] = {}
+        for medium, (seconds, blocks) in tier.load_totals().items():
+            estimate = self._tier_costs.setdefault(medium, RecentCost()).update(seconds, blocks)
+            if estimate is not None:
+                costs[medium] = estimate
+        return costs
 
     def kv_event_log(self) -> KVEventLog | None:
         """The `stored`/`removed` event log (thread-safe to read), or None when events are not recorded."""
@@ -351,8 +386,12 @@ class EngineCore:
 
     def kv_snapshot(self) -> KVSnapshot:
         """Call between steps (on the engine's thread), so keys and sequence number agree."""
-        seq = self._events.last_seq if self._events is not None else 0
-        return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
+        seq = self._events.last_seq if self._events is not None else 0  # first: events after it may repeat a key
+        tier = self.kv_manager.tier
+        if tier is None:
+            return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
+        return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace, tier.local_keys(),
+                          tier.shared_store())  # fmt: skip
 
     # ----------------------------------------------------------------- transfers (prefill/decode disaggregation)
 
@@ -390,8 +429,10 @@ class EngineCore:
         self.block_pool.reset_prefix_cache()
 
     def attach_tier(self, tier: BlockTier | None) -> None:
-        """Put a lower KV tier below the device cache (None detaches it)."""
+        """Put a lower KV tier below the device cache (None detaches it); its events go to the replica's log."""
         self.kv_manager.tier = tier if self.config.enable_prefix_caching else None
+        if self.kv_manager.tier is not None:
+            self.kv_manager.tier.publish_events(self._events)
 
 
 def _output(request: Request, new_token_ids: list[int], text: str, new_text: str) -> RequestOutput:
@@ -404,6 +445,8 @@ def _output(request: Request, new_token_ids: list[int], text: str, new_text: str
         finished=finished,
         finish_reason=request.status.value if finished else None,
         num_cached_tokens=max(0, request.num_cached_tokens),
+        num_local_tier_tokens=request.num_local_tier_tokens,
+        num_shared_tier_tokens=request.num_shared_tier_tokens,
         new_token_ids=new_token_ids,
         new_text=new_text,
         logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,

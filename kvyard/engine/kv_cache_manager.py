@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.request import BlockSource, Request, TierLoad
+from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.transfer import TransferHandle
 
 _LOG = logging.getLogger(__name__)
@@ -30,6 +31,24 @@ class BlockTier(BlockSource, Protocol):
         ...
 
     def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+
+    def publish_events(self, events: KVEventLog | None) -> None:
+        """Record what the tiers gain and lose in `events` (DESIGN.md, contract 7)."""
+        ...
+
+    def local_keys(self) -> list[bytes]:
+        """Every block the replica's own tiers hold."""
+        ...
+
+    def shared_store(self) -> tuple[str, float | None] | None:
+        """The shared store's id and block TTL (None: no shared tier, or not reached yet)."""
+        ...
+
+    def shared_available(self) -> bool: ...
+
+    def load_totals(self) -> dict[str, tuple[float, int]]:
+        """Seconds spent loading and blocks served so far, by medium (`local`, `shared`)."""
+        ...
 
 
 class BlockPuller(BlockSource, Protocol):
@@ -64,6 +83,7 @@ class KVCacheManager:
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
         self.num_tier_hit_tokens = 0  # of those, loaded from the lower tier
+        self.num_shared_hit_tokens = 0  # of those, from the shared store
         self.num_pulled_tokens = 0  # of those, pulled from a prefill replica
         self._orphaned: list[TierLoad] = []  # loads of requests that ended, holding reserved blocks
 
@@ -190,6 +210,7 @@ class KVCacheManager:
         skip = len(device_blocks) - load.first_block  # blocks the device cache gained since the load began
         if skip < 0:
             return []  # the device cache lost blocks before the loaded ones: they no longer continue it
+        num_local = getattr(fetched, "num_local", len(fetched)) - skip  # from the replica's own tiers, not shared
         fetched = fetched[skip : skip + max_blocks - len(device_blocks)]
         self.pool.touch(device_blocks)  # so allocating for the loaded blocks cannot evict them
         loaded: list[int] = []
@@ -202,7 +223,7 @@ class KVCacheManager:
         finally:
             self.pool.free(reversed(device_blocks + loaded))
         if load.source is self.tier:
-            self.num_tier_hit_tokens += len(loaded) * self.block_size
+            self._count_tier_hits(request, len(loaded), max(0, min(num_local, len(loaded))))
         else:
             self.num_pulled_tokens += len(loaded) * self.block_size
         self._set_source_cached(request, fetched, len(device_blocks) + len(loaded))
@@ -225,6 +246,14 @@ class KVCacheManager:
         self.num_pulled_tokens += len(adopted) * self.block_size
         self._set_source_cached(request, fetched, len(device_blocks) + len(adopted))
         return adopted
+
+    def _count_tier_hits(self, request: Request, num_loaded: int, num_local: int) -> None:
+        shared_tokens = (num_loaded - num_local) * self.block_size
+        self.num_tier_hit_tokens += num_loaded * self.block_size
+        self.num_shared_hit_tokens += shared_tokens
+        if request.num_cached_tokens < 0:  # its first admission: what the usage reports
+            request.num_local_tier_tokens = num_local * self.block_size
+            request.num_shared_tier_tokens = shared_tokens
 
     def _set_source_cached(self, request: Request, fetched: Sequence[Any], num_blocks: int) -> None:
         source_cached_tokens: int | None = getattr(fetched, "source_cached_tokens", None)

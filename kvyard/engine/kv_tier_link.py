@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from kvyard.kvcache.codec import BlockFormat, DecodedBlock
+from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
 
 
@@ -58,6 +59,24 @@ class KVTierLink:
             return
         rows = self.device.read(block_ids)
         self.store.submit([BlockWrite(root_key, key, self.format, payload=row) for key, row in zip(keys, rows)])
+
+    # ------------------------------------------------------------ what the tiers hold and cost (DESIGN.md, 7)
+
+    def publish_events(self, events: KVEventLog | None) -> None:
+        self.store.events = events
+
+    def local_keys(self) -> list[bytes]:
+        return self.store.local_keys()
+
+    def shared_store(self) -> tuple[str, float | None] | None:
+        return self.store.shared_store()
+
+    def shared_available(self) -> bool:
+        return self.store.shared_available()
+
+    def load_totals(self) -> dict[str, tuple[float, int]]:
+        """Seconds spent loading and blocks served so far, by medium (`local`, `shared`)."""
+        return self.store.load_totals()
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

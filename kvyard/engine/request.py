@@ -79,6 +79,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
+    num_local_tier_tokens: int = 0  # of those, loaded from the replica's own lower tiers
+    num_shared_tier_tokens: int = 0  # of those, loaded from the shared store
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)

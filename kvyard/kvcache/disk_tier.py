@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvyard.kvcache.stats import TierStats
+from kvyard.kvcache.tier import PutResult
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ WRITE_RETRY_S = 60.0
 
 class DiskTier:
     name = "disk"
+    shared = False
+    store_id: str | None = None
+    ttl_s: float | None = None
 
     def __init__(self, directory: str | Path, capacity_bytes: int, fsync: bool = False) -> None:
         if capacity_bytes < 0:
@@ -107,24 +111,34 @@ class DiskTier:
             return None
         return blob
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        result = PutResult()
         if time.monotonic() < self._writes_paused_until:
-            return
+            return result
         start = time.perf_counter()
-        written = blocks = 0
+        written = 0
         for key, blob in items:
             if len(blob) > self.capacity_bytes:
                 continue
             if not self._write(key, blob):
                 break
             written += len(blob)
-            blocks += 1
+            result.stored.append(key)
+            result.evicted.extend(self._evict_over_budget())
         self.stats.add(stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
-                       blocks_written=blocks)  # fmt: skip
+                       blocks_written=len(result.stored))  # fmt: skip
+        if result.evicted:
+            gone = set(result.evicted)
+            result.stored = [key for key in result.stored if key not in gone]
+        return result
 
     def _write(self, key: bytes, blob: bytes) -> bool:
         path = self.path_of(key)
@@ -147,10 +161,9 @@ class DiskTier:
             old = self._index.pop(key, None)
             self._bytes += len(blob) - (old or 0)
             self._index[key] = len(blob)
-        self._evict_over_budget()
         return True
 
-    def _evict_over_budget(self) -> None:
+    def _evict_over_budget(self) -> list[bytes]:
         evicted: list[bytes] = []
         with self._lock:
             while self._bytes > self.capacity_bytes and self._index:
@@ -161,6 +174,7 @@ class DiskTier:
             _remove(self.path_of(key))
         if evicted:
             self.stats.add(evictions=len(evicted))
+        return evicted
 
     def discard(self, key: bytes) -> None:
         self._forget(key)

@@ -1,4 +1,12 @@
-"""KV events (DESIGN.md, contract 3): `stored` / `removed` block keys with gap-free sequence numbers."""
+"""KV events (DESIGN.md, contracts 3 and 7): `stored` / `removed` block keys with gap-free sequence numbers.
+
+Each event names the medium it is about: `device` (the replica's prefix cache), `local` (its own lower tiers:
+host memory and disk; a key is `stored` when the first of them holds it and `removed` when the last one drops it)
+or `shared` (the store every replica of the fleet reads, e.g. Redis: `stored` for what this replica wrote there,
+`removed` for what it saw evicted or discarded). `cleared` (shared only, no keys) says the shared store this
+replica uses is now the one named `store`, and that whatever was known of the store it used before is gone
+(it was flushed or restarted, or the replica reached it for the first time).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-EventKind = Literal["stored", "removed"]
+EventKind = Literal["stored", "removed", "cleared"]
+Medium = Literal["device", "local", "shared"]
+MEDIA: tuple[Medium, ...] = ("device", "local", "shared")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +27,8 @@ class KVEvent:
     kind: EventKind
     block_keys: tuple[bytes, ...]
     timestamp: float
+    medium: Medium = "device"
+    store: str | None = None  # the shared store's id (`cleared` events)
 
 
 @dataclass(slots=True)
@@ -35,11 +47,18 @@ class KVEventLog:
     def __post_init__(self) -> None:
         self._events = deque(maxlen=self.capacity)
 
-    def record(self, kind: EventKind, block_keys: list[bytes]) -> None:
+    def record(self, kind: EventKind, block_keys: list[bytes], medium: Medium = "device") -> None:
         if not block_keys:
             return
+        self._append(kind, tuple(block_keys), medium, None)
+
+    def record_cleared(self, store: str) -> None:
+        """The replica's shared store is now `store`, and what it held before is not there (any more)."""
+        self._append("cleared", (), "shared", store)
+
+    def _append(self, kind: EventKind, block_keys: tuple[bytes, ...], medium: Medium, store: str | None) -> None:
         with self._lock:
-            self._events.append(KVEvent(self._next_seq, kind, tuple(block_keys), time.time()))
+            self._events.append(KVEvent(self._next_seq, kind, block_keys, time.time(), medium, store))
             self._next_seq += 1
 
     @property

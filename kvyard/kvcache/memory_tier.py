@@ -8,10 +8,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvyard.kvcache.stats import TierStats
+from kvyard.kvcache.tier import PutResult
 
 
 class MemoryTier:
     name = "memory"
+    shared = False
+    store_id: str | None = None
+    ttl_s: float | None = None
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -42,13 +46,18 @@ class MemoryTier:
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
         return found
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._blobs)
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._blobs
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         start = time.perf_counter()
-        written = blocks = evicted = 0
+        result = PutResult()
+        written = 0
         with self._lock:
             for key, blob in items:
                 if len(blob) > self.capacity_bytes:
@@ -59,15 +68,19 @@ class MemoryTier:
                 self._blobs[key] = blob
                 self._bytes += len(blob)
                 written += len(blob)
-                blocks += 1
+                result.stored.append(key)
                 while self._bytes > self.capacity_bytes:
-                    _, dropped = self._blobs.popitem(last=False)
+                    dropped_key, dropped = self._blobs.popitem(last=False)
                     self._bytes -= len(dropped)
-                    evicted += 1
+                    result.evicted.append(dropped_key)
         self.stats.add(
             stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
-            blocks_written=blocks, evictions=evicted,
+            blocks_written=len(result.stored), evictions=len(result.evicted),
         )  # fmt: skip
+        if result.evicted:
+            gone = set(result.evicted)
+            result.stored = [key for key in result.stored if key not in gone]
+        return result
 
     def discard(self, key: bytes) -> None:
         with self._lock:

@@ -5,6 +5,11 @@ against one server or a Redis Cluster (`cluster=True`: the cluster client splits
 node). An unreachable, slow or failing server turns into misses: the error is counted and logged,
 the tier stays quiet for a backoff period that doubles up to a limit, then tries again.
 
+Every round trip also reads the store's epoch, a marker key holding a random id that the first replica to find
+it missing sets (SET NX): a flushed or restarted store has lost it, so its id changes, and the replica's KV
+events say so (`cleared`) without an extra round trip. Give the server a `volatile-*` eviction policy (or none):
+an evicted marker reads as a flush.
+
 A password and TLS come with the URL, as redis-py reads it:
 `rediss://:PASSWORD@host:6380/0?ssl_ca_certs=/path/ca.pem`. A wrong password or an untrusted
 certificate is a failure like any other (misses, an error counted, the cause in the log line); the
@@ -17,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -27,16 +33,19 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvyard.kvcache.stats import TierStats
+from kvyard.kvcache.tier import PutResult
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvyard:kv:"
+EPOCH_KEY = "kvyard:epoch"
 MIN_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 
 
 class RedisTier:
     name = "redis"
+    shared = True
 
     def __init__(
         self,
@@ -49,7 +58,7 @@ class RedisTier:
         if ttl_s < 1:
             raise ValueError(f"redis TTL must be at least 1 s, got {ttl_s}")
         self.log_url = redact_url(url)
-        self.ttl_s = ttl_s
+        self.ttl_s: float | None = ttl_s
         self.batch_blocks = batch_blocks
         self.stats = TierStats()
         # No client-side retries: a stalled server must cost one timeout, then the tier backs off itself.
@@ -62,6 +71,13 @@ class RedisTier:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff_s = MIN_BACKOFF_S
+        self._epoch_candidate = uuid.uuid4().hex
+        self._store_id: str | None = None
+        self._pipeline(lambda pipe, arg: None, [])  # learn the store's epoch (a miss if it is down)
+
+    @property
+    def store_id(self) -> str | None:
+        return self._store_id
 
     @staticmethod
     def redis_key(key: bytes) -> str:
@@ -90,19 +106,25 @@ class RedisTier:
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
         return found
 
+    def keys(self) -> list[bytes]:
+        return []
+
     def contains(self, key: bytes) -> bool:
         return False
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        result = PutResult()
         if not items or not self.available:
-            return
+            return result
         start = time.perf_counter()
         for offset in range(0, len(items), self.batch_blocks):
             batch = items[offset : offset + self.batch_blocks]
             if self._pipeline(self._set_command, batch) is None:
-                return
+                break
             self.stats.add(bytes_written=sum(len(blob) for _, blob in batch), blocks_written=len(batch))
+            result.stored.extend(key for key, _ in batch)
         self.stats.add(stores=1, store_seconds=time.perf_counter() - start)
+        return result
 
     def _set_command(self, pipe: Any, item: tuple[bytes, bytes]) -> None:
         pipe.set(self.redis_key(item[0]), item[1], ex=self.ttl_s)
@@ -112,9 +134,12 @@ class RedisTier:
             self._pipeline(lambda pipe, k: pipe.delete(self.redis_key(k)), [key])
 
     def _pipeline(self, command: Any, args: Sequence[Any]) -> list[Any] | None:
-        """Run `command(pipe, arg)` for each arg in one round trip; None (after backing off) on failure."""
+        """Run `command(pipe, arg)` for each arg in one round trip, with the epoch read; None (after backing off)
+        on failure."""
         try:
             pipe = self._client.pipeline(transaction=False)
+            pipe.set(EPOCH_KEY, self._epoch_candidate, nx=True)
+            pipe.get(EPOCH_KEY)
             for arg in args:
                 command(pipe, arg)
             results: list[Any] = pipe.execute()
@@ -122,7 +147,11 @@ class RedisTier:
             self._mark_down(error)
             return None
         self._mark_up()
-        return results
+        if results[0]:  # this round trip set the marker: the store was new or emptied; the next one gets a new id
+            self._epoch_candidate = uuid.uuid4().hex
+        if results[1] is not None:
+            self._store_id = bytes(results[1]).decode(errors="replace")
+        return results[2:]
 
     def _mark_down(self, error: BaseException) -> None:
         with self._lock:

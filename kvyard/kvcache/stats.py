@@ -48,3 +48,28 @@ class StoreSnapshot:
     queue_dropped_blocks: int
     loaded_blocks: int
     submitted_blocks: int
+
+
+@dataclass(slots=True)
+class RecentCost:
+    """Recent seconds per unit (per loaded block, per prefill token) from cumulative totals read now and then: each
+    reading that saw new work moves the estimate a fraction `weight` toward what that work cost; work that took
+    time and brought nothing (a load that timed out) counts as one unit, so a stall raises the estimate."""
+
+    weight: float = 0.3
+    estimate: float | None = None
+    _seconds: float = 0.0
+    _units: float = 0.0
+
+    def update(self, seconds: float, units: float) -> float | None:
+        """Read the totals; returns the current estimate (None until some work was seen)."""
+        new_seconds, new_units = seconds - self._seconds, units - self._units
+        self._seconds, self._units = seconds, units
+        if new_seconds > 0 or new_units > 0:
+            sample = new_seconds / max(new_units, 1.0)
+            self.estimate = sample if self.estimate is None else self.estimate + self.weight * (sample - self.estimate)
+        return self.estimate
+
+    def observe(self, seconds: float, units: float) -> None:
+        """One piece of work, as it happens."""
+        self.update(self._seconds + seconds, self._units + units)

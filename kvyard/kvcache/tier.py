@@ -3,25 +3,46 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvyard.kvcache.stats import TierStats
 
 
+@dataclass(slots=True)
+class PutResult:
+    """What one `put_many` changed: keys now held, and keys it evicted to make room."""
+
+    stored: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+
+
 class Tier(Protocol):
     name: str
     stats: TierStats
+    shared: bool  # every replica reads it (Redis): its events say `shared`, the others' `local`
+    ttl_s: float | None  # how long a stored block stays at most (None: until evicted)
+
+    @property
+    def store_id(self) -> str | None:
+        """For a shared tier, the id of the store's current contents: it changes when the store is flushed or
+        restarted (None: unknown yet, or not a shared tier)."""
+        ...
 
     def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
         """Blobs of the leading `keys` this tier holds, stopping at the first miss or at `deadline`
         (time.monotonic()). Never raises for an unavailable backend: that is a miss."""
         ...
 
+    def keys(self) -> list[bytes]:
+        """Every key a local tier holds (for a snapshot); a shared tier answers []."""
+        ...
+
     def contains(self, key: bytes) -> bool:
         """Cheap local check used to skip redundant writes; False when unknown."""
         ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         """Store encoded blocks; failures are counted and logged, never raised."""
         ...
 

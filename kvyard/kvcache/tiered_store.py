@@ -5,6 +5,10 @@ prefix of the wanted chained keys, since a block is only usable after all its pa
 is verified against the namespace root, key and expected format before it is returned; one that
 fails is removed from its tier and counted. Writes are queued and done by one background thread;
 when the queue is full the block is dropped and counted, never waited for.
+
+With an event log attached, the store publishes what its tiers hold (DESIGN.md, contract 7): `local` events
+when the first of the replica's own tiers gains a block or the last one loses it, `shared` events for what it
+wrote to (or saw leave) a shared tier, and `cleared` when a shared tier's store id changes.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from kvyard.kvcache.codec import (
     decode_block,
     encode_block,
 )
+from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.kvcache.tier import Tier
+from kvyard.kvcache.tier import PutResult, Tier
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +108,23 @@ class WriteQueue:
             return len(self._items), self._bytes
 
 
+class LoadedBlocks(list[DecodedBlock]):
+    """The blocks of one load, in key order: those the replica's own tiers served come first."""
+
+    __slots__ = ("num_local",)
+
+    def __init__(self, blocks: Sequence[DecodedBlock] = (), num_local: int = 0) -> None:
+        super().__init__(blocks)
+        self.num_local = min(num_local, len(self))
+
+
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], queue_bytes: int = 256 << 20) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
+        self.events: KVEventLog | None = None  # set by the engine that publishes this store's events
+        self._shared_ids = {index: tier.store_id for index, tier in enumerate(self.tiers) if tier.shared}
         self._queue = WriteQueue(queue_bytes)
         self._dropped = 0
         self._loaded = 0
@@ -118,11 +135,9 @@ class TieredStore:
 
     # ----------------------------------------------------------------- reads (caller's thread)
 
-    def load_prefix(
-        self, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float
-    ) -> list[DecodedBlock]:
+    def load_prefix(self, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float) -> LoadedBlocks:
         """Verified blocks for the longest prefix of `keys` found before `deadline`."""
-        blocks: list[DecodedBlock] = []
+        blocks = LoadedBlocks()
         for index, tier in enumerate(self.tiers):
             if len(blocks) == len(keys) or time.monotonic() > deadline:
                 break
@@ -132,8 +147,11 @@ class TieredStore:
             if found and index > 0:
                 self._promote(root_key, fmt, found, index)
             blocks.extend(found)
+            if not tier.shared:
+                blocks.num_local = len(blocks)
         with self._counter_lock:
             self._loaded += len(blocks)
+        self._check_shared_stores()
         return blocks
 
     def _verified(
@@ -148,6 +166,7 @@ class TieredStore:
                 tier.stats.add(corrupt=int(corrupt), mismatched=int(not corrupt))
                 log.warning("kv %s tier: dropped block %s: %s", tier.name, key.hex(), error)
                 tier.discard(key)
+                self._publish_removed(tier, [key])
                 break
         return blocks
 
@@ -190,7 +209,70 @@ class TieredStore:
                 and not tier.contains(write.key)
             ]
             if items:
-                tier.put_many(items)
+                self._publish_put(tier, tier.put_many(items))
+        self._check_shared_stores()
+
+    # ----------------------------------------------------------------- what the tiers hold (KV events)
+
+    def _publish_put(self, tier: Tier, result: PutResult) -> None:
+        if self.events is None:
+            return
+        if tier.shared:
+            self.events.record("stored", result.stored, "shared")
+        else:  # `stored` only for blocks no other local tier held already
+            self.events.record("stored", [key for key in result.stored if not self._held_locally(key, tier)], "local")
+        self._publish_removed(tier, result.evicted)
+
+    def _publish_removed(self, tier: Tier, keys: list[bytes]) -> None:
+        if self.events is None or not keys:
+            return
+        if tier.shared:
+            self.events.record("removed", keys, "shared")
+        else:
+            self.events.record("removed", [key for key in keys if not self._held_locally(key, tier)], "local")
+
+    def _held_locally(self, key: bytes, besides: Tier) -> bool:
+        return any(tier.contains(key) for tier in self.tiers if tier is not besides and not tier.shared)
+
+    def _check_shared_stores(self) -> None:
+        """Say `cleared` when a shared tier's contents have a new id (flushed, restarted, or first reached)."""
+        with self._counter_lock:  # the loader and the writer thread both look
+            for index, known in self._shared_ids.items():
+                current = self.tiers[index].store_id
+                if current is not None and current != known:
+                    self._shared_ids[index] = current
+                    if self.events is not None:
+                        self.events.record_cleared(current)
+
+    def shared_store(self) -> tuple[str, float | None] | None:
+        """The id of the shared store's contents as last published, and how long it keeps a block; None when
+        there is no shared tier or it has not been reached yet."""
+        for index, store_id in self._shared_ids.items():
+            if store_id is not None:
+                return store_id, self.tiers[index].ttl_s
+        return None
+
+    def shared_available(self) -> bool:
+        """False while a shared tier backs off after failures (its lookups are misses then)."""
+        return all(getattr(tier, "available", True) for tier in self.tiers if tier.shared)
+
+    def load_totals(self) -> dict[str, tuple[float, int]]:
+        """Seconds spent loading and blocks served so far, by medium (`local`, `shared`)."""
+        totals: dict[str, tuple[float, int]] = {}
+        for tier in self.tiers:
+            counters = tier.stats.snapshot()
+            medium = "shared" if tier.shared else "local"
+            seconds, blocks = totals.get(medium, (0.0, 0))
+            totals[medium] = (seconds + counters.load_seconds, blocks + counters.hits)
+        return totals
+
+    def local_keys(self) -> list[bytes]:
+        """Every block the replica's own tiers hold (a snapshot for KV-event readers)."""
+        keys: set[bytes] = set()
+        for tier in self.tiers:
+            if not tier.shared:
+                keys.update(tier.keys())
+        return list(keys)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is done; False on timeout."""

@@ -302,6 +302,10 @@ class ReplicaApp:
             kv_blocks_total=stats.kv_blocks_total,
             tokens_in_flight=stats.tokens_in_flight,
             role=self.options.role,
+            prefill_s_per_token=stats.prefill_s_per_token or 0.0,
+            local_tier_s_per_block=stats.tier_s_per_block.get("local", 0.0),
+            shared_tier_s_per_block=stats.tier_s_per_block.get("shared", 0.0),
+            shared_tier_available=stats.shared_tier_available,
         )
 
     async def load(self, request: HttpRequest, responder: Responder) -> None:
@@ -373,7 +377,8 @@ class ReplicaApp:
     async def kv_snapshot(self, request: HttpRequest, responder: Responder) -> None:
         self._event_log()
         snapshot = await self.ready().kv_snapshot()
-        responder.send_json(200, kv_events.snapshot_json(snapshot.seq, snapshot.block_keys, snapshot.namespace))
+        responder.send_json(200, kv_events.snapshot_json(snapshot.seq, snapshot.block_keys, snapshot.namespace,
+                                                         snapshot.local_keys, snapshot.shared_store))  # fmt: skip
 
     # ------------------------------------------------------------------ KV transfer (DESIGN.md, contract 6)
 

@@ -32,6 +32,8 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_local_tier_tokens: int = 0
+    num_shared_tier_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
 
@@ -111,6 +113,8 @@ class CompletionRunner:
         choice.text = output.text
         choice.token_ids = output.token_ids
         choice.num_cached_tokens = output.num_cached_tokens
+        choice.num_local_tier_tokens = output.num_local_tier_tokens
+        choice.num_shared_tier_tokens = output.num_shared_tier_tokens
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if output.finished:
@@ -123,16 +127,17 @@ class CompletionRunner:
     def usage(self, prepared: PreparedRequest, choices: list[ChoiceState]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prepared.prompts)
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        cached = sum(
-            min(c.num_cached_tokens, len(prepared.prompts[c.prompt_index]))
-            for c in choices
-            if c.index % len(prepared.params) == 0
-        )
+        firsts = [c for c in choices if c.index % len(prepared.params) == 0]  # one per prompt
+        cached = sum(min(c.num_cached_tokens, len(prepared.prompts[c.prompt_index])) for c in firsts)
+        local = sum(c.num_local_tier_tokens for c in firsts)
+        shared = sum(c.num_shared_tier_tokens for c in firsts)
+        by_source = {"device": max(0, cached - local - shared), "local": local, "shared": shared}
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            # cached_tokens_by_source (a kvyard field): where the cached tokens came from (DESIGN.md, contract 7)
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_source": by_source},
         }
 
     def count_prompt(self, usage: dict[str, Any]) -> None:

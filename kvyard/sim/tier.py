@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.kvcache.codec import HEADER_BYTES, DecodedBlock
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.stats import StoreSnapshot, TierStats
-from kvyard.kvcache.tier import Tier
-from kvyard.kvcache.tiered_store import TieredStore
+from kvyard.kvcache.tier import PutResult, Tier
+from kvyard.kvcache.tiered_store import LoadedBlocks, TieredStore
 from kvyard.sim.config import SimConfig
 from kvyard.sim.transfer import STAND_IN_FORMAT, StandInBlocks
 
@@ -55,14 +56,23 @@ class SharedStoreView:
     store (which outlives the replica's restarts) as it is."""
 
     name = SHARED
+    shared = True
+    ttl_s: float | None = None
 
     def __init__(self, store: MemoryTier) -> None:
         self.store = store
         self.stats = TierStats()
 
     @property
+    def store_id(self) -> str | None:
+        return self.store.store_id
+
+    @property
     def num_blocks(self) -> int:
         return len(self.store)
+
+    def keys(self) -> list[bytes]:
+        return []
 
     def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
         start = time.perf_counter()
@@ -73,11 +83,13 @@ class SharedStoreView:
     def contains(self, key: bytes) -> bool:
         return self.store.contains(key)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        """What this replica's write stored and evicted: the replica publishes both (contract 7)."""
         start = time.perf_counter()
-        self.store.put_many(items)
+        result = self.store.put_many(items)
         self.stats.add(stores=1, store_seconds=time.perf_counter() - start, blocks_written=len(items),
                        bytes_written=sum(len(blob) for _, blob in items))  # fmt: skip
+        return result
 
     def discard(self, key: bytes) -> None:
         self.store.discard(key)
@@ -93,7 +105,9 @@ def shared_store(configs: Sequence[SimConfig]) -> MemoryTier | None:
         return None
     if len(sizes) > 1:
         raise ValueError(f"replicas of one process share one store: shared_store_blocks differs ({sorted(sizes)})")
-    return MemoryTier(sizes.pop() * STAND_IN_BLOB_BYTES)
+    store = MemoryTier(sizes.pop() * STAND_IN_BLOB_BYTES)
+    store.store_id = f"sim-{uuid.uuid4().hex}"
+    return store
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +183,12 @@ class ModeledTierLink(KVTierLink):
     def snapshot(self) -> StoreSnapshot:
         return self.store.snapshot()
 
+    def load_totals(self) -> dict[str, tuple[float, int]]:
+        """The modeled seconds, in the simulated model's time like its steps (the real reads take microseconds)."""
+        block_size = self.config.block_size
+        return {("shared" if source == SHARED else "local"): (loads.seconds, loads.tokens // block_size)
+                for source, loads in self.modeled().items()}  # fmt: skip
+
     def _load(
         self, root_key: bytes, keys: Sequence[bytes], submitted: float, held: Future[Sequence[DecodedBlock]]
     ) -> None:
@@ -184,7 +204,7 @@ class ModeledTierLink(KVTierLink):
         except Exception as error:  # the engine logs it and computes the blocks: a miss, as on a real replica
             held.set_exception(error)
             return
-        _release_at(held, blocks[:kept], release_at)
+        _release_at(held, LoadedBlocks(blocks[:kept], blocks.num_local), release_at)
 
     def _tier_counts(self) -> list[tuple[int, int]]:
         """Blocks served and lookups made by each tier so far; only this link's loader thread changes them."""
