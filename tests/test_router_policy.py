@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from kvyard.router.config import RouterConfig
 from kvyard.router.keys import PromptKeys
 from kvyard.router.policies import CacheAware, RouteRequest
@@ -118,3 +121,69 @@ def test_conditional_disaggregation_prefills_locally_when_the_prefill_pool_is_ba
     for decoder in replicas[1:]:
         decoder.streaming = 1  # a stream runs on every decode replica: a local prefill would hold it up
     assert planner.plan(fresh, replicas).reason == "remote"
+
+
+# ---------------------------------------------------------------------------- the KV tier (DESIGN.md, contract 7)
+
+TIER_NAMESPACE_BLOCK = 16
+
+
+def tiered_fleet(policy: CacheAware, store_id: str = "store-1") -> tuple[Replica, Replica, list[bytes]]:
+    """Two replicas reporting a host tier and a shared store; A's device cache holds nothing yet."""
+    from kvyard.api.load import LoadReport
+    from kvyard.kvcache.block_key import KeyNamespace
+
+    namespace = KeyNamespace("m", "digest", "float32", TIER_NAMESPACE_BLOCK)
+    a, b = Replica("http://a"), Replica("http://b")
+    for replica in (a, b):
+        replica.namespace, replica.shared_store_id = namespace, store_id
+        replica.load = LoadReport(prefill_s_per_token=1e-4, local_tier_s_per_block=1e-4, shared_tier_s_per_block=1e-3)
+        replica.index.reset([], seq=0)
+    policy.shared_stores.joined(store_id, None)
+    request = RouteRequest("completion", {"model": "m"}, None, HISTORY, None)
+    root, block_size = policy._root(request, a)
+    return a, b, PromptKeys.of(root, block_size, HISTORY).all()
+
+
+def split_of(policy: CacheAware, replica: Replica) -> dict[str, int]:
+    split = policy._cached_split(RouteRequest("completion", {"model": "m"}, None, TURN, None), replica, {}, 0.0)
+    assert split is not None
+    return split.as_dict()
+
+
+def test_predicted_cached_tokens_follow_the_engine_device_then_own_tiers_then_shared_store() -> None:
+    policy = CacheAware(RouterConfig())
+    a, b, keys = tiered_fleet(policy)
+    a.index.reset(keys[:10], seq=1, local_keys=keys[5:40])  # the device prefix ends at block 10
+    policy.shared_stores.joined("store-1", None).stored(keys[:100], now=0.0)
+    assert split_of(policy, a) == {"device": 160, "local": 480, "shared": 960}
+    assert split_of(policy, b) == {"device": 0, "local": 0, "shared": 1600}
+    a.load = dataclasses.replace(a.load, shared_tier_available=False)  # its store fails: no shared hits there
+    assert split_of(policy, a) == {"device": 160, "local": 480, "shared": 0}
+    b.shared_store_id = "another-store"
+    assert split_of(policy, b) == {"device": 0, "local": 0, "shared": 0}
+
+
+def test_shared_store_entries_expire_with_its_ttl_and_go_when_the_store_is_cleared() -> None:
+    policy = CacheAware(RouterConfig())
+    *_, keys = tiered_fleet(policy)
+    store = policy.shared_stores.joined("store-1", ttl_s=30.0)
+    store.stored(keys, now=100.0)
+    assert store.holds(keys[0], now=129.0) and not store.holds(keys[0], now=131.0)
+    store.stored(keys, now=100.0)
+    policy.shared_stores.cleared("store-1", "store-2")  # flushed: nothing of store-1 is left
+    assert policy.shared_stores.get("store-1") is None and len(policy.shared_stores.joined("store-2", None)) == 0
+
+
+def test_a_session_moves_to_an_idle_replica_when_loading_its_history_costs_less_than_its_home_queue() -> None:
+    policy = CacheAware(RouterConfig(recompute_weight=1.0, session_recompute_weight=300.0))
+    a, b, keys = tiered_fleet(policy)
+    a.index.reset(keys, seq=1)
+    assert route(policy, (a, b), "conversation-1") is a
+    a.pending_prefill_cost = 4 * policy.prefill_cost(len(TURN), 0)  # four full prompts queued at home
+    assert route(policy, (a, b), "conversation-1") is a  # without the shared store, moving means recomputing
+    policy.shared_stores.joined("store-1", None).stored(keys, now=time.monotonic())
+    assert route(policy, (a, b), "conversation-1") is b  # with it, the history loads on the idle replica
+    b.load = dataclasses.replace(b.load, shared_tier_s_per_block=1.0)  # a store this slow is not worth it
+    a.pending_prefill_cost = 4 * policy.prefill_cost(len(TURN), 0)
+    assert route(policy, (a, b), "conversation-2") is a

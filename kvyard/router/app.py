@@ -69,8 +69,9 @@ class Router:
         keys = KeySet.from_settings(config.access.api_keys, config.access.api_keys_file)
         admin_key = AdminKey.from_settings(config.access.admin_key)
         limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
-        return cls(config, metrics, session, registry, make_policy(config), tokenizer, forwarder, keys, admin_key,
-                   limiter, PDPlanner.create(config))  # fmt: skip
+        shared = registry.shared_stores
+        return cls(config, metrics, session, registry, make_policy(config, shared), tokenizer, forwarder, keys,
+                   admin_key, limiter, PDPlanner.create(config, shared))  # fmt: skip
 
     async def close(self) -> None:
         await self.registry.close()

@@ -13,6 +13,7 @@ Two sources, kept apart so each can be replaced without touching the other:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -26,6 +27,7 @@ class CacheIndex:
     exact: set[bytes] | None = None
     seq: int = 0
     routed: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    local: set[bytes] = field(default_factory=set)
 
     @property
     def has_events(self) -> bool:
@@ -54,30 +56,47 @@ class CacheIndex:
 
     # ------------------------------------------------------------------ the replica's own account
 
-    def reset(self, keys: Iterable[bytes], seq: int) -> None:
+    def reset(self, keys: Iterable[bytes], seq: int, local_keys: Iterable[bytes] = ()) -> None:
         """Replace everything by a snapshot: stale entries (a restart, lost events) disappear here."""
         self.exact = set(keys)
+        self.local = set(local_keys)
         self.seq = seq
         self.routed.clear()
 
-    def apply(self, seq: int, kind: str, keys: Iterable[bytes]) -> None:
+    def apply(self, seq: int, kind: str, keys: Iterable[bytes], medium: str = "device") -> None:
+        """One event about the device cache or the local tiers (shared events go to the store's index)."""
         assert self.exact is not None, "apply() before reset()"
+        target = self.local if medium == "local" else self.exact
         if kind == "stored":
-            self.exact.update(keys)
+            target.update(keys)
         elif kind == "removed":
-            self.exact.difference_update(keys)
+            keys = list(keys)
+            target.difference_update(keys)
+            if medium == "device":
+                self._forget_computed(keys)
         self.seq = seq
+
+    def _forget_computed(self, keys: list[bytes]) -> None:
+        """Routed entries of requests past their first token bridge nothing once the replica evicts the block (a
+        request still waiting keeps its entry: it will compute the block again)."""
+        routed = self.routed
+        for key in keys:
+            stamp = routed.get(key)
+            if stamp is not None and stamp != math.inf:
+                del routed[key]
 
     def clear(self) -> None:
         """Nothing is known any more (the replica may be restarting); the sequence number is kept."""
         if self.exact is not None:
             self.exact.clear()
         self.routed.clear()
+        self.local.clear()
 
     def forget_events(self) -> None:
         """The replica stopped publishing (or is gone): keep nothing we can no longer keep current."""
         self.exact = None
         self.routed.clear()
+        self.local.clear()
 
     @property
     def num_blocks(self) -> int:

@@ -64,6 +64,7 @@ class RouterConfig:
                                             secret=True)  # fmt: skip
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /admin/*
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
+    prefill_s_per_token: float = 1e-4  # cache_aware's guess until replicas report their own (GET /load)
     max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten)
     approx_block_size: int = 16  # block size of the learned index of replicas without KV events
     approx_index_blocks: int = 1 << 17

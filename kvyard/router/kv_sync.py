@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from kvyard.api.kv_events import GapError, parse_event_line, parse_snapshot
+from kvyard.api.kv_events import GapError, WireEvent, parse_event_line, parse_snapshot
 from kvyard.router.replica import Replica
+from kvyard.router.tier_index import SharedStores
 
 _LOG = logging.getLogger(__name__)
 RETRY_DELAY_S = 0.25
@@ -33,6 +35,7 @@ class KVSync:
     replica: Replica
     session: aiohttp.ClientSession
     on_resync: Callable[[Replica, str], None]
+    shared_stores: SharedStores
 
     async def run(self) -> None:
         reason = "start"
@@ -64,10 +67,13 @@ class KVSync:
                 index.forget_events()
                 return False
             response.raise_for_status()
-            seq, keys, namespace = parse_snapshot(await response.json())
+            snapshot = parse_snapshot(await response.json())
         previous_seq = index.seq
-        index.reset(keys, seq)
-        self.replica.namespace = namespace
+        index.reset(snapshot.block_keys, snapshot.seq, snapshot.local_keys)
+        self.replica.namespace = snapshot.namespace
+        self.replica.shared_store_id = snapshot.shared_store_id
+        if snapshot.shared_store_id is not None:
+            self.shared_stores.joined(snapshot.shared_store_id, snapshot.shared_ttl_s)
         if reason == "reconnect" and index.seq < previous_seq:
             reason = "restart"
         self.on_resync(self.replica, reason)
@@ -86,4 +92,21 @@ class KVSync:
                     continue
                 if event.seq != index.seq + 1:
                     raise _Resync("gap" if event.seq > index.seq + 1 else "restart")
-                index.apply(event.seq, event.kind, event.block_keys)
+                if event.medium == "shared":
+                    self._apply_shared(event)
+                index.apply(event.seq, event.kind, event.block_keys if event.medium != "shared" else (), event.medium)
+
+    def _apply_shared(self, event: WireEvent) -> None:
+        replica, stores = self.replica, self.shared_stores
+        if event.kind == "cleared":
+            assert event.store is not None
+            stores.cleared(replica.shared_store_id, event.store)
+            replica.shared_store_id = event.store
+            return
+        store = stores.get(replica.shared_store_id)
+        if store is None:  # the replica wrote before it learned the store's id: nothing to file it under
+            return
+        if event.kind == "stored":
+            store.stored(event.block_keys, time.monotonic())
+        else:
+            store.removed(event.block_keys)

@@ -17,6 +17,12 @@ class ReplicaMetrics:
     predicted_cached: Counter
     reported_cached: Counter
     prompt_tokens: Counter
+    predicted_by_source: dict[str, Counter]
+    reported_by_source: dict[str, Counter]
+    error_by_source: dict[str, Counter]
+
+
+SOURCES = ("device", "local", "shared")
 
 
 @dataclass(slots=True)
@@ -26,6 +32,9 @@ class RouterMetrics:
     predicted_cached: Counter = field(init=False)
     reported_cached: Counter = field(init=False)
     prompt_tokens: Counter = field(init=False)
+    predicted_by_source: Counter = field(init=False)
+    reported_by_source: Counter = field(init=False)
+    error_by_source: Counter = field(init=False)
     decision_latency: Histogram = field(init=False)
     retries: Counter = field(init=False)
     ejections: Counter = field(init=False)
@@ -55,6 +64,19 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "kvyard_router_prompt_tokens", "usage.prompt_tokens as reported by the replica", ["replica"], registry=r
         )
+        # DESIGN.md, contract 7: parity by where the cached tokens come from, and an error per request that
+        # over- and under-predictions cannot cancel in.
+        by_source = ["replica", "source"]
+        self.predicted_by_source = Counter(
+            "kvyard_router_predicted_cached_tokens_by_source", "Predicted cached prompt tokens, by source (device, "
+            "local tiers, shared store), for requests whose usage says where its cached tokens came from",
+            by_source, registry=r)  # fmt: skip
+        self.reported_by_source = Counter(
+            "kvyard_router_reported_cached_tokens_by_source", "usage.prompt_tokens_details.cached_tokens_by_source "
+            "as reported by the replica", by_source, registry=r)  # fmt: skip
+        self.error_by_source = Counter(
+            "kvyard_router_cached_tokens_abs_error", "Sum over requests of |predicted - reported| cached prompt "
+            "tokens, by source", by_source, registry=r)  # fmt: skip
         self.decision_latency = Histogram(
             "kvyard_router_decision_seconds", "Time to pick a replica (tokens, keys, scoring)",
             buckets=_DECISION_BUCKETS, registry=r,
@@ -80,5 +102,8 @@ class RouterMetrics:
             children = self._replicas[url] = ReplicaMetrics(
                 self.routed.labels(url), self.predicted_cached.labels(url), self.reported_cached.labels(url),
                 self.prompt_tokens.labels(url),
+                {source: self.predicted_by_source.labels(url, source) for source in SOURCES},
+                {source: self.reported_by_source.labels(url, source) for source in SOURCES},
+                {source: self.error_by_source.labels(url, source) for source in SOURCES},
             )  # fmt: skip
         return children

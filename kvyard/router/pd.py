@@ -24,6 +24,7 @@ from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
 from kvyard.router.policies import CacheAware, Decision, RouteRequest
 from kvyard.router.replica import Replica
+from kvyard.router.tier_index import SharedStores
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
 # What a pulled token costs the decode replica (receive, verify, copy: the prefill replica did the compute), in
@@ -53,9 +54,11 @@ class PDPlanner:
     prefill_policy: CacheAware
 
     @classmethod
-    def create(cls, config: RouterConfig) -> PDPlanner:
+    def create(cls, config: RouterConfig, shared_stores: SharedStores | None = None) -> PDPlanner:
+        shared_stores = shared_stores if shared_stores is not None else SharedStores()
         remote = dataclasses.replace(config, running_request_cost=config.pd_decode_request_cost)
-        return cls(config, CacheAware(config), CacheAware(remote), CacheAware(config))
+        return cls(config, CacheAware(config, shared_stores), CacheAware(remote, shared_stores),
+                   CacheAware(config, shared_stores))  # fmt: skip
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
         decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates

@@ -16,6 +16,7 @@ from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
 from kvyard.router.keys import PromptKeys
 from kvyard.router.replica import Replica
+from kvyard.router.tier_index import SharedStores
 
 RING_POINTS_PER_REPLICA = 64
 UncachedCost = Callable[[int, int], float]  # (prompt tokens a replica lacks, tokens it holds) -> cost
@@ -30,10 +31,28 @@ class RouteRequest:
     cache_salt: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class CachedSplit:
+    """Prompt tokens a replica is predicted to hold, by where they are: its device cache, its own lower tiers
+    (host memory, disk) and the shared store (DESIGN.md, contract 7)."""
+
+    device: int = 0
+    local: int = 0
+    shared: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.local + self.shared
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device": self.device, "local": self.local, "shared": self.shared}
+
+
 @dataclass(slots=True)
 class Decision:
     replica: Replica
     predicted_cached_tokens: int | None = None
+    predicted_split: CachedSplit | None = None
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
@@ -102,25 +121,31 @@ def _hash64(data: bytes) -> int:
 
 @dataclass(slots=True)
 class CacheAware:
-    """Least predicted time to first token, per request, in prefill-token equivalents:
+    """Least predicted time to first token, per request, in seconds:
 
         queue(replica) + prefill(replica) + recompute_weight * (prefill(replica) - cheapest prefill anywhere)
 
-    prefill(replica) is the cost of the prompt tokens the replica does not hold (linear layers plus causal
-    attention over the cached part, RouterConfig). The queue counts the prefill work of requests the router
-    sent that have not produced a first byte yet (known exactly, so a burst sees its own earlier members),
-    requests other clients queued there (from the load report), and running requests that share each step
-    with a new prefill. The last term charges a replica for the work it adds to the fleet by not reusing a
-    cache another replica holds, which delays everyone queued behind it. Moving a session (a header or the
-    `user` field) away from the replica that served its last turn is charged `session_recompute_weight`
-    times the prefill that replica would have saved: a conversation's history is needed again by its next
-    turn, and a copy elsewhere evicts other sessions' histories, while a prefix shared by many sessions is
-    worth holding twice when its replica is overloaded. There is no global switch between
-    cache and load: a hot prefix whose replica is overloaded costs more there than a full prefill elsewhere,
+    prefill(replica) is the time to load what the replica's lower tiers and the shared store hold (blocks times
+    the load seconds per block it reports for that medium; its device cache is free) plus the time to compute
+    the prompt tokens it holds nowhere (linear layers plus causal attention over the cached part, in
+    prefill-token equivalents, RouterConfig, times the fleet's reported seconds per prefill token). The queue
+    counts the prefill work of requests the router sent that have not produced a first byte yet (known exactly,
+    so a burst sees its own earlier members), requests other clients queued there (from the load report), and
+    running requests that share each step with a new prefill. The last term charges a replica for the work it
+    adds to the fleet by not reusing a cache another replica holds, which delays everyone queued behind it.
+    Moving a session (a header or the `user` field) away from the replica that served its last turn is charged
+    `session_recompute_weight` times the prefill that replica would have saved: a conversation's history is
+    needed again by its next turn, and a copy elsewhere evicts other sessions' histories, while a prefix shared by
+    many sessions is worth holding twice when its replica is overloaded. Loads are not charged these weights: a
+    load delays only its own request, and what a copy evicts stays loadable. So when the shared store holds the
+    history, a move costs only its load, and a continuing turn leaves a busy replica for an idle one. There is no global
+    switch between cache and load: a hot prefix whose replica is overloaded costs more there than a full prefill
+    elsewhere,
     so it moves to a second replica, which then holds it too.
     """
 
     config: RouterConfig
+    shared_stores: SharedStores = field(default_factory=SharedStores)
     _decisions: itertools.count[int] = field(default_factory=itertools.count)
     _last_chosen: dict[str, int] = field(default_factory=dict)  # url -> number of the decision that last chose it
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
@@ -134,26 +159,31 @@ class CacheAware:
         cost_of = uncached_cost or self.prefill_cost
         tokens = request.token_ids
         now = time.monotonic()
+        s_per_token = self.fleet_prefill_s_per_token(candidates)
         keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
-        options: list[tuple[Replica, int | None, float]] = []  # (replica, predicted cached tokens, prefill cost)
+        options: list[tuple[Replica, CachedSplit | None, float]] = []  # (replica, predicted split, prefill cost)
         for replica in candidates:
-            cached = self._cached_tokens(request, replica, keys_by_root, now) if tokens else None
-            cost = cost_of(len(tokens) - (cached or 0), cached or 0) if tokens else 0.0
-            options.append((replica, cached, cost))
+            split = self._cached_split(request, replica, keys_by_root, now) if tokens else None
+            cached = split.total if split is not None else 0
+            options.append((replica, split, cost_of(len(tokens) - cached, cached) if tokens else 0.0))
         cheapest = min(cost for _, _, cost in options)
         home_url = self._last_replica.get(request.session_key) if request.session_key else None
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, int, int, int] | None = None
         chosen: Decision | None = None
-        for replica, cached, cost in options:
+        for replica, split, cost in options:
+            # Loads from the tiers are paid once, by this request; computing is paid again by everyone queued
+            # behind it, and a moved session's recomputed history is what its home would have saved.
             extra = self.config.recompute_weight * (cost - cheapest)
             if home_cost is not None and replica.url != home_url:
                 extra += self.config.session_recompute_weight * max(0.0, cost - home_cost)
+            seconds = (self._queue_cost(replica) + cost + extra) * s_per_token + self.load_seconds(replica, split)
             # Equal replicas (e.g. idle ones for a new conversation) take turns: the least recently chosen wins.
             last_chosen = self._last_chosen.get(replica.url, -1)
-            rank = (self._queue_cost(replica) + cost + extra, -(cached or 0), replica.in_flight, last_chosen)
+            predicted = split.total if split is not None else None
+            rank = (seconds, -(predicted or 0), replica.in_flight, last_chosen)
             if best is None or rank < best:
-                best, chosen = rank, Decision(replica, cached, cost, None)
+                best, chosen = rank, Decision(replica, predicted, split, cost, None)
         assert chosen is not None
         self._last_chosen[chosen.replica.url] = next(self._decisions)
         if request.session_key:
@@ -166,7 +196,23 @@ class CacheAware:
         """Prompt tokens `replica` holds, as `choose` predicts them (no decision is recorded)."""
         if not request.token_ids:
             return None
-        return self._cached_tokens(request, replica, {}, time.monotonic())
+        split = self._cached_split(request, replica, {}, time.monotonic())
+        return split.total if split is not None else None
+
+    def fleet_prefill_s_per_token(self, replicas: list[Replica]) -> float:
+        """Seconds per prefill token: the median of what the replicas report (the configured guess until then).
+        One figure for the fleet, so replicas differ by what they hold and queue, not by noise in a measurement."""
+        reported = sorted(r.load.prefill_s_per_token for r in replicas if r.load.prefill_s_per_token > 0)
+        return reported[len(reported) // 2] if reported else self.config.prefill_s_per_token
+
+    @staticmethod
+    def load_seconds(replica: Replica, split: CachedSplit | None) -> float:
+        """Time to load the blocks `split` finds in the replica's lower tiers, at the rates it reports."""
+        if split is None or not (split.local or split.shared):
+            return 0.0
+        block_size = replica.namespace.block_size if replica.namespace is not None else 1
+        load = replica.load
+        return (split.local * load.local_tier_s_per_block + split.shared * load.shared_tier_s_per_block) / block_size
 
     def _remember_session(self, session_key: str, url: str) -> None:
         self._last_replica[session_key] = url
@@ -178,18 +224,28 @@ class CacheAware:
         pairs = num_new * num_cached + num_new * num_new / 2
         return num_new + self.config.attention_pair_cost * pairs
 
-    def _cached_tokens(
+    def _cached_split(
         self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys], now: float
-    ) -> int | None:
-        """Prompt tokens the replica holds (None when the prompt has no keys to look up)."""
+    ) -> CachedSplit | None:
+        """Prompt tokens the replica holds, by source, as the engine finds them: the device cache's prefix, then
+        (one load) what its own tiers continue it with, then what the shared store does. None when the prompt has
+        no keys to look up."""
         prompt_keys = self._prompt_keys(request, replica, keys_by_root)
         if prompt_keys is None:
             return None
         max_blocks = (len(request.token_ids or ()) - 1) // prompt_keys.block_size  # the last token is computed
-        blocks = 0
-        while blocks < max_blocks and replica.index.holds(prompt_keys.key(blocks), now):
-            blocks += 1
-        return blocks * prompt_keys.block_size
+        index = replica.index
+        device = local = shared = 0
+        while device < max_blocks and index.holds(prompt_keys.key(device), now):
+            device += 1
+        while device + local < max_blocks and prompt_keys.key(device + local) in index.local:
+            local += 1
+        store = self.shared_stores.get(replica.shared_store_id) if replica.load.shared_tier_available else None
+        if store is not None:
+            while device + local + shared < max_blocks and store.holds(prompt_keys.key(device + local + shared), now):
+                shared += 1
+        size = prompt_keys.block_size
+        return CachedSplit(device * size, local * size, shared * size)
 
     def queue_cost(self, replica: Replica) -> float:
         """The work ahead of a new request on `replica`, in prefill-token equivalents."""
@@ -230,11 +286,11 @@ class CacheAware:
         return prompt_keys
 
 
-def make_policy(config: RouterConfig) -> Policy:
+def make_policy(config: RouterConfig, shared_stores: SharedStores | None = None) -> Policy:
     if config.policy == "round_robin":
         return RoundRobin()
     if config.policy == "least_load":
         return LeastLoad()
     if config.policy == "session":
         return SessionAffinity()
-    return CacheAware(config)
+    return CacheAware(config, shared_stores if shared_stores is not None else SharedStores())

@@ -23,7 +23,7 @@ from kvyard.api.errors import error_body
 from kvyard.net.http_client import ConnectError, HttpError, Response
 from kvyard.net.http_server import HttpRequest, Responder
 from kvyard.router.metrics import RouterMetrics
-from kvyard.router.policies import Decision
+from kvyard.router.policies import CachedSplit, Decision
 from kvyard.router.registry import Registry
 from kvyard.router.replica import Replica
 from kvyard.router.resume import StreamFollower
@@ -35,6 +35,8 @@ _FORWARDED_HEADERS: Final = ("x-request-id", "openai-organization")
 _PASSED_HEADERS: Final = ("retry-after", "cache-control")
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_BY_SOURCE = re.compile(rb'"cached_tokens_by_source"\s*:\s*\{\s*"device"\s*:\s*(\d+)\s*,\s*"local"\s*:\s*(\d+)'
+                        rb'\s*,\s*"shared"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +220,23 @@ class Forwarder:
             replica_metrics.prompt_tokens.inc(int(prompt.group(1)))
         if decision.predicted_cached_tokens is not None:
             replica_metrics.predicted_cached.inc(decision.predicted_cached_tokens)
+        by_source = _BY_SOURCE.search(body)
+        if by_source is not None and decision.predicted_split is not None:
+            reported = CachedSplit(*(int(group) for group in by_source.groups()))
+            self._account_sources(decision, decision.predicted_split, reported)
+
+    def _account_sources(self, decision: Decision, predicted: CachedSplit, reported: CachedSplit) -> None:
+        replica_metrics = self.metrics.replica(decision.replica.url)
+        for (source, want), got in zip(predicted.as_dict().items(), reported.as_dict().values()):
+            replica_metrics.predicted_by_source[source].inc(want)
+            replica_metrics.reported_by_source[source].inc(got)
+            replica_metrics.error_by_source[source].inc(abs(want - got))
+        if reported.shared < predicted.shared and decision.keys and decision.replica.namespace is not None:
+            # Blocks the store no longer holds though no replica saw them go (its own eviction, TTL): forget them.
+            size = decision.replica.namespace.block_size
+            start = (predicted.device + predicted.local + reported.shared) // size
+            end = predicted.total // size
+            self.registry.shared_stores.forget_after(decision.replica.shared_store_id, decision.keys[start:end])
 
 
 def end_broken_stream(responder: Responder, reason: str) -> None:

@@ -19,6 +19,7 @@ from kvyard.router.config import RouterConfig
 from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.replica import Replica, State
+from kvyard.router.tier_index import SharedStores
 
 _LOG = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Registry:
     session: aiohttp.ClientSession
     upstream: UpstreamAuth = field(default_factory=lambda: UpstreamAuth({}, {}))
     replicas: dict[str, Replica] = field(default_factory=dict)
+    shared_stores: SharedStores = field(default_factory=SharedStores)
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
     def add(self, url: str, role: str | None = None) -> Replica:
@@ -167,7 +169,7 @@ class Registry:
         return LoadReport()
 
     async def _kv_sync_loop(self, replica: Replica) -> None:
-        await KVSync(replica, self.session, self._on_resync).run()
+        await KVSync(replica, self.session, self._on_resync, self.shared_stores).run()
 
     def _on_resync(self, replica: Replica, reason: str) -> None:
         replica.resyncs += 1

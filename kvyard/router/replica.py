@@ -24,6 +24,7 @@ class Replica:
     configured_role: str | None = None  # --prefill/--decode; None: the role its load report states
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
+    shared_store_id: str | None = None  # the shared KV store it loads from (tier_index), from its KV events
     model_ids: tuple[str, ...] = ()
     load: LoadReport = field(default_factory=LoadReport)
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the
@@ -66,6 +67,8 @@ class Replica:
             "models": list(self.model_ids),
             "kv_events": self.index.has_events,
             "index_blocks": self.index.num_blocks,
+            "local_tier_blocks": len(self.index.local),
+            "shared_store": self.shared_store_id,
             "index_seq": self.index.seq,
             "resyncs": self.resyncs,
             "ejections": self.ejections,

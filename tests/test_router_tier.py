@@ -1,0 +1,106 @@
+"""The router sees the KV tier (DESIGN.md, contract 7): simulated replicas with a host tier each and one shared
+store publish what their tiers hold; the router predicts cached tokens by source, and the replicas' usage agrees
+per request."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvyard.sim.config import SimConfig
+from kvyard.sim.engine import SimEngine
+from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster
+from tests.router_utils import admin, labelled_metric, replica_state, start_router, wait_for
+from tests.server_utils import ServerProcess
+
+MODEL = "sim-model"
+BLOCK_SIZE = 4
+PROMPT_TOKENS = 41  # ten full blocks; the last token is always computed
+CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+# Device caches of 16 blocks: two other prompts evict a prompt's every block from one.
+TIERED = SimConfig(model_name=MODEL, block_size=BLOCK_SIZE, num_kv_blocks=16, time_scale=0.01, kv_bytes_per_token=1000,
+                   host_tier_blocks=256, shared_store_blocks=256)  # fmt: skip
+
+
+def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 997 for i in range(length)]
+
+
+def complete(router: ServerProcess, tokens: list[int], session: str) -> tuple[str, dict[str, int]]:
+    response = httpx.post(f"{router.url}/v1/completions", headers={"x-session-id": session}, timeout=60,
+                          json={"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+    assert response.status_code == 200, response.text
+    details: dict[str, Any] = response.json()["usage"]["prompt_tokens_details"]
+    assert sum(details["cached_tokens_by_source"].values()) == details["cached_tokens"]
+    return response.headers["x-kvyard-replica"], details["cached_tokens_by_source"]
+
+
+def router_metric(router: ServerProcess, name: str, **labels: str) -> float:
+    return labelled_metric(httpx.get(f"{router.url}/metrics", timeout=10).text, name, **labels)
+
+
+def settle(router: ServerProcess, replicas: list[SimEngine], urls: list[str]) -> None:
+    """Wait until every replica's tier writes are done and the router has their events."""
+    for replica in replicas:
+        assert replica.tier is not None and replica.tier.store.flush(timeout=10)
+    for url, replica in zip(urls, replicas):
+        log = replica.core.kv_event_log()
+        assert log is not None
+        last = log.last_seq
+        wait_for(lambda url=url, last=last: replica_state(router, url)["index_seq"] >= last, 10,
+                 f"router has the events of {url}")  # fmt: skip
+
+
+def test_the_router_predicts_host_tier_and_shared_store_hits_and_a_drained_session_loads_its_history(
+    tmp_path: Path,
+) -> None:
+    with SimCluster([TIERED, TIERED]) as sim:
+        router = start_router(tmp_path, sim.urls, "--policy", "cache_aware")
+        try:
+            home, first = complete(router, prompt(1), "conversation")
+            assert first == {"device": 0, "local": 0, "shared": 0}
+            other = next(url for url in sim.urls if url != home)
+            for seed in (2, 3):  # two other conversations push it out of its replica's device cache
+                complete(router, prompt(seed), f"pusher-{seed}")
+            settle(router, sim.replicas, sim.urls)
+            state = replica_state(router, home)
+            assert state["local_tier_blocks"] >= CACHEABLE // BLOCK_SIZE and state["shared_store"] is not None
+
+            served, again = complete(router, prompt(1), "conversation")
+            assert served == home and again["local"] > 0 and again["shared"] == 0
+
+            admin(router, "POST", "/admin/replicas/drain", json={"url": home}).raise_for_status()
+            settle(router, sim.replicas, sim.urls)
+            served, moved = complete(router, [*prompt(1), *prompt(9, 8)], "conversation")
+            assert served == other and moved["shared"] == CACHEABLE
+
+            for source in ("device", "local", "shared"):
+                predicted = router_metric(router, "kvyard_router_predicted_cached_tokens_by_source_total",
+                                          source=source)  # fmt: skip
+                reported = router_metric(router, "kvyard_router_reported_cached_tokens_by_source_total", source=source)
+                error = router_metric(router, "kvyard_router_cached_tokens_abs_error_total", source=source)
+                assert (predicted, error) == (reported, 0), source
+            assert router_metric(router, "kvyard_router_reported_cached_tokens_by_source_total", source="shared") > 0
+        finally:
+            router.stop()
+
+
+def test_a_replica_restart_resyncs_its_local_tier_but_the_shared_store_stays_known(tmp_path: Path) -> None:
+    config = replace(TIERED, num_kv_blocks=64)
+    with SimCluster([config]) as sim:
+        router = start_router(tmp_path, sim.urls, "--policy", "cache_aware")
+        try:
+            url = sim.urls[0]
+            complete(router, prompt(1), "conversation")
+            settle(router, sim.replicas, sim.urls)
+            assert replica_state(router, url)["local_tier_blocks"] > 0
+            httpx.post(f"{url}/sim/restart", headers={"authorization": f"Bearer {TEST_ADMIN_KEY}"}, timeout=10)
+            wait_for(lambda: replica_state(router, url)["local_tier_blocks"] == 0, 10, "local tier index emptied")
+            _, after = complete(router, prompt(1), "conversation")
+            assert after == {"device": 0, "local": 0, "shared": CACHEABLE}
+            assert router_metric(router, "kvyard_router_cached_tokens_abs_error_total") == 0
+        finally:
+            router.stop()
