@@ -17,7 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_utils import RedisProcess, start_redis
-from server_utils import ServerProcess, start_server
+from server_utils import ADMIN, ServerProcess, start_server
 
 from kvyard import LLM, SamplingParams
 from kvyard.cli import main as cli_main
@@ -263,3 +263,48 @@ def test_a_full_write_queue_drops_blocks_instead_of_blocking(llama_dir: Path, tm
     assert snapshot.tiers["disk"].blocks_written == 0
     with LLM(str(llama_dir)) as plain:
         assert output.token_ids == plain.generate([PROMPT], params)[0].token_ids
+
+
+def test_a_drained_session_continues_on_the_other_replica_from_redis_as_the_router_predicted(
+    llama_dir: Path, tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    """DESIGN.md, contract 7, with real replicas: the router follows what each one wrote to the shared store."""
+    from router_utils import admin, labelled_metric, replica_state, start_router, wait_for
+
+    replicas = [start_server(llama_dir, tmp_path, "--kv-disk-dir", str(tmp_path / name), "--kv-redis-url",
+                             redis_server.url) for name in "ab"]  # fmt: skip
+    router = start_router(tmp_path, [replica.url for replica in replicas], "--policy", "cache_aware")
+    try:
+        def turn(prompt: list[int]) -> tuple[str, dict[str, int], str]:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            response = httpx.post(f"{router.url}/v1/completions", json=body, headers={"x-session-id": "chat-1"},
+                                  timeout=60)  # fmt: skip
+            assert response.status_code == 200, response.text
+            answer = response.json()
+            by_source = answer["usage"]["prompt_tokens_details"]["cached_tokens_by_source"]
+            return response.headers["x-kvyard-replica"], by_source, answer["choices"][0]["text"]
+
+        home, _, _ = turn(PROMPT)
+        home_server = next(replica for replica in replicas if replica.url == home)
+        wait_for_metric(home_server, "kvyard_kv_tier_written_blocks_total", "redis", FULL_PREFIX // BLOCK_SIZE)
+        last_seq = httpx.get(f"{home}/kv/events", params={"stream": "false", "since": 0}, headers=ADMIN,
+                             timeout=10).json()["last_seq"]  # fmt: skip
+        wait_for(lambda: replica_state(router, home)["index_seq"] >= last_seq, 30, "router has the home's events")
+
+        admin(router, "POST", "/admin/replicas/drain", json={"url": home}).raise_for_status()
+        next_turn = [*PROMPT, *make_prompt(7, 40)]
+        served, by_source, text = turn(next_turn)
+        assert served != home and by_source == {"device": 0, "local": 0, "shared": FULL_PREFIX}
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        assert text == LLM(str(llama_dir)).generate([next_turn], params)[0].text
+
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        for source in ("device", "local", "shared"):
+            error = labelled_metric(metrics, "kvyard_router_cached_tokens_abs_error_total", source=source)
+            assert error <= BLOCK_SIZE, f"{source}: the router missed by {error} tokens over two requests"
+        assert labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_by_source_total", source="shared",
+                               replica=served) == FULL_PREFIX  # fmt: skip
+    finally:
+        router.stop()
+        for replica in replicas:
+            replica.stop()

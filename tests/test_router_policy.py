@@ -146,7 +146,8 @@ def tiered_fleet(policy: CacheAware, store_id: str = "store-1") -> tuple[Replica
 
 
 def split_of(policy: CacheAware, replica: Replica) -> dict[str, int]:
-    split = policy._cached_split(RouteRequest("completion", {"model": "m"}, None, TURN, None), replica, {}, 0.0)
+    request = RouteRequest("completion", {"model": "m"}, None, TURN, None)
+    split = policy._cached_split(request, replica, {}, 0.0, policy.fleet_rates([replica]))
     assert split is not None
     return split.as_dict()
 
@@ -187,3 +188,15 @@ def test_a_session_moves_to_an_idle_replica_when_loading_its_history_costs_less_
     b.load = dataclasses.replace(b.load, shared_tier_s_per_block=1.0)  # a store this slow is not worth it
     a.pending_prefill_cost = 4 * policy.prefill_cost(len(TURN), 0)
     assert route(policy, (a, b), "conversation-2") is a
+
+
+def test_predicted_tier_hits_stop_where_the_replicas_loader_reaches_its_deadline() -> None:
+    policy = CacheAware(RouterConfig())
+    a, _, keys = tiered_fleet(policy)
+    policy.shared_stores.joined("store-1", None).stored(keys, now=0.0)
+    a.load = dataclasses.replace(a.load, tier_load_deadline_s=0.05)  # 50 blocks at 1 ms each
+    assert split_of(policy, a)["shared"] == 50 * TIER_NAMESPACE_BLOCK
+    a.pending_load_s = 0.03  # loads routed there before this one take most of the time
+    assert split_of(policy, a)["shared"] == 20 * TIER_NAMESPACE_BLOCK
+    a.load = dataclasses.replace(a.load, shared_tier_s_per_block=0.0)  # never measured: priced as computing
+    assert split_of(policy, a)["shared"] == int(0.02 / (TIER_NAMESPACE_BLOCK * 1e-4)) * TIER_NAMESPACE_BLOCK

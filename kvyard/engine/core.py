@@ -128,6 +128,7 @@ class EngineStats:
     prefill_s_per_token: float | None = None  # recent step seconds per token of steps that prefilled
     tier_s_per_block: dict[str, float] = field(default_factory=dict)  # recent load seconds per block, by medium
     shared_tier_available: bool = True
+    tier_load_deadline_s: float = 0.0  # 0: no tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +368,7 @@ class EngineCore:
             prefill_s_per_token=self._prefill_cost.estimate,
             tier_s_per_block=self._tier_load_costs(),
             shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,
+            tier_load_deadline_s=kv.tier.load_deadline_s if kv.tier is not None else 0.0,
         )
 
     def _tier_load_costs(self) -> dict[str, float]:

@@ -26,6 +26,8 @@ LOAD_WAIT_IN_STEP_S = 0.005
 class BlockTier(BlockSource, Protocol):
     """A lower KV tier below the device pool (see kv_tier_link.KVTierLink)."""
 
+    load_deadline_s: float  # a load gives up this long after it was asked for
+
     def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[Any]]:
         """Load the longest available prefix of `keys` on another thread."""
         ...

@@ -54,6 +54,7 @@ class Decision:
     predicted_cached_tokens: int | None = None
     predicted_split: CachedSplit | None = None
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
+    load_s: float = 0.0  # predicted seconds of its KV-tier loads (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 
@@ -159,17 +160,18 @@ class CacheAware:
         cost_of = uncached_cost or self.prefill_cost
         tokens = request.token_ids
         now = time.monotonic()
-        s_per_token = self.fleet_prefill_s_per_token(candidates)
+        rates = self.fleet_rates(candidates)
+        s_per_token = rates.s_per_token
         keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
         options: list[tuple[Replica, CachedSplit | None, float]] = []  # (replica, predicted split, prefill cost)
         for replica in candidates:
-            split = self._cached_split(request, replica, keys_by_root, now) if tokens else None
+            split = self._cached_split(request, replica, keys_by_root, now, rates) if tokens else None
             cached = split.total if split is not None else 0
             options.append((replica, split, cost_of(len(tokens) - cached, cached) if tokens else 0.0))
         cheapest = min(cost for _, _, cost in options)
         home_url = self._last_replica.get(request.session_key) if request.session_key else None
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
-        best: tuple[float, int, int, int] | None = None
+        best: tuple[float, bool, int, int, int] | None = None
         chosen: Decision | None = None
         for replica, split, cost in options:
             # Loads from the tiers are paid once, by this request; computing is paid again by everyone queued
@@ -177,13 +179,16 @@ class CacheAware:
             extra = self.config.recompute_weight * (cost - cheapest)
             if home_cost is not None and replica.url != home_url:
                 extra += self.config.session_recompute_weight * max(0.0, cost - home_cost)
-            seconds = (self._queue_cost(replica) + cost + extra) * s_per_token + self.load_seconds(replica, split)
-            # Equal replicas (e.g. idle ones for a new conversation) take turns: the least recently chosen wins.
+            load_s = rates.load_seconds(replica, split)
+            waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
+            seconds = (self._queue_cost(replica) + cost + extra) * s_per_token + waited_s + load_s
+            # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
+            # recently chosen wins.
             last_chosen = self._last_chosen.get(replica.url, -1)
             predicted = split.total if split is not None else None
-            rank = (seconds, -(predicted or 0), replica.in_flight, last_chosen)
+            rank = (seconds, replica.url != home_url, -(predicted or 0), replica.in_flight, last_chosen)
             if best is None or rank < best:
-                best, chosen = rank, Decision(replica, predicted, split, cost, None)
+                best, chosen = rank, Decision(replica, predicted, split, cost, load_s)
         assert chosen is not None
         self._last_chosen[chosen.replica.url] = next(self._decisions)
         if request.session_key:
@@ -196,23 +201,17 @@ class CacheAware:
         """Prompt tokens `replica` holds, as `choose` predicts them (no decision is recorded)."""
         if not request.token_ids:
             return None
-        split = self._cached_split(request, replica, {}, time.monotonic())
+        split = self._cached_split(request, replica, {}, time.monotonic(), self.fleet_rates([replica]))
         return split.total if split is not None else None
 
-    def fleet_prefill_s_per_token(self, replicas: list[Replica]) -> float:
-        """Seconds per prefill token: the median of what the replicas report (the configured guess until then).
-        One figure for the fleet, so replicas differ by what they hold and queue, not by noise in a measurement."""
-        reported = sorted(r.load.prefill_s_per_token for r in replicas if r.load.prefill_s_per_token > 0)
-        return reported[len(reported) // 2] if reported else self.config.prefill_s_per_token
-
-    @staticmethod
-    def load_seconds(replica: Replica, split: CachedSplit | None) -> float:
-        """Time to load the blocks `split` finds in the replica's lower tiers, at the rates it reports."""
-        if split is None or not (split.local or split.shared):
-            return 0.0
-        block_size = replica.namespace.block_size if replica.namespace is not None else 1
-        load = replica.load
-        return (split.local * load.local_tier_s_per_block + split.shared * load.shared_tier_s_per_block) / block_size
+    def fleet_rates(self, replicas: list[Replica]) -> TierRates:
+        """The fleet's medians of what replicas report: seconds per prefill token (the configured guess until one
+        reports), and load seconds per block from local tiers and the shared store (for replicas yet to load)."""
+        return TierRates(
+            _median([r.load.prefill_s_per_token for r in replicas]) or self.config.prefill_s_per_token,
+            _median([r.load.local_tier_s_per_block for r in replicas]),
+            _median([r.load.shared_tier_s_per_block for r in replicas]),
+        )
 
     def _remember_session(self, session_key: str, url: str) -> None:
         self._last_replica[session_key] = url
@@ -225,11 +224,13 @@ class CacheAware:
         return num_new + self.config.attention_pair_cost * pairs
 
     def _cached_split(
-        self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys], now: float
-    ) -> CachedSplit | None:
+        self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys], now: float,
+        rates: TierRates,
+    ) -> CachedSplit | None:  # fmt: skip
         """Prompt tokens the replica holds, by source, as the engine finds them: the device cache's prefix, then
-        (one load) what its own tiers continue it with, then what the shared store does. None when the prompt has
-        no keys to look up."""
+        (one load) what its own tiers continue it with, then what the shared store does, as far as its loader gets
+        before the deadline once the loads routed there ahead of this one are done. None when the prompt has no
+        keys to look up."""
         prompt_keys = self._prompt_keys(request, replica, keys_by_root)
         if prompt_keys is None:
             return None
@@ -244,6 +245,7 @@ class CacheAware:
         if store is not None:
             while device + local + shared < max_blocks and store.holds(prompt_keys.key(device + local + shared), now):
                 shared += 1
+        local, shared = rates.loadable(replica, local, shared)
         size = prompt_keys.block_size
         return CachedSplit(device * size, local * size, shared * size)
 
@@ -284,6 +286,51 @@ class CacheAware:
         if prompt_keys is None:
             prompt_keys = keys_by_root[root] = PromptKeys.of(root[0], root[1], request.token_ids)
         return prompt_keys
+
+
+@dataclass(frozen=True, slots=True)
+class TierRates:
+    """What time is worth in one decision: seconds per prefill token, and the fleet's load seconds per block by
+    medium (0: nobody has measured it yet)."""
+
+    s_per_token: float
+    local_s_per_block: float = 0.0
+    shared_s_per_block: float = 0.0
+
+    def per_block(self, replica: Replica) -> tuple[float, float]:
+        """The replica's load seconds per block (local, shared): its own figure, else the fleet's, else what
+        computing a block costs (no gain is promised for a tier nobody has measured); its own tiers are taken to be
+        no slower than the shared store until they are measured."""
+        block_size = replica.namespace.block_size if replica.namespace is not None else 1
+        unmeasured = block_size * self.s_per_token
+        load = replica.load
+        shared = load.shared_tier_s_per_block or self.shared_s_per_block or unmeasured
+        return load.local_tier_s_per_block or self.local_s_per_block or shared, shared
+
+    def loadable(self, replica: Replica, local: int, shared: int) -> tuple[int, int]:
+        """Of `local` then `shared` blocks in the replica's tiers, those its loader brings before the deadline."""
+        deadline = replica.load.tier_load_deadline_s
+        if deadline <= 0 or not (local or shared):
+            return local, shared
+        local_s, shared_s = self.per_block(replica)
+        budget = max(0.0, deadline - replica.pending_load_s)
+        in_time = min(local, int(budget / local_s))
+        if in_time < local:
+            return in_time, 0
+        return local, min(shared, int((budget - local * local_s) / shared_s))
+
+    def load_seconds(self, replica: Replica, split: CachedSplit | None) -> float:
+        """Time to load the blocks `split` finds in the replica's lower tiers."""
+        if split is None or not (split.local or split.shared):
+            return 0.0
+        block_size = replica.namespace.block_size if replica.namespace is not None else 1
+        local_s, shared_s = self.per_block(replica)
+        return (split.local * local_s + split.shared * shared_s) / block_size
+
+
+def _median(values: list[float]) -> float:
+    reported = sorted(value for value in values if value > 0)
+    return reported[len(reported) // 2] if reported else 0.0
 
 
 def make_policy(config: RouterConfig, shared_stores: SharedStores | None = None) -> Policy:

@@ -102,6 +102,7 @@ class Forwarder:
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
         replica.pending_prefill_cost += decision.prefill_cost
+        replica.pending_load_s += decision.load_s
         if decision.keys:
             replica.index.note_routed(decision.keys, math.inf)  # held until the first byte, see CacheIndex
         self.metrics.replica(replica.url).routed.inc()
@@ -114,6 +115,7 @@ class Forwarder:
                 replica.awaiting_first_byte -= 1
                 replica.first_bytes_since_load += 1
                 replica.pending_prefill_cost -= decision.prefill_cost
+                replica.pending_load_s -= decision.load_s
                 if decision.keys:
                     replica.index.note_routed(decision.keys)
 
@@ -175,6 +177,7 @@ class Forwarder:
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
         replica.pending_prefill_cost += decision.prefill_cost
+        replica.pending_load_s += decision.load_s
         if decision.keys:
             replica.index.note_routed(decision.keys, math.inf)
         self.metrics.replica(replica.url).routed.inc()
@@ -195,6 +198,7 @@ class Forwarder:
             replica.awaiting_first_byte -= 1
             replica.first_bytes_since_load += 1
             replica.pending_prefill_cost -= decision.prefill_cost
+            replica.pending_load_s -= decision.load_s
             if decision.keys:
                 replica.index.note_routed(decision.keys)
             self.metrics.pd_prefills.labels(outcome).inc()

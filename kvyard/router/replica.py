@@ -32,6 +32,7 @@ class Replica:
     awaiting_first_byte: int = 0
     first_bytes_since_load: int = 0  # requests that left the replica's queue since its last load report
     pending_prefill_cost: float = 0.0  # prefill-token equivalents (see RouterConfig)
+    pending_load_s: float = 0.0  # predicted KV-tier load seconds of those requests (one loader: they queue)
     streaming: int = 0
     in_flight: int = 0
     consecutive_failures: int = 0

@@ -306,6 +306,7 @@ class ReplicaApp:
             local_tier_s_per_block=stats.tier_s_per_block.get("local", 0.0),
             shared_tier_s_per_block=stats.tier_s_per_block.get("shared", 0.0),
             shared_tier_available=stats.shared_tier_available,
+            tier_load_deadline_s=stats.tier_load_deadline_s,
         )
 
     async def load(self, request: HttpRequest, responder: Responder) -> None:
