@@ -265,46 +265,114 @@ def test_a_full_write_queue_drops_blocks_instead_of_blocking(llama_dir: Path, tm
         assert output.token_ids == plain.generate([PROMPT], params)[0].token_ids
 
 
+
+def route_turn(router: ServerProcess, prompt: list[int], session: str = "chat-1") -> tuple[str, dict[str, int], str]:
+    """One turn through the router: the replica that served it, its cached tokens by source, and its text."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{router.url}/v1/completions", json=body, headers={"x-session-id": session}, timeout=60)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    by_source = answer["usage"]["prompt_tokens_details"]["cached_tokens_by_source"]
+    return response.headers["x-kvyard-replica"], by_source, answer["choices"][0]["text"]
+
+
+def router_has_events_of(router: ServerProcess, replica_url: str) -> None:
+    from router_utils import replica_state, wait_for
+
+    last_seq = httpx.get(f"{replica_url}/kv/events", params={"stream": "false", "since": 0}, headers=ADMIN,
+                         timeout=10).json()["last_seq"]  # fmt: skip
+    wait_for(lambda: replica_state(router, replica_url)["index_seq"] >= last_seq, 30, "router has the events")
+
+
+def router_errors(router: ServerProcess) -> dict[str, float]:
+    from router_utils import labelled_metric
+
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    return {source: labelled_metric(metrics, "kvyard_router_cached_tokens_abs_error_total", source=source)
+            for source in ("device", "local", "shared")}  # fmt: skip
+
+
 def test_a_drained_session_continues_on_the_other_replica_from_redis_as_the_router_predicted(
     llama_dir: Path, tmp_path: Path, redis_server: RedisProcess
 ) -> None:
     """DESIGN.md, contract 7, with real replicas: the router follows what each one wrote to the shared store."""
-    from router_utils import admin, labelled_metric, replica_state, start_router, wait_for
+    from router_utils import admin, labelled_metric, start_router
 
     replicas = [start_server(llama_dir, tmp_path, "--kv-disk-dir", str(tmp_path / name), "--kv-redis-url",
                              redis_server.url) for name in "ab"]  # fmt: skip
     router = start_router(tmp_path, [replica.url for replica in replicas], "--policy", "cache_aware")
     try:
-        def turn(prompt: list[int]) -> tuple[str, dict[str, int], str]:
-            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-            response = httpx.post(f"{router.url}/v1/completions", json=body, headers={"x-session-id": "chat-1"},
-                                  timeout=60)  # fmt: skip
-            assert response.status_code == 200, response.text
-            answer = response.json()
-            by_source = answer["usage"]["prompt_tokens_details"]["cached_tokens_by_source"]
-            return response.headers["x-kvyard-replica"], by_source, answer["choices"][0]["text"]
-
-        home, _, _ = turn(PROMPT)
+        home, _, _ = route_turn(router, PROMPT)
         home_server = next(replica for replica in replicas if replica.url == home)
         wait_for_metric(home_server, "kvyard_kv_tier_written_blocks_total", "redis", FULL_PREFIX // BLOCK_SIZE)
-        last_seq = httpx.get(f"{home}/kv/events", params={"stream": "false", "since": 0}, headers=ADMIN,
-                             timeout=10).json()["last_seq"]  # fmt: skip
-        wait_for(lambda: replica_state(router, home)["index_seq"] >= last_seq, 30, "router has the home's events")
+        router_has_events_of(router, home)
 
         admin(router, "POST", "/admin/replicas/drain", json={"url": home}).raise_for_status()
         next_turn = [*PROMPT, *make_prompt(7, 40)]
-        served, by_source, text = turn(next_turn)
+        served, by_source, text = route_turn(router, next_turn)
         assert served != home and by_source == {"device": 0, "local": 0, "shared": FULL_PREFIX}
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         assert text == LLM(str(llama_dir)).generate([next_turn], params)[0].text
 
+        errors = router_errors(router)
+        assert all(error <= BLOCK_SIZE for error in errors.values()), f"the router missed by {errors} tokens"
         metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-        for source in ("device", "local", "shared"):
-            error = labelled_metric(metrics, "kvyard_router_cached_tokens_abs_error_total", source=source)
-            assert error <= BLOCK_SIZE, f"{source}: the router missed by {error} tokens over two requests"
-        assert labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_by_source_total", source="shared",
-                               replica=served) == FULL_PREFIX  # fmt: skip
+        predicted = labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_by_source_total", source="shared")
+        assert predicted == FULL_PREFIX
     finally:
         router.stop()
         for replica in replicas:
             replica.stop()
+
+
+def test_the_router_forgets_a_flushed_redis_and_counts_on_nothing_from_a_stalled_one(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    from router_utils import admin, replica_state, start_router, wait_for
+
+    stallable = start_redis(tmp_path, extra=("--enable-debug-command", "yes"))
+    replicas = [start_server(llama_dir, tmp_path, "--kv-tier", "redis", "--kv-redis-url", stallable.url,
+                             "--kv-redis-timeout-s", "0.5") for _ in range(2)]  # fmt: skip
+    router = start_router(tmp_path, [replica.url for replica in replicas], "--policy", "cache_aware")
+    try:
+        home, _, _ = route_turn(router, PROMPT)
+        other = next(replica.url for replica in replicas if replica.url != home)
+        home_server = next(replica for replica in replicas if replica.url == home)
+        wait_for_metric(home_server, "kvyard_kv_tier_written_blocks_total", "redis", FULL_PREFIX // BLOCK_SIZE)
+        router_has_events_of(router, home)
+        store_before = replica_state(router, home)["shared_store"]
+        assert store_before is not None
+
+        stallable.client().flushall()  # idle writers see the store's new id within a second
+        for url in (home, other):
+            wait_for(lambda url=url: replica_state(router, url)["shared_store"] not in (None, store_before), 30,
+                     "the router sees the flushed store's new id")  # fmt: skip
+        admin(router, "POST", "/admin/replicas/drain", json={"url": home}).raise_for_status()
+        next_turn = [*PROMPT, *make_prompt(7, 40)]
+        served, cached, _ = route_turn(router, next_turn)
+        assert served == other and cached == {"device": 0, "local": 0, "shared": 0}
+        assert router_errors(router)["shared"] == 0
+
+        other_server = next(replica for replica in replicas if replica.url == other)
+        wait_for_metric(other_server, "kvyard_kv_tier_written_blocks_total", "redis",
+                        (len(next_turn) - 1) // BLOCK_SIZE)  # fmt: skip
+        router_has_events_of(router, other)
+        admin(router, "POST", "/admin/replicas", json={"url": home}).raise_for_status()  # back from draining
+        admin(router, "POST", "/admin/replicas/drain", json={"url": other}).raise_for_status()
+        staller = threading.Thread(target=lambda: stallable.client().execute_command("DEBUG", "SLEEP", "4"))
+        staller.start()
+        try:
+            wait_for(lambda: not replica_state(router, home)["load"]["shared_tier_available"], 10,
+                     "the replica reports its store unavailable")  # fmt: skip
+            started = time.monotonic()
+            served, cached, _ = route_turn(router, next_turn)  # its last blocks are only in the stalled store
+            assert served == home and time.monotonic() - started < 3, "the request waited for the stalled store"
+            assert cached == {"device": FULL_PREFIX, "local": 0, "shared": 0}
+            assert router_errors(router)["shared"] == 0
+        finally:
+            staller.join()
+    finally:
+        router.stop()
+        for replica in replicas:
+            replica.stop()
+        stallable.kill()

@@ -176,6 +176,9 @@ class DiskTier:
             self.stats.add(evictions=len(evicted))
         return evicted
 
+    def probe(self) -> None:
+        pass
+
     def discard(self, key: bytes) -> None:
         self._forget(key)
         _remove(self.path_of(key))

@@ -73,7 +73,7 @@ class RedisTier:
         self._backoff_s = MIN_BACKOFF_S
         self._epoch_candidate = uuid.uuid4().hex
         self._store_id: str | None = None
-        self._pipeline(lambda pipe, arg: None, [])  # learn the store's epoch (a miss if it is down)
+        self.probe()  # learn the store's epoch (a miss if it is down)
 
     @property
     def store_id(self) -> str | None:
@@ -128,6 +128,11 @@ class RedisTier:
 
     def _set_command(self, pipe: Any, item: tuple[bytes, bytes]) -> None:
         pipe.set(self.redis_key(item[0]), item[1], ex=self.ttl_s)
+
+    def probe(self) -> None:
+        """One round trip that reads the store's epoch (and backs off if the store fails)."""
+        if self.available:
+            self._pipeline(lambda pipe, arg: None, [])
 
     def discard(self, key: bytes) -> None:
         if self.available:

@@ -46,6 +46,10 @@ class Tier(Protocol):
         """Store encoded blocks; failures are counted and logged, never raised."""
         ...
 
+    def probe(self) -> None:
+        """Look at the backend without moving blocks (a shared tier refreshes its store id and availability)."""
+        ...
+
     def discard(self, key: bytes) -> None:
         """Remove a block found to be corrupt or mismatched."""
         ...

@@ -35,6 +35,7 @@ from kvyard.kvcache.tier import PutResult, Tier
 log = logging.getLogger(__name__)
 
 WRITE_BATCH_BLOCKS = 64
+PROBE_INTERVAL_S = 1.0  # an idle writer looks at the shared stores this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +77,12 @@ class WriteQueue:
             self._cond.notify()
             return True
 
-    def take(self, max_items: int) -> list[BlockWrite] | None:
-        """Wait for work; None once closed and drained. Call `done` after handling the batch."""
+    def take(self, max_items: int, timeout: float | None = None) -> list[BlockWrite] | None:
+        """Wait for work (at most `timeout` s: then []); None once closed and drained. Call `done` after handling a
+        batch that is not empty."""
         with self._cond:
-            while not self._items and not self._closed:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: self._items or self._closed, timeout):
+                return []
             if not self._items:
                 return None
             batch = [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
@@ -191,7 +193,10 @@ class TieredStore:
         return False
 
     def _write_loop(self) -> None:
-        while (batch := self._queue.take(WRITE_BATCH_BLOCKS)) is not None:
+        while (batch := self._queue.take(WRITE_BATCH_BLOCKS, timeout=PROBE_INTERVAL_S)) is not None:
+            if not batch:  # idle: ask the shared stores how they are, so a flush or a stall is seen without traffic
+                self._probe_shared_stores()
+                continue
             try:
                 self._write_batch(batch)
             except Exception:
@@ -233,6 +238,12 @@ class TieredStore:
 
     def _held_locally(self, key: bytes, besides: Tier) -> bool:
         return any(tier.contains(key) for tier in self.tiers if tier is not besides and not tier.shared)
+
+    def _probe_shared_stores(self) -> None:
+        for tier in self.tiers:
+            if tier.shared:
+                tier.probe()
+        self._check_shared_stores()
 
     def _check_shared_stores(self) -> None:
         """Say `cleared` when a shared tier's contents have a new id (flushed, restarted, or first reached)."""

@@ -91,6 +91,9 @@ class SharedStoreView:
                        bytes_written=sum(len(blob) for _, blob in items))  # fmt: skip
         return result
 
+    def probe(self) -> None:
+        pass
+
     def discard(self, key: bytes) -> None:
         self.store.discard(key)
 
