@@ -5,7 +5,9 @@ reads it.
 "timestamp"}` per event (keys in hex; `medium` device, local or shared, see kvcache.events; a `cleared` event
 carries `store` instead of keys) with sequence numbers > N; when events after N are no longer retained it sends
 one `event: gap` and ends, and the reader reloads `GET /kv/snapshot` (`{"seq", "block_keys", "namespace",
-"local_keys", "shared_store"}`, the last `{"id", "ttl_s"}` or null) and resumes from its `seq`.
+"local_keys", "shared_store", "salted_by_api_key"}`; `shared_store` is `{"id", "ttl_s"}` or null, and
+`salted_by_api_key` says the replica combines each caller's key salt with the request's cache_salt, so a router
+keys blocks the same way) and resumes from its `seq`.
 `stream=false` answers one JSON page `{"events", "complete", "last_seq"}`.
 """
 
@@ -60,7 +62,7 @@ def namespace_json(namespace: KeyNamespace) -> dict[str, Any]:
 
 def snapshot_json(
     seq: int, block_keys: list[bytes], namespace: KeyNamespace, local_keys: Sequence[bytes] = (),
-    shared_store: tuple[str, float | None] | None = None,
+    shared_store: tuple[str, float | None] | None = None, salted_by_api_key: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     return {
         "seq": seq,
@@ -68,6 +70,7 @@ def snapshot_json(
         "namespace": namespace_json(namespace),
         "local_keys": [key.hex() for key in local_keys],
         "shared_store": {"id": shared_store[0], "ttl_s": shared_store[1]} if shared_store is not None else None,
+        "salted_by_api_key": salted_by_api_key,
     }
 
 
@@ -90,6 +93,7 @@ class WireSnapshot:
     local_keys: list[bytes]
     shared_store_id: str | None
     shared_ttl_s: float | None
+    salted_by_api_key: bool = False
 
 
 def parse_event_line(line: bytes) -> WireEvent | None:
@@ -120,6 +124,7 @@ def parse_snapshot(body: dict[str, Any]) -> WireSnapshot:
         [bytes.fromhex(key) for key in body.get("local_keys", ())],
         str(shared["id"]) if shared else None,
         float(shared["ttl_s"]) if shared and shared.get("ttl_s") is not None else None,
+        body.get("salted_by_api_key") is True,
     )
 
 

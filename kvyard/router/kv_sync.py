@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvyard.api.auth import bearer_token
 from kvyard.api.kv_events import GapError, WireEvent, parse_event_line, parse_snapshot
 from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStores
@@ -72,6 +73,8 @@ class KVSync:
         index.reset(snapshot.block_keys, snapshot.seq, snapshot.local_keys)
         self.replica.namespace = snapshot.namespace
         self.replica.shared_store_id = snapshot.shared_store_id
+        headers = {name.lower(): value for name, value in self.replica.api_headers.items()}
+        self.replica.salt_key = bearer_token(headers) if snapshot.salted_by_api_key else None
         if snapshot.shared_store_id is not None:
             self.shared_stores.joined(snapshot.shared_store_id, snapshot.shared_ttl_s)
         if reason == "reconnect" and index.seq < previous_seq:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvyard.api.auth import tenant_salt
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
 from kvyard.router.keys import PromptKeys
@@ -269,11 +270,14 @@ class CacheAware:
         if namespace is None:
             model = str(request.body.get("model") or (replica.model_ids[0] if replica.model_ids else ""))
             namespace = KeyNamespace(model, "router-approx", "", self.config.approx_block_size)
-        root = self._roots.get((namespace, request.cache_salt))
+        # The salt the replica will use: the request's, combined with the router's key salt when the replica splits
+        # its cache by caller key (the router is its caller).
+        salt = tenant_salt(replica.salt_key, request.cache_salt, per_key=replica.salt_key is not None)
+        root = self._roots.get((namespace, salt))
         if root is None:
             if len(self._roots) > 4096:
                 self._roots.clear()
-            root = self._roots[(namespace, request.cache_salt)] = namespace.with_salt(request.cache_salt).root_key()
+            root = self._roots[(namespace, salt)] = namespace.with_salt(salt).root_key()
         return root, namespace.block_size
 
     def _prompt_keys(

@@ -25,6 +25,7 @@ class Replica:
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
     shared_store_id: str | None = None  # the shared KV store it loads from (tier_index), from its KV events
+    salt_key: str | None = None  # the router's key, when the replica salts its cache by caller key (tenant_salt)
     model_ids: tuple[str, ...] = ()
     load: LoadReport = field(default_factory=LoadReport)
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the

@@ -379,7 +379,8 @@ class ReplicaApp:
         self._event_log()
         snapshot = await self.ready().kv_snapshot()
         responder.send_json(200, kv_events.snapshot_json(snapshot.seq, snapshot.block_keys, snapshot.namespace,
-                                                         snapshot.local_keys, snapshot.shared_store))  # fmt: skip
+                                                         snapshot.local_keys, snapshot.shared_store,
+                                                         self.options.access.cache_salt_per_api_key))  # fmt: skip
 
     # ------------------------------------------------------------------ KV transfer (DESIGN.md, contract 6)
 
