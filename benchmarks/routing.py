@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ def lru_hit_ratios(requests: list[TraceRequest], capacities: list[int], block_si
     return [h / max(1, total) for h in hits]
 
 
-def _matched_blocks(cache: OrderedDict[tuple[int, int], None], keys: list[tuple[int, int]]) -> int:
+def _matched_blocks(cache: Container[tuple[int, int]], keys: list[tuple[int, int]]) -> int:
     for matched, key in enumerate(keys):
         if key not in cache:
             return matched
@@ -156,6 +157,25 @@ def block_keys(request: TraceRequest, block_size: int) -> list[tuple[int, int]]:
         chain = hash((chain, hash_id))
         chains.append(chain)
     return [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
+
+
+def ttft_floor(requests: list[TraceRequest], time_scale: float, block_size: int = 16) -> dict[str, float]:
+    """Percentiles of each request's least possible TTFT (wall seconds): its prefill alone on an idle replica that
+    holds every block any earlier request computed (unlimited cache, nothing loaded), in chunks of the sim's step
+    budget. Each request's TTFT under any router is at least its own floor, so each percentile of TTFT is at least
+    the same percentile of the floors."""
+    cost, seen, floors = CostModel(), set[tuple[int, int]](), []
+    for request in requests:
+        keys = block_keys(request, block_size)
+        cached = _matched_blocks(seen, keys[: (request.input_length - 1) // block_size]) * block_size
+        seconds = 0.0
+        while cached < request.input_length:
+            chunk = min(MAX_BATCH_TOKENS, request.input_length - cached)
+            seconds += cost.prefill_seconds(chunk, cached)
+            cached += chunk
+        floors.append(seconds * time_scale)
+        seen.update(keys)
+    return {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)}
 
 
 def service_seconds(requests: list[TraceRequest], hit_ratio: float, cost: CostModel | None = None) -> float:
@@ -515,6 +535,7 @@ def main() -> int:
         "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
         "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
         "shared_store_blocks": args.shared_store_blocks,
+        "ttft_floor_s": ttft_floor(requests, args.time_scale),
     }  # fmt: skip
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
