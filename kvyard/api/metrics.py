@@ -35,6 +35,10 @@ class EngineCounters(Protocol):
     def prefix_cache_hit_tokens(self) -> int: ...
     @property
     def num_preemptions(self) -> int: ...
+    @property
+    def spec_proposed_tokens(self) -> int: ...
+    @property
+    def spec_accepted_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class ServerMetrics:
     prefix_queried: Gauge = field(init=False)
     prefix_hits: Gauge = field(init=False)
     preemptions: Gauge = field(init=False)
+    spec_proposed: Gauge = field(init=False)
+    spec_accepted: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -77,6 +83,10 @@ class ServerMetrics:
         self.prefix_hits = Gauge("kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache (total since "
                                  "start)", registry=r)  # fmt: skip
         self.preemptions = Gauge("kvyard_num_preemptions", "Requests preempted (total since start)", registry=r)
+        self.spec_proposed = Gauge("kvyard_spec_proposed_tokens", "Speculative decoding: tokens proposed and "
+                                   "verified (total since start)", registry=r)  # fmt: skip
+        self.spec_accepted = Gauge("kvyard_spec_accepted_tokens", "Speculative decoding: proposed tokens the model "
+                                   "agreed with, each a decode step saved (total since start)", registry=r)  # fmt: skip
 
     def refresh(self, stats: EngineCounters) -> None:
         """Set the gauges from the engine's statistics (at scrape time)."""
@@ -87,3 +97,5 @@ class ServerMetrics:
         self.prefix_queried.set(stats.prefix_cache_queried_tokens)
         self.prefix_hits.set(stats.prefix_cache_hit_tokens)
         self.preemptions.set(stats.num_preemptions)
+        self.spec_proposed.set(stats.spec_proposed_tokens)
+        self.spec_accepted.set(stats.spec_accepted_tokens)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.kvcache.config import KVTierConfig, KVTransferConfig
 from kvyard.models import ATTENTION_BACKENDS
 from kvyard.settings import from_flat, setting
@@ -30,6 +31,7 @@ class EngineConfig:
     served_model_name: str | None = setting(None, help="model id in the API and in block keys (none: the model "
                                             "directory's name)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     record_kv_events: bool = False  # publish `stored`/`removed` events (a server does, for routers)
     kv_tier: KVTierConfig | None = None  # persistent KV tier below the device cache; None: off

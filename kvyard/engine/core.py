@@ -10,6 +10,7 @@ and evicts exactly as the engine does.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from kvyard.engine.kv_exports import ExportView, KVExports
 from kvyard.engine.request import KVTransferParams, Request, RequestStatus, TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from kvyard.engine.speculative import Proposer, SpeculativeConfig, can_speculate, make_proposer
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
@@ -72,6 +74,7 @@ class CoreConfig:
     record_kv_events: bool = False
     event_log_capacity: int = 65536
     kv_lease_s: float = 30.0  # how long a finished prefill's blocks stay pinned for a decode replica's pull
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property
     def block_size(self) -> int:
@@ -125,6 +128,8 @@ class EngineStats:
     kv_tier_hit_tokens: int
     num_preemptions: int
     kv_shared_hit_tokens: int = 0
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, the ones the model agreed with (each saves a decode step)
     prefill_s_per_token: float | None = None  # recent step seconds per token of steps that prefilled
     tier_s_per_block: dict[str, float] = field(default_factory=dict)  # recent load seconds per block, by medium
     shared_tier_available: bool = True
@@ -176,6 +181,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
+        self.proposer: Proposer | None = make_proposer(config.speculative)
+        self.num_spec_proposed = self.num_spec_accepted = 0
         self._prefill_cost = RecentCost(weight=0.1)
         self._tier_costs: dict[str, RecentCost] = {}
 
@@ -275,7 +282,9 @@ class EngineCore:
     # ----------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for every request that produced a token."""
+        """Run one scheduling step; returns an output for every request that produced tokens."""
+        if self.proposer is not None:
+            self._propose(self.proposer)
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
             idle_wait = IDLE_LOAD_WAIT_S if self.kv_manager.load_wait_s else 0.0
@@ -286,15 +295,41 @@ class EngineCore:
         started = time.perf_counter()
         sampled = self.runner.execute(scheduled)
         self._measure_step(scheduled, time.perf_counter() - started)
+        by_request: dict[str, list[SampledToken]] = {}
+        for token in sampled:
+            by_request.setdefault(token.request.request_id, []).append(token)
         for item in scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            num_emitted = len(by_request.get(item.request.request_id, ()))
+            item.request.num_computed_tokens += self._num_computed(item, num_emitted)
             self.kv_manager.register_computed_blocks(item.request)
             if item.request.kv_transfer is not None and item.request.kv_transfer.export_id is not None:
                 self.kv_exports.offer(item.request)
         now = time.monotonic()
-        outputs = [self._accept_token(token, now) for token in sampled]
+        outputs = [self._accept_tokens(tokens, now) for tokens in by_request.values()]
         self.housekeeping(now)
         return outputs
+
+    def _propose(self, proposer: Proposer) -> None:
+        """Proposed tokens for every running request that can speculate this step (none for the others)."""
+        wanted, vocab = self.config.speculative.num_speculative_tokens, self.limits.vocab_size
+
+        def embeddable(token_id: int) -> bool:  # a token the model cannot embed is no guess: stop before it
+            return 0 <= token_id < vocab
+
+        for request in self.scheduler.running:
+            room = min(wanted, self.limits.max_model_len - request.num_tokens - 1,
+                       request.sampling_params.max_tokens - request.num_output_tokens - 1)  # fmt: skip
+            proposed = proposer.propose(request, room) if room > 0 and can_speculate(request) else []
+            request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[:room]))
+
+    def _num_computed(self, item: ScheduledRequest, num_emitted: int) -> int:
+        """Tokens of `item` whose KV is now right: all it scheduled, less the proposals the model rejected."""
+        if not item.spec_token_ids:
+            return item.num_new_tokens
+        accepted = num_emitted - 1
+        self.num_spec_proposed += len(item.spec_token_ids)
+        self.num_spec_accepted += accepted
+        return item.num_new_tokens - len(item.spec_token_ids) + accepted
 
     def _measure_step(self, scheduled: Sequence[ScheduledRequest], wall_s: float) -> None:
         """What a prefill token costs here, for the router's predicted TTFT (a modeled runner states its time)."""
@@ -310,24 +345,32 @@ class EngineCore:
         self.kv_manager.reap_orphaned_loads()
         self.kv_manager.settle_written_pulls(self.scheduler.waiting)
 
-    def _accept_token(self, token: SampledToken, now: float) -> RequestOutput:
-        request = token.request
-        request.append_token(token.token_id)
-        if token.logprobs is not None:
-            request.output_logprobs.append(token.logprobs)
+    def _accept_tokens(self, tokens: list[SampledToken], now: float) -> RequestOutput:
+        """Append one request's tokens of this step (several when speculation was accepted), up to the one that
+        finishes it."""
+        request = tokens[0].request
         if request.first_token_time is None:
             request.first_token_time = now
         detokenizer = self._detokenizers.get(request.request_id)
-        new_text, stop_string = "", None
-        if detokenizer is not None:
-            new_text, stop_string = detokenizer.push(token.token_id)
-        status = self._finish_status(request, token.token_id, stop_string)
-        if status is not None:
-            if detokenizer is not None and stop_string is None:
-                new_text += detokenizer.finish()
-            self._finish(request, status)
+        new_ids: list[int] = []
+        new_text = ""
+        for token in tokens:
+            request.append_token(token.token_id)
+            new_ids.append(token.token_id)
+            if token.logprobs is not None:
+                request.output_logprobs.append(token.logprobs)
+            stop_string = None
+            if detokenizer is not None:
+                text, stop_string = detokenizer.push(token.token_id)
+                new_text += text
+            status = self._finish_status(request, token.token_id, stop_string)
+            if status is not None:
+                if detokenizer is not None and stop_string is None:
+                    new_text += detokenizer.finish()
+                self._finish(request, status)
+                break
         text = detokenizer.text if detokenizer is not None else ""
-        return _output(request, [token.token_id], text, new_text)
+        return _output(request, new_ids, text, new_text)
 
     def _finish_status(self, request: Request, token_id: int, stop_string: str | None) -> RequestStatus | None:
         params = request.sampling_params
@@ -347,6 +390,8 @@ class EngineCore:
             self.kv_exports.finish(request, completed=status is not RequestStatus.FINISHED_ABORTED)
         self.scheduler.finish(request, status)
         self.runner.release(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
         del self._requests[request.request_id]
         self._detokenizers.pop(request.request_id, None)
 
@@ -365,6 +410,8 @@ class EngineCore:
             kv_tier_hit_tokens=kv.num_tier_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
             kv_shared_hit_tokens=kv.num_shared_hit_tokens,
+            spec_proposed_tokens=self.num_spec_proposed,
+            spec_accepted_tokens=self.num_spec_accepted,
             prefill_s_per_token=self._prefill_cost.estimate,
             tier_s_per_block=self._tier_load_costs(),
             shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,

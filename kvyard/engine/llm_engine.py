@@ -46,6 +46,7 @@ class LLMEngine(EngineCore):
             enable_prefix_caching=config.enable_prefix_caching,
             record_kv_events=config.record_kv_events,
             kv_lease_s=config.kv_transfer.kv_lease_s,
+            speculative=config.speculative,
         )
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,

@@ -11,6 +11,7 @@ from kvyard.engine.core import SampledToken
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.speculative import accept_greedy
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
@@ -24,7 +25,8 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 @dataclass(slots=True)
 class BatchLogits:
-    """Logits for the scheduled requests that sample this step, in `sampling` order."""
+    """Logits for the scheduled requests that sample this step, in `sampling` order: one row each, and one per
+    proposed token more for a speculating request."""
 
     logits: torch.Tensor
     sampling: list[ScheduledRequest]
@@ -65,12 +67,19 @@ class ModelRunner:
         batch = self.forward(scheduled)
         if not batch.sampling:
             return []
-        rows = [self._sampling_row(item.request) for item in batch.sampling]
+        rows = [self._sampling_row(item.request) for item in batch.sampling
+                for _ in range(1 + len(item.spec_token_ids))]  # fmt: skip
         token_ids, logprobs = sample(batch.logits, rows, self.argmax)
-        return [
-            SampledToken(item.request, token_id, token_logprobs)
-            for item, token_id, token_logprobs in zip(batch.sampling, token_ids, logprobs)
-        ]
+        sampled: list[SampledToken] = []
+        row = 0
+        for item in batch.sampling:
+            if item.spec_token_ids:  # greedy only (speculative.can_speculate): no logprobs
+                targets = token_ids[row : row + 1 + len(item.spec_token_ids)]
+                sampled += [SampledToken(item.request, t) for t in accept_greedy(item.spec_token_ids, targets)]
+            else:
+                sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
+            row += 1 + len(item.spec_token_ids)
+        return sampled
 
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
@@ -98,10 +107,12 @@ class ModelRunner:
         for item in scheduled:
             request = item.request
             start = request.num_computed_tokens
-            input_ids.extend(request.all_token_ids[start : start + item.num_new_tokens])
+            num_known = item.num_new_tokens - len(item.spec_token_ids)
+            input_ids.extend(request.all_token_ids[start : start + num_known])
+            input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, start + item.num_new_tokens))
             if item.completes_sequence:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
                 sampling.append(item)
         meta = build_attention_metadata(
             self.attention_backend,

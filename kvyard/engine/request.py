@@ -91,6 +91,7 @@ class Request:
     tier_load: TierLoad | None = None  # blocks being loaded from the lower tier before admission
     tier_checked: bool = False  # the lower tier was asked since the request last lost its blocks
     kv_transfer: KVTransferParams | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's proposed tokens (speculative decoding)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

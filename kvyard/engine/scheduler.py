@@ -35,12 +35,14 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute, then the proposed ones
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens after the known ones (speculation)
 
     @property
     def completes_sequence(self) -> bool:
         """After this step every known token is computed, so the next token can be sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -87,12 +89,26 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec = self._speculation(request, budget - num_new)
+            # Proposed tokens get slots only when they are free: speculation never preempts anyone.
+            if spec and self.kv.allocate_slots(request, num_new + len(spec)):
+                output.scheduled.append(ScheduledRequest(request, num_new + len(spec), spec))
+                budget -= num_new + len(spec)
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, output):
                 break
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             index += 1
         return budget
+
+    @staticmethod
+    def _speculation(request: Request, budget: int) -> list[int]:
+        """The request's proposed tokens that fit the step's budget and its max_tokens (the last token it may
+        emit is always the model's own)."""
+        room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        return request.spec_token_ids[: max(0, min(budget, room))]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):

@@ -1,0 +1,119 @@
+"""Speculative decoding: under greedy decoding the output with speculation is the output without it, token for
+token, whatever the proposer guesses; accepted guesses save steps; rejected ones leave no trace in the cache."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvyard import LLM, SamplingParams
+from kvyard.engine.request import Request
+from kvyard.engine.speculative import NgramProposer, SpeculativeConfig, accept_greedy
+from kvyard.testing.oracle_proposer import OracleProposer
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves (so prompt lookup proposes), of different lengths."""
+    rng = random.Random(seed)
+    out = []
+    for index in range(count):
+        motif = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))]
+        out.append((motif * 40)[: 20 + 7 * index] + [rng.randrange(3, 500) for _ in range(5)])
+    return out
+
+
+def token_ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [output.token_ids for output in llm.generate(batch, params)]  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def request_of(tokens: list[int]) -> Request:
+    return Request(f"r{tokens}", tokens, GREEDY, b"\0" * 16, block_size=4)
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix() -> None:
+    proposer = NgramProposer(ngram_min=1, ngram_max=3)
+    assert proposer.propose(request_of([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]), 2) == [7, 1]  # the latest, longest match
+    assert proposer.propose(request_of([5, 6, 7]), 4) == []  # nothing repeats
+    request = request_of([4, 5, 4])
+    assert proposer.propose(request, 3) == [5, 4]
+    request.append_token(5)  # the index grows with the sequence
+    assert proposer.propose(request, 3) == [4, 5]
+
+
+def test_greedy_acceptance_keeps_the_agreeing_run_and_the_models_own_next_token() -> None:
+    assert accept_greedy([7, 8, 9], [7, 8, 9, 10]) == [7, 8, 9, 10]
+    assert accept_greedy([7, 8, 9], [7, 5, 9, 10]) == [7, 5]
+    assert accept_greedy([7, 8, 9], [1, 8, 9, 10]) == [1]
+    assert accept_greedy([], [3]) == [3]
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_ngram_speculation_gives_the_output_without_it(model_dirs: dict[str, Path], arch: str) -> None:
+    batch = prompts(8)
+    reference = token_ids(LLM(str(model_dirs[arch])), batch)
+    with LLM(str(model_dirs[arch]), speculative=NGRAM) as llm:
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        assert stats.spec_proposed_tokens > 0
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 1.0])
+def test_verified_guesses_are_kept_and_wrong_ones_recomputed_exactly(llama_dir: Path, error_rate: float) -> None:
+    batch = prompts(16, seed=1)
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        oracle = OracleProposer({tuple(p): r for p, r in zip(batch, reference)}, error_rate)
+        llm.engine.proposer = oracle
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        assert stats.spec_proposed_tokens == oracle.proposed > 0
+        if error_rate == 0.0:
+            assert stats.spec_accepted_tokens == stats.spec_proposed_tokens
+        if error_rate == 1.0:
+            assert stats.spec_accepted_tokens == 0
+
+
+def test_speculation_is_exact_with_prefix_hits_chunked_prefill_and_preemption(llama_dir: Path) -> None:
+    batch = prompts(12, seed=2)
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    # 24 blocks of 16 tokens cannot hold twelve sequences at once: requests are preempted and recomputed; a
+    # 32-token step budget chunks every prefill, and the second round finds the prompts in the prefix cache.
+    with LLM(str(llama_dir), speculative=NGRAM, num_kv_blocks=24, max_num_batched_tokens=32) as llm:
+        oracle = OracleProposer({tuple(p): r for p, r in zip(batch, reference)}, error_rate=0.3)
+        llm.engine.proposer = oracle
+        assert token_ids(llm, batch) == reference
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_rejected_guesses_never_enter_the_prefix_cache(llama_dir: Path) -> None:
+    batch = prompts(4, seed=3)
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(batch, reference)}, error_rate=1.0)
+        token_ids(llm, batch)
+        cached = set(llm.engine.block_pool.cached_block_keys())
+    with LLM(str(llama_dir)) as plain:
+        token_ids(plain, batch)
+        assert cached == set(plain.engine.block_pool.cached_block_keys())
+
+
+def test_sampled_requests_are_not_speculated(llama_dir: Path) -> None:
+    batch = prompts(4, seed=4)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    reference = token_ids(LLM(str(llama_dir)), batch, sampled)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        assert token_ids(llm, batch, sampled) == reference
+        assert llm.engine.stats().spec_proposed_tokens == 0
