@@ -117,3 +117,38 @@ def test_sampled_requests_are_not_speculated(llama_dir: Path) -> None:
     with LLM(str(llama_dir), speculative=NGRAM) as llm:
         assert token_ids(llm, batch, sampled) == reference
         assert llm.engine.stats().spec_proposed_tokens == 0
+
+
+def test_proposals_shrink_to_probes_when_guesses_are_wrong_and_stay_long_when_right() -> None:
+    from kvyard.engine.speculative import num_tokens_to_propose, updated_acceptance
+
+    assert num_tokens_to_propose(0.9, 4, 0.1) == 4
+    assert num_tokens_to_propose(0.0, 4, 0.1) == 0
+    assert 0 < num_tokens_to_propose(0.4, 8, 0.1) < 8
+    assert updated_acceptance(0.5, 4, 4) > 0.5 > updated_acceptance(0.5, 4, 0)
+    assert updated_acceptance(0.5, 4, 2) == 0.5 + 0.3 * (2 / 3 - 0.5)  # two kept, then one wrong
+
+
+def test_adaptive_speculation_stops_proposing_for_a_request_whose_guesses_are_all_wrong(llama_dir: Path) -> None:
+    batch = prompts(4, seed=6)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    reference = token_ids(LLM(str(llama_dir)), batch, params)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(batch, reference)}, error_rate=1.0)
+        assert token_ids(llm, batch, params) == reference
+        proposed = llm.engine.stats().spec_proposed_tokens
+    # Without adaptation each of the ~63 decode steps of 4 requests would propose 4 tokens (about 1,000 in all);
+    # after a few wrong steps only the one-token probes every 8 steps remain.
+    assert proposed < 4 * (4 * 4 + 64 // 8 + 1)
+
+
+def test_the_measured_verify_cost_grows_with_the_batch() -> None:
+    from kvyard.engine.speculative import StepCost
+
+    cost = StepCost()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 5, 40):
+        cost.observe(tokens, 0.010 + 0.001 * tokens)  # 10 ms to read the weights, 1 ms per token
+    one, eight = cost.verify_token_cost(1), cost.verify_token_cost(8)
+    assert one is not None and eight is not None
+    assert abs(one - 0.001 / 0.011) < 1e-6 and abs(eight - 0.008 / 0.018) < 1e-6
+    assert StepCost().verify_token_cost(1) is None  # nothing measured yet: the configured figure is used

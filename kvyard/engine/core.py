@@ -25,7 +25,16 @@ from kvyard.engine.kv_exports import ExportView, KVExports
 from kvyard.engine.request import KVTransferParams, Request, RequestStatus, TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from kvyard.engine.speculative import Proposer, SpeculativeConfig, can_speculate, make_proposer
+from kvyard.engine.speculative import (
+    PROBE_EVERY,
+    Proposer,
+    SpeculativeConfig,
+    StepCost,
+    can_speculate,
+    make_proposer,
+    num_tokens_to_propose,
+    updated_acceptance,
+)
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
@@ -183,6 +192,7 @@ class EngineCore:
         self._root_keys: dict[str, bytes] = {}
         self.proposer: Proposer | None = make_proposer(config.speculative)
         self.num_spec_proposed = self.num_spec_accepted = 0
+        self._step_cost = StepCost()
         self._prefill_cost = RecentCost(weight=0.1)
         self._tier_costs: dict[str, RecentCost] = {}
 
@@ -312,21 +322,36 @@ class EngineCore:
     def _propose(self, proposer: Proposer) -> None:
         """Proposed tokens for every running request that can speculate this step (none for the others)."""
         wanted, vocab = self.config.speculative.num_speculative_tokens, self.limits.vocab_size
+        decoding = sum(1 for request in self.scheduler.running if can_speculate(request))
+        token_cost = self._step_cost.verify_token_cost(decoding) or self.config.speculative.verify_token_cost
 
         def embeddable(token_id: int) -> bool:  # a token the model cannot embed is no guess: stop before it
             return 0 <= token_id < vocab
 
         for request in self.scheduler.running:
-            room = min(wanted, self.limits.max_model_len - request.num_tokens - 1,
+            room = min(self._num_to_propose(request, wanted, token_cost),
+                       self.limits.max_model_len - request.num_tokens - 1,
                        request.sampling_params.max_tokens - request.num_output_tokens - 1)  # fmt: skip
             proposed = proposer.propose(request, room) if room > 0 and can_speculate(request) else []
             request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[:room]))
+
+    def _num_to_propose(self, request: Request, wanted: int, token_cost: float) -> int:
+        if not self.config.speculative.adaptive:
+            return wanted
+        num = num_tokens_to_propose(request.spec_acceptance, wanted, token_cost)
+        if num:
+            request.spec_idle_steps = 0
+            return num
+        request.spec_idle_steps += 1
+        return 1 if request.spec_idle_steps % PROBE_EVERY == 0 else 0
 
     def _num_computed(self, item: ScheduledRequest, num_emitted: int) -> int:
         """Tokens of `item` whose KV is now right: all it scheduled, less the proposals the model rejected."""
         if not item.spec_token_ids:
             return item.num_new_tokens
         accepted = num_emitted - 1
+        request = item.request
+        request.spec_acceptance = updated_acceptance(request.spec_acceptance, len(item.spec_token_ids), accepted)
         self.num_spec_proposed += len(item.spec_token_ids)
         self.num_spec_accepted += accepted
         return item.num_new_tokens - len(item.spec_token_ids) + accepted
@@ -334,8 +359,11 @@ class EngineCore:
     def _measure_step(self, scheduled: Sequence[ScheduledRequest], wall_s: float) -> None:
         """What a prefill token costs here, for the router's predicted TTFT (a modeled runner states its time)."""
         num_tokens = sum(item.num_new_tokens for item in scheduled)
+        seconds = getattr(self.runner, "last_step_seconds", wall_s)
         if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
-            self._prefill_cost.observe(getattr(self.runner, "last_step_seconds", wall_s), num_tokens)
+            self._prefill_cost.observe(seconds, num_tokens)
+        if self.proposer is not None:
+            self._step_cost.observe(num_tokens, seconds)
 
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks

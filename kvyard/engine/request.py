@@ -92,6 +92,8 @@ class Request:
     tier_checked: bool = False  # the lower tier was asked since the request last lost its blocks
     kv_transfer: KVTransferParams | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposed tokens (speculative decoding)
+    spec_acceptance: float = 0.5  # estimated chance that a proposed token is right (adaptive speculation)
+    spec_idle_steps: int = 0  # steps since it last proposed, while speculation did not pay
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

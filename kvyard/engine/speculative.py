@@ -7,6 +7,13 @@ agrees with, plus the model's own next token, so under greedy decoding the outpu
 without speculation. Rejected positions are never counted as computed: their KV slots are overwritten by the
 tokens that do come, and no block holding them is entered into the prefix cache.
 
+How many tokens a request proposes adapts to how often its guesses were right: with an estimated per-token
+acceptance a, k proposals emit 1 + a + a^2 + ... + a^k tokens for a step that costs 1 + c*k decode steps (c:
+`verify_token_cost`, or what the engine measures: `StepCost`), and the k that gives the most tokens per unit of
+cost is taken, 0 when none beats plain
+decoding; a request at 0 still proposes one token every `PROBE_EVERY` steps, so it notices when guessing starts
+to pay.
+
 Proposers here: `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, for n from `ngram_max` down to `ngram_min`).
 """
@@ -21,6 +28,8 @@ from kvyard.engine.request import Request
 from kvyard.settings import setting
 
 METHODS = ("ngram",)
+PROBE_EVERY = 8  # steps between single-token probes of a request whose speculation stopped paying
+ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptance estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = setting(4, help="tokens proposed per decode step of a request")
     ngram_min: int = setting(1, help="ngram: shortest suffix looked up in the sequence")
     ngram_max: int = setting(4, help="ngram: longest suffix looked up in the sequence")
+    adaptive: bool = setting(True, flag="--spec-adaptive", help="propose fewer tokens (down to none) for a "
+                             "request whose guesses are often wrong")  # fmt: skip
+    verify_token_cost: float = setting(0.1, help="what verifying one more token adds to a decode step, as a fraction "
+                                       "of it, until the engine has measured its steps")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -96,6 +109,55 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     return None
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Step time as a + b * tokens, fitted by least squares over recent steps (each new step weighs a little more
+    than the last), so the cost of verifying proposals follows the batch: one sequence's step is mostly the fixed
+    part a (reading the weights), eight sequences' is more the per-token part."""
+
+    decay: float = 0.98
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weights, x, y, xx, xy
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x, y = float(num_tokens), seconds
+        self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+
+    def verify_token_cost(self, num_sequences: int) -> float | None:
+        """What one more token per sequence adds to a step of `num_sequences` decoding sequences, as a fraction of
+        that step (None until the fit is usable)."""
+        weight, x, y, xx, xy = self._sums
+        if weight < 4:
+            return None
+        variance = xx / weight - (x / weight) ** 2
+        if variance <= 1e-9:
+            return None
+        per_token = (xy / weight - x * y / weight**2) / variance
+        fixed = y / weight - per_token * x / weight
+        if per_token <= 0 or fixed <= 0:
+            return None
+        return per_token * num_sequences / (fixed + per_token * num_sequences)
+
+
+def num_tokens_to_propose(acceptance: float, max_tokens: int, verify_token_cost: float) -> int:
+    """The number of proposals that gives the most emitted tokens per unit of step cost (0: speculation does not
+    pay at this acceptance)."""
+    best_k, best_rate = 0, 1.0
+    expected = 1.0
+    for k in range(1, max_tokens + 1):
+        expected += acceptance**k
+        rate = expected / (1 + verify_token_cost * k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def updated_acceptance(acceptance: float, proposed: int, accepted: int) -> float:
+    """The per-token acceptance estimate after one verification: guesses are kept up to the first wrong one, so a
+    step shows `accepted` successes and one failure (none when every guess was kept)."""
+    trials = accepted + (1 if accepted < proposed else 0)
+    return acceptance + ACCEPTANCE_WEIGHT * (accepted / trials - acceptance)
 
 
 def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
