@@ -110,13 +110,58 @@ def test_rejected_guesses_never_enter_the_prefix_cache(llama_dir: Path) -> None:
         assert cached == set(plain.engine.block_pool.cached_block_keys())
 
 
-def test_sampled_requests_are_not_speculated(llama_dir: Path) -> None:
+def test_sampled_requests_speculate_and_a_seed_still_fixes_the_output(llama_dir: Path) -> None:
     batch = prompts(4, seed=4)
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
-    reference = token_ids(LLM(str(llama_dir)), batch, sampled)
-    with LLM(str(llama_dir), speculative=NGRAM) as llm:
-        assert token_ids(llm, batch, sampled) == reference
-        assert llm.engine.stats().spec_proposed_tokens == 0
+    greedy_reference = token_ids(LLM(str(llama_dir)), batch)
+    runs = []
+    for _ in range(2):
+        with LLM(str(llama_dir), speculative=NGRAM) as llm:
+            llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(batch, greedy_reference)}, 0.3)
+            runs.append(token_ids(llm, batch, sampled))
+            assert llm.engine.stats().spec_proposed_tokens > 0
+    assert runs[0] == runs[1] and all(len(output) == 16 for output in runs[0])
+
+
+CHI_SQUARE_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # the 99.9% points of chi-square, by degrees of freedom
+
+
+def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
+    total = sum(counts)
+    cells = [(count, total * p) for count, p in zip(counts, probs) if p > 0]
+    return sum((count - expected) ** 2 / expected for count, expected in cells), len(cells) - 1
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0),
+                                                           (1.0, 0, 0.8)])  # fmt: skip
+def test_rejection_sampling_keeps_the_target_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    import torch
+
+    from kvyard.engine.sampler import SamplingRow, _processed_probs, speculative_sample
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, 0.3, -0.5]])
+    target = _processed_probs(logits.clone(), [params, params])
+    generator = torch.Generator().manual_seed(11)
+    samples = 20000
+
+    def draw(guess: int) -> tuple[list[int], list[int]]:
+        first, second = [0] * 6, [0] * 6
+        for _ in range(samples):
+            emitted = speculative_sample(logits.clone(), SamplingRow(params, None), [guess], lambda i: generator)
+            first[emitted[0]] += 1
+            if len(emitted) == 2:
+                second[emitted[1]] += 1
+        return first, second
+
+    for guess in (0, 2):  # the likeliest token, and a less likely one
+        first, second = draw(guess)
+        for counts, probs in ((first, target[0]), (second, target[1])):
+            statistic, dof = chi_square(counts, probs.tolist())
+            assert statistic < CHI_SQUARE_999[dof], (guess, counts, probs.tolist())
+    # The same test would catch a rule that keeps every guess: all mass on the guess.
+    statistic, dof = chi_square([0, 0, samples, 0, 0, 0], target[0].tolist())
+    assert statistic > CHI_SQUARE_999[dof]
 
 
 def test_proposals_shrink_to_probes_when_guesses_are_wrong_and_stay_long_when_right() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from kvyard.engine.core import SampledToken
 from kvyard.engine.request import Request
-from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
+from kvyard.engine.sampler import Argmax, SamplingRow, sample, speculative_sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.engine.speculative import accept_greedy
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
@@ -73,28 +73,47 @@ class ModelRunner:
         sampled: list[SampledToken] = []
         row = 0
         for item in batch.sampling:
-            if item.spec_token_ids:  # greedy only (speculative.can_speculate): no logprobs
-                targets = token_ids[row : row + 1 + len(item.spec_token_ids)]
-                sampled += [SampledToken(item.request, t) for t in accept_greedy(item.spec_token_ids, targets)]
+            spec = item.spec_token_ids
+            if spec:  # no logprobs (speculative.can_speculate)
+                emitted = self._verify(item.request, spec, batch.logits[row : row + 1 + len(spec)],
+                                       token_ids[row : row + 1 + len(spec)], rows[row])  # fmt: skip
+                sampled += [SampledToken(item.request, token_id) for token_id in emitted]
             else:
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)
         return sampled
 
+    def _verify(
+        self, request: Request, spec: list[int], logits: torch.Tensor, targets: list[int], row: SamplingRow
+    ) -> list[int]:
+        """What a speculating request emits: greedy, the agreeing guesses and the model's token; sampled, by
+        rejection sampling (distributed exactly as without speculation)."""
+        if request.sampling_params.is_greedy:
+            return accept_greedy(spec, targets)
+
+        def generator_at(position: int) -> torch.Generator | None:
+            return self._generator(request, position)
+
+        return speculative_sample(logits, row, spec, generator_at)
+
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        params = request.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = self._generators.get(request.request_id)
-            if generator is None:
-                generator = self._generators[request.request_id] = torch.Generator(device=self.device)
-            # Seeded by position, not by history: the same seed draws the same token at the same output
-            # position on any replica, so a stream resumed elsewhere continues exactly.
-            generator.manual_seed((params.seed + request.num_output_tokens * _SEED_STRIDE) % 2**64)
-        return SamplingRow(params, generator, tuple(request.banned_token_ids()))
+        return SamplingRow(request.sampling_params, self._generator(request, 0), tuple(request.banned_token_ids()))
+
+    def _generator(self, request: Request, ahead: int) -> torch.Generator | None:
+        """The request's generator seeded for output position `num_output_tokens + ahead` (None: no seed)."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = self._generators[request.request_id] = torch.Generator(device=self.device)
+        # Seeded by position, not by history: the same seed draws the same token at the same output
+        # position on any replica, so a stream resumed elsewhere continues exactly.
+        generator.manual_seed((seed + (request.num_output_tokens + ahead) * _SEED_STRIDE) % 2**64)
+        return generator
 
     def forward(self, scheduled: Sequence[ScheduledRequest]) -> BatchLogits:
         """Run one forward pass; `scheduled` lists single-token queries first.

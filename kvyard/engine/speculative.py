@@ -2,8 +2,10 @@
 all in one pass, and the guesses that agree with what the model would have produced are kept.
 
 The engine (core and scheduler) schedules a decoding request's last token plus its proposed tokens as one
-query; the runner samples at every position; `accept_greedy` keeps the longest run of proposals the model
-agrees with, plus the model's own next token, so under greedy decoding the output is exactly the output
+query; the runner computes every position; under greedy decoding `accept_greedy` keeps the longest run of
+proposals the model agrees with, plus the model's own next token, so the output is exactly the output without
+speculation; a sampled request keeps each guess with the target's probability of it and draws from the rest at
+the first one it does not keep (`sampler.speculative_sample`), so its tokens are distributed exactly as
 without speculation. Rejected positions are never counted as computed: their KV slots are overwritten by the
 tokens that do come, and no block holding them is entered into the prefix cache.
 
@@ -34,7 +36,7 @@ ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptan
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (greedy requests): who proposes tokens, and how many per step."""
+    """Speculative decoding: who proposes tokens, and how many per step."""
 
     method: str | None = setting(None, flag="--speculative", choices=METHODS, help="propose tokens for the model "
                                  "to verify in one pass: ngram (prompt lookup)", default_text="none: off")  # fmt: skip
@@ -171,8 +173,8 @@ def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
 
 
 def can_speculate(request: Request) -> bool:
-    """Greedy requests decoding one token at a time, with no logprobs asked and no token banned right now
-    (those change what a position samples)."""
+    """Requests decoding one token at a time, with no logprobs asked and no token banned right now (those change
+    what a position samples)."""
     params = request.sampling_params
-    return (params.is_greedy and params.logprobs is None and request.num_tokens - request.num_computed_tokens == 1
+    return (params.logprobs is None and request.num_tokens - request.num_computed_tokens == 1
             and not request.banned_token_ids() and request.kv_transfer is None)  # fmt: skip
