@@ -123,7 +123,8 @@ def test_sampled_requests_speculate_and_a_seed_still_fixes_the_output(llama_dir:
     assert runs[0] == runs[1] and all(len(output) == 16 for output in runs[0])
 
 
-CHI_SQUARE_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # the 99.9% points of chi-square, by degrees of freedom
+# The 99.9% points of chi-square, by degrees of freedom.
+CHI_SQUARE_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
 
 
 def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
