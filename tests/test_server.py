@@ -213,6 +213,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "x", "speculate": "no"}, 400, "speculate"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),

@@ -110,17 +110,20 @@ def test_rejected_guesses_never_enter_the_prefix_cache(llama_dir: Path) -> None:
         assert cached == set(plain.engine.block_pool.cached_block_keys())
 
 
-def test_sampled_requests_speculate_and_a_seed_still_fixes_the_output(llama_dir: Path) -> None:
-    batch = prompts(4, seed=4)
-    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
-    greedy_reference = token_ids(LLM(str(llama_dir)), batch)
-    runs = []
-    for _ in range(2):
-        with LLM(str(llama_dir), speculative=NGRAM) as llm:
-            llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(batch, greedy_reference)}, 0.3)
-            runs.append(token_ids(llm, batch, sampled))
-            assert llm.engine.stats().spec_proposed_tokens > 0
-    assert runs[0] == runs[1] and all(len(output) == 16 for output in runs[0])
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.8, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.9)])
+def test_seeded_sampled_requests_speculate_and_give_the_output_without_speculation(
+    llama_dir: Path, temperature: float, top_k: int, top_p: float
+) -> None:
+    batch = prompts(6, seed=4)
+    sampled = [SamplingParams(max_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=3 + i,
+                              ignore_eos=True) for i in range(len(batch))]  # fmt: skip
+    reference = [output.token_ids for output in LLM(str(llama_dir)).generate(batch, sampled)]  # type: ignore[arg-type]
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        # Guesses of what the seeded draws were, 30% of them wrong: both the keep and the reject path.
+        llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(batch, reference)}, 0.3)
+        outputs = [output.token_ids for output in llm.generate(batch, sampled)]  # type: ignore[arg-type]
+        assert outputs == reference
+        assert llm.engine.stats().spec_accepted_tokens > 0
 
 
 # The 99.9% points of chi-square, by degrees of freedom.
@@ -135,34 +138,43 @@ def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0),
                                                            (1.0, 0, 0.8)])  # fmt: skip
-def test_rejection_sampling_keeps_the_target_distribution(temperature: float, top_k: int, top_p: float) -> None:
+def test_unseeded_speculative_sampling_keeps_the_target_distribution(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """The runner's rule with the real sampler on fixed logits: both positions' draws, then the kept prefix."""
     import torch
 
-    from kvyard.engine.sampler import SamplingRow, _processed_probs, speculative_sample
+    from kvyard.engine.sampler import SamplingRow, _processed_probs, sample
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, 0.3, -0.5]])
     target = _processed_probs(logits.clone(), [params, params])
-    generator = torch.Generator().manual_seed(11)
+    rows = [SamplingRow(params, None), SamplingRow(params, None)]
+    torch.manual_seed(11)
     samples = 20000
-
-    def draw(guess: int) -> tuple[list[int], list[int]]:
+    for guess in (0, 2):  # the likeliest token, and a less likely one
         first, second = [0] * 6, [0] * 6
         for _ in range(samples):
-            emitted = speculative_sample(logits.clone(), SamplingRow(params, None), [guess], lambda i: generator)
+            drawn, _ = sample(logits.clone(), rows)
+            emitted = accept_greedy([guess], drawn)
             first[emitted[0]] += 1
             if len(emitted) == 2:
                 second[emitted[1]] += 1
-        return first, second
-
-    for guess in (0, 2):  # the likeliest token, and a less likely one
-        first, second = draw(guess)
         for counts, probs in ((first, target[0]), (second, target[1])):
             statistic, dof = chi_square(counts, probs.tolist())
             assert statistic < CHI_SQUARE_999[dof], (guess, counts, probs.tolist())
     # The same test would catch a rule that keeps every guess: all mass on the guess.
     statistic, dof = chi_square([0, 0, samples, 0, 0, 0], target[0].tolist())
     assert statistic > CHI_SQUARE_999[dof]
+
+
+def test_a_request_can_turn_speculation_off(llama_dir: Path) -> None:
+    batch = prompts(4, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculate=False)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        llm.engine.proposer = OracleProposer({tuple(p): [0] * 16 for p in batch}, 0.0)
+        token_ids(llm, batch, params)
+        assert llm.engine.stats().spec_proposed_tokens == 0
 
 
 def test_proposals_shrink_to_probes_when_guesses_are_wrong_and_stay_long_when_right() -> None:

@@ -137,6 +137,7 @@ class SamplingFields(BaseModel):
     stream_progress: bool = False
     resume: ResumeState | None = None
     kv_transfer_params: KVTransferFields | None = None
+    speculate: bool = True  # false: no speculative decoding for this request (when the replica has it on)
     # Accepted for compatibility; only their neutral values are supported.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

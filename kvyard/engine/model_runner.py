@@ -9,7 +9,7 @@ import torch
 
 from kvyard.engine.core import SampledToken
 from kvyard.engine.request import Request
-from kvyard.engine.sampler import Argmax, SamplingRow, sample, speculative_sample, torch_argmax
+from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.engine.speculative import accept_greedy
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
@@ -67,49 +67,39 @@ class ModelRunner:
         batch = self.forward(scheduled)
         if not batch.sampling:
             return []
-        rows = [self._sampling_row(item.request) for item in batch.sampling
-                for _ in range(1 + len(item.spec_token_ids))]  # fmt: skip
+        rows = [self._sampling_row(item.request, ahead) for item in batch.sampling
+                for ahead in range(1 + len(item.spec_token_ids))]  # fmt: skip
         token_ids, logprobs = sample(batch.logits, rows, self.argmax)
         sampled: list[SampledToken] = []
         row = 0
         for item in batch.sampling:
             spec = item.spec_token_ids
             if spec:  # no logprobs (speculative.can_speculate)
-                emitted = self._verify(item.request, spec, batch.logits[row : row + 1 + len(spec)],
-                                       token_ids[row : row + 1 + len(spec)], rows[row])  # fmt: skip
+                emitted = accept_greedy(spec, token_ids[row : row + 1 + len(spec)])
                 sampled += [SampledToken(item.request, token_id) for token_id in emitted]
             else:
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)
         return sampled
 
-    def _verify(
-        self, request: Request, spec: list[int], logits: torch.Tensor, targets: list[int], row: SamplingRow
-    ) -> list[int]:
-        """What a speculating request emits: greedy, the agreeing guesses and the model's token; sampled, by
-        rejection sampling (distributed exactly as without speculation)."""
-        if request.sampling_params.is_greedy:
-            return accept_greedy(spec, targets)
-
-        def generator_at(position: int) -> torch.Generator | None:
-            return self._generator(request, position)
-
-        return speculative_sample(logits, row, spec, generator_at)
-
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
-        return SamplingRow(request.sampling_params, self._generator(request, 0), tuple(request.banned_token_ids()))
+    def _sampling_row(self, request: Request, ahead: int = 0) -> SamplingRow:
+        """How to sample the request's output position `num_output_tokens + ahead` (ahead > 0: a proposed one)."""
+        return SamplingRow(request.sampling_params, self._generator(request, ahead), tuple(request.banned_token_ids()))
 
     def _generator(self, request: Request, ahead: int) -> torch.Generator | None:
-        """The request's generator seeded for output position `num_output_tokens + ahead` (None: no seed)."""
+        """A generator seeded for output position `num_output_tokens + ahead` (None: no seed); positions after the
+        next one get their own, as their draws happen in the same step."""
         seed = request.sampling_params.seed
         if seed is None:
             return None
-        generator = self._generators.get(request.request_id)
+        generator = self._generators.get(request.request_id) if ahead == 0 else None
         if generator is None:
-            generator = self._generators[request.request_id] = torch.Generator(device=self.device)
+            generator = torch.Generator(device=self.device)
+            if ahead == 0:
+                self._generators[request.request_id] = generator
         # Seeded by position, not by history: the same seed draws the same token at the same output
         # position on any replica, so a stream resumed elsewhere continues exactly.
         generator.manual_seed((seed + (request.num_output_tokens + ahead) * _SEED_STRIDE) % 2**64)

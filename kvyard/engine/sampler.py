@@ -87,31 +87,6 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
-def speculative_sample(
-    logits: torch.Tensor, row: SamplingRow, proposed: list[int],
-    generator_at: Callable[[int], torch.Generator | None] = lambda position: None,
-) -> list[int]:  # fmt: skip
-    """The tokens a sampled request emits after verifying `proposed` (logits: one row per proposal, then one
-    more). Each proposal is a point guess, so it is kept with the target's own probability of it; at the first one
-    not kept, the token is drawn from the target with that guess removed; after the last kept one, from the
-    target. Every emitted token is then distributed exactly as without speculation. `generator_at(i)`: the
-    generator for the i-th position (seeded by position, like plain sampling; None: torch's)."""
-    probs = _processed_probs(logits, [row.params] * logits.shape[0])
-    emitted: list[int] = []
-    for position, guess in enumerate(proposed):
-        generator = generator_at(position)
-        chance = float(torch.rand((), generator=generator, device=probs.device))
-        if chance < float(probs[position, guess]):
-            emitted.append(guess)
-            continue
-        residual = probs[position].clone()
-        residual[guess] = 0.0
-        emitted.append(int(_draw(residual[None, :] / residual.sum(), [generator])[0]))
-        return emitted
-    emitted.append(int(_draw(probs[-1:], [generator_at(len(proposed))])[0]))
-    return emitted
-
-
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(rows)

@@ -23,6 +23,8 @@ class SamplingParams:
     logprobs: int | None = setting(None, help="return the log-probability of each sampled token and of this many "
                                    "top alternatives (0-20)")  # fmt: skip
     min_tokens: int = setting(0, help="tokens to generate before EOS or a stop token may end the output")
+    speculate: bool = setting(True, help="let speculative decoding propose tokens for this request, when the "
+                              "engine has it on (--speculative)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

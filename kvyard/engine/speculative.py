@@ -2,19 +2,19 @@
 all in one pass, and the guesses that agree with what the model would have produced are kept.
 
 The engine (core and scheduler) schedules a decoding request's last token plus its proposed tokens as one
-query; the runner computes every position; under greedy decoding `accept_greedy` keeps the longest run of
-proposals the model agrees with, plus the model's own next token, so the output is exactly the output without
-speculation; a sampled request keeps each guess with the target's probability of it and draws from the rest at
-the first one it does not keep (`sampler.speculative_sample`), so its tokens are distributed exactly as
-without speculation. Rejected positions are never counted as computed: their KV slots are overwritten by the
-tokens that do come, and no block holding them is entered into the prefix cache.
+query; the runner samples every position as it would without speculation (greedy, or drawn with the generator
+of that output position), and `accept_greedy` keeps the proposals equal to what was sampled, plus the sampled
+token after the last one kept. Every emitted token is the token plain decoding would have produced at its
+position: greedy and seeded outputs are exactly those without speculation, unseeded ones follow the same
+distribution (for a point guess this keeps it with the model's probability of it, as rejection sampling would).
+Rejected positions are never counted as computed: their KV slots are overwritten by the tokens that do come, and
+no block holding them is entered into the prefix cache.
 
 How many tokens a request proposes adapts to how often its guesses were right: with an estimated per-token
 acceptance a, k proposals emit 1 + a + a^2 + ... + a^k tokens for a step that costs 1 + c*k decode steps (c:
 `verify_token_cost`, or what the engine measures: `StepCost`), and the k that gives the most tokens per unit of
-cost is taken, 0 when none beats plain
-decoding; a request at 0 still proposes one token every `PROBE_EVERY` steps, so it notices when guessing starts
-to pay.
+cost is taken, 0 when none beats plain decoding; a request at 0 still proposes one token every `PROBE_EVERY`
+steps, so it notices when guessing starts to pay.
 
 Proposers here: `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, for n from `ngram_max` down to `ngram_min`).
@@ -173,8 +173,8 @@ def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
 
 
 def can_speculate(request: Request) -> bool:
-    """Requests decoding one token at a time, with no logprobs asked and no token banned right now (those change
-    what a position samples)."""
+    """Requests that allow it (`speculate`), decoding one token at a time, with no logprobs asked and no token
+    banned right now (those change what a position samples)."""
     params = request.sampling_params
-    return (params.logprobs is None and request.num_tokens - request.num_computed_tokens == 1
+    return (params.speculate and params.logprobs is None and request.num_tokens - request.num_computed_tokens == 1
             and not request.banned_token_ids() and request.kv_transfer is None)  # fmt: skip

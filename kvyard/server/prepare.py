@@ -138,6 +138,7 @@ def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int |
                     include_stop_str_in_output=body.include_stop_str_in_output,
                     logprobs=logprobs,
                     min_tokens=min(body.min_tokens, max_tokens),
+                    speculate=body.speculate,
                 )
             )
         except ValueError as error:
