@@ -322,17 +322,19 @@ class EngineCore:
     def _propose(self, proposer: Proposer) -> None:
         """Proposed tokens for every running request that can speculate this step (none for the others)."""
         wanted, vocab = self.config.speculative.num_speculative_tokens, self.limits.vocab_size
-        decoding = sum(1 for request in self.scheduler.running if can_speculate(request))
-        token_cost = self._step_cost.verify_token_cost(decoding) or self.config.speculative.verify_token_cost
+        eligible = [request for request in self.scheduler.running if can_speculate(request)]
+        token_cost = self._step_cost.verify_token_cost(len(eligible)) or self.config.speculative.verify_token_cost
 
         def embeddable(token_id: int) -> bool:  # a token the model cannot embed is no guess: stop before it
             return 0 <= token_id < vocab
 
         for request in self.scheduler.running:
+            request.spec_token_ids = []
+        for request in eligible:
             room = min(self._num_to_propose(request, wanted, token_cost),
                        self.limits.max_model_len - request.num_tokens - 1,
                        request.sampling_params.max_tokens - request.num_output_tokens - 1)  # fmt: skip
-            proposed = proposer.propose(request, room) if room > 0 and can_speculate(request) else []
+            proposed = proposer.propose(request, room) if room > 0 else []
             request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[:room]))
 
     def _num_to_propose(self, request: Request, wanted: int, token_cost: float) -> int:
