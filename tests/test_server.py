@@ -153,6 +153,23 @@ def test_logprobs(client: openai.OpenAI) -> None:
 # ---------------------------------------------------------------------------- concurrency and cancellation
 
 
+
+def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    forced = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=5, temperature=0.7,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    expected = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={42: 100}))[0]
+    assert expected.token_ids == [42] * 5 and forced.choices[0].text == expected.text
+    penalised = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.0,
+                               frequency_penalty=0.5, repetition_penalty=1.3)  # fmt: skip
+    prompt = "to be or not to be, to be or not to be, to be"  # greedy repeats one token here, unpenalised
+    result = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, presence_penalty=1.0,
+        frequency_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert result.choices[0].text == llm.generate([prompt], penalised)[0].text != plain[0].text
+
 def test_fifty_concurrent_streams_complete_with_correct_usage(server: ServerProcess) -> None:
     async def one(client: openai.AsyncOpenAI, index: int) -> tuple[int, int]:
         stream = await client.completions.create(
@@ -211,7 +228,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 250}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999999], "min_tokens": 2}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "speculate": "no"}, 400, "speculate"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),

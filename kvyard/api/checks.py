@@ -80,3 +80,11 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: C
                          "context_length_exceeded")  # fmt: skip
     check_kv_room(num_prompt_tokens, max_tokens, limits)
     return max_tokens
+
+
+def check_sampling_token_ids(stop_token_ids: Sequence[int], logit_bias_ids: Sequence[int], vocab_size: int) -> None:
+    """Token ids in the sampling parameters index the logits: each must be inside the vocabulary."""
+    for token_ids, param in ((stop_token_ids, "stop_token_ids"), (logit_bias_ids, "logit_bias")):
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InputError(f"{param} has token id {bad} outside the vocabulary [0, {vocab_size})", param)

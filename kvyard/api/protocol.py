@@ -138,10 +138,21 @@ class SamplingFields(BaseModel):
     resume: ResumeState | None = None
     kv_transfer_params: KVTransferFields | None = None
     speculate: bool = True  # false: no speculative decoding for this request (when the replica has it on)
-    # Accepted for compatibility; only their neutral values are supported.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0**16)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be between -100 and 100, got {bias} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -155,12 +166,6 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a parameter kvyard accepts syntactically but does not implement."""
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (use 0)"
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (use 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.resume is not None and self.n != 1:
             return "resume", "resume continues one choice: n must be 1"
         if self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode and self.n != 1:

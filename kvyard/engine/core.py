@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_token_ids
+from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_sampling_token_ids, check_token_ids
 from kvyard.api.errors import InputError
 from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.detokenizer import Decoder, IncrementalDetokenizer
@@ -225,6 +225,7 @@ class EngineCore:
             raise InputError(f"transfer id {export_id!r} is already in use", "kv_transfer_params.transfer_id")
         check_prompt(prompt_token_ids, self.limits)
         check_kv_room(len(prompt_token_ids), params.max_tokens, self.limits)
+        check_sampling_token_ids(params.stop_token_ids, list(params.logit_bias), self.limits.vocab_size)
         if resumed_output_ids:
             self._check_resume(len(prompt_token_ids), resumed_output_ids, params)
         detokenizer = self._make_detokenizer(params)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvyard.engine.core import SampledToken
+from kvyard.engine.penalties import TokenHistory
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
@@ -67,7 +68,7 @@ class ModelRunner:
         batch = self.forward(scheduled)
         if not batch.sampling:
             return []
-        rows = [self._sampling_row(item.request, ahead) for item in batch.sampling
+        rows = [self._sampling_row(item, ahead) for item in batch.sampling
                 for ahead in range(1 + len(item.spec_token_ids))]  # fmt: skip
         token_ids, logprobs = sample(batch.logits, rows, self.argmax)
         sampled: list[SampledToken] = []
@@ -85,9 +86,16 @@ class ModelRunner:
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
 
-    def _sampling_row(self, request: Request, ahead: int = 0) -> SamplingRow:
-        """How to sample the request's output position `num_output_tokens + ahead` (ahead > 0: a proposed one)."""
-        return SamplingRow(request.sampling_params, self._generator(request, ahead), tuple(request.banned_token_ids()))
+    def _sampling_row(self, item: ScheduledRequest, ahead: int = 0) -> SamplingRow:
+        """How to sample the request's output position `num_output_tokens + ahead` (ahead > 0: after `ahead` of
+        this step's proposals, which count as output for penalties: a row after a rejected one is discarded)."""
+        request = item.request
+        history = None
+        if request.sampling_params.has_penalties:
+            output = [*request.output_token_ids, *item.spec_token_ids[:ahead]] if ahead else request.output_token_ids
+            history = TokenHistory(request.prompt_token_ids, output)
+        banned = tuple(request.banned_token_ids())
+        return SamplingRow(request.sampling_params, self._generator(request, ahead), banned, history)
 
     def _generator(self, request: Request, ahead: int) -> torch.Generator | None:
         """A generator seeded for output position `num_output_tokens + ahead` (None: no seed); positions after the

@@ -1,4 +1,5 @@
-"""Turn a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Turn a batch of logits into next tokens: biases and penalties, greedy, temperature, top-k, top-p, seeds,
+logprobs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvyard.engine.penalties import TokenHistory, apply_logit_processing
 from kvyard.engine.request import TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 
@@ -16,6 +18,7 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
+    history: TokenHistory | None = None  # needed when the params have penalties
 
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -30,7 +33,9 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [len(rows), vocab] float32. Returns the sampled ids and, per row, logprobs if asked.
 
-    `argmax` picks the greedy tokens (a native kernel on CPU: torch's takes ~3% of a 64-sequence decode step)."""
+    `argmax` picks the greedy tokens (a native kernel on CPU: torch's takes ~3% of a 64-sequence decode step).
+    Logprobs are those of the biased and penalised logits, before temperature, top-k and top-p."""
+    apply_logit_processing(logits, [row.params for row in rows], [row.history for row in rows])
     for index, row in enumerate(rows):
         if row.banned_token_ids:
             logits[index, list(row.banned_token_ids)] = float("-inf")
@@ -58,7 +63,11 @@ def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
     if bool((top_ps < 1).any()):
         logits = _apply_top_p(logits, top_ps)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=logits.device)
+    if bool((min_ps > 0).any()):  # the most likely token always passes: it holds max_prob >= min_p * max_prob
+        probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvyard.api.checks import check_token_ids, resolve_max_tokens
+from kvyard.api.checks import check_sampling_token_ids, check_token_ids, resolve_max_tokens
 from kvyard.api.errors import APIError, bad_request
 from kvyard.api.protocol import (
     MAX_PROMPTS,
@@ -90,6 +90,8 @@ def _prepared(
     cache_salt: str | None,
 ) -> PreparedRequest:
     max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
+    biased_ids = [int(key) for key in body.logit_bias or {}]
+    check_sampling_token_ids(body.stop_token_ids or [], biased_ids, engine.limits.vocab_size)
     resume = body.resume  # a continued stream keeps its identity
     prepared = PreparedRequest(
         kind=kind,
@@ -138,6 +140,11 @@ def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int |
                     include_stop_str_in_output=body.include_stop_str_in_output,
                     logprobs=logprobs,
                     min_tokens=min(body.min_tokens, max_tokens),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    min_p=body.min_p,
+                    logit_bias={int(key): bias for key, bias in (body.logit_bias or {}).items()},
                     speculate=body.speculate,
                 )
             )
