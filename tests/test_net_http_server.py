@@ -78,6 +78,26 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
     run(scenario)
 
 
+def test_head_gets_the_get_answers_headers_and_no_body_so_keep_alive_stays_in_step() -> None:
+    async def scenario(server: HttpServer, seen: list[HttpRequest]) -> None:
+        raw = (
+            b"HEAD /echo HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"HEAD /stream HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"GET /echo?after=head HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+        )
+        data = await exchange(server.port, raw)
+        answers = data.split(b"HTTP/1.1 ")[1:]
+        assert len(answers) == 3
+        head_json, head_stream, get = answers
+        assert head_json.startswith(b"200") and head_json.endswith(b"\r\n\r\n")  # headers, then nothing
+        assert b"Content-Length: " in head_json and b"Content-Length: 0" not in head_json
+        assert head_stream.startswith(b"200") and head_stream.endswith(b"\r\n\r\n")
+        assert json.loads(get.split(b"\r\n\r\n", 1)[1])["query"] == "after=head"
+        assert [r.method for r in seen] == ["HEAD", "HEAD", "GET"]
+
+    run(scenario)
+
+
 def test_streamed_response_is_chunked_and_readable_by_the_client() -> None:
     async def scenario(server: HttpServer, seen: list[HttpRequest]) -> None:
         client = HttpClient(f"http://127.0.0.1:{server.port}")

@@ -93,6 +93,25 @@ def test_bad_input_gets_openai_errors(cluster: SimCluster, log_dir: Path) -> Non
         router.stop()
 
 
+def test_head_requests_and_the_model_list_through_the_router(cluster: SimCluster, log_dir: Path) -> None:
+    router = start_router(log_dir, cluster.urls[:2])
+    try:
+        wait_for(lambda: httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"], 20, "models")
+        with httpx.Client(timeout=10) as client:  # one keep-alive connection: a body after HEAD would desync it
+            for path in ("/health", "/metrics", "/v1/models", "/health"):
+                head = client.head(f"{router.url}{path}")
+                assert head.status_code == 200 and head.content == b"", path
+                assert int(head.headers["content-length"]) > 0
+            assert client.head(f"{router.url}/v1/completions").status_code == 405
+            models = client.get(f"{router.url}/v1/models").json()["data"]
+            replica_card = client.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]
+        assert [card["id"] for card in models] == [MODEL]
+        assert models[0]["max_model_len"] == replica_card["max_model_len"] > 0
+        assert 0 < models[0]["created"] <= replica_card["created"] + 60
+    finally:
+        router.stop()
+
+
 # ---------------------------------------------------------------------------- session affinity
 
 

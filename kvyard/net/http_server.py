@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httptools
 import orjson
@@ -76,11 +76,14 @@ class Responder:
     The head of a streamed response goes out with its first body bytes: one socket write, not two.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head", "finished", "keep_alive", "started")
+    __slots__ = ("_chunked", "_connection", "_head", "finished", "head_only", "keep_alive", "started")
 
-    def __init__(self, connection: _Connection, keep_alive: bool) -> None:
+    def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
+        """`head_only`: the answer to a HEAD request, whose status line and headers go out and body never does
+        (a client reading a HEAD answer reads no body: bytes sent anyway would be taken for the next answer)."""
         self._connection = connection
         self.keep_alive = keep_alive
+        self.head_only = head_only
         self.started = False
         self.finished = False
         self._chunked = False
@@ -89,7 +92,7 @@ class Responder:
     def send(self, status: int, body: bytes, headers: Headers | None = None,
              content_type: str = "application/json") -> None:  # fmt: skip
         framing = f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-        self._connection.write(self._make_head(status, headers, framing) + body)
+        self._connection.write(self._make_head(status, headers, framing) + (b"" if self.head_only else body))
         self._finish()
 
     def send_json(self, status: int, payload: Any, headers: Headers | None = None) -> None:
@@ -110,6 +113,9 @@ class Responder:
     def write(self, data: bytes) -> None:
         if not data or self.finished:
             return
+        if self.head_only:
+            self.flush_head()
+            return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         self._connection.write(self._take_head() + data)
@@ -117,7 +123,7 @@ class Responder:
     def end(self) -> None:
         if self.finished:
             return
-        self._connection.write(self._take_head() + (b"0\r\n\r\n" if self._chunked else b""))
+        self._connection.write(self._take_head() + (b"0\r\n\r\n" if self._chunked and not self.head_only else b""))
         self._finish()
 
     def abort(self) -> None:
@@ -263,7 +269,7 @@ class _Connection(asyncio.Protocol):
         if self.task is not None or not self.pending or self.closing:
             return
         request, keep_alive = self.pending.pop(0)
-        responder = Responder(self, keep_alive and not self.server.shutting_down)
+        responder = Responder(self, keep_alive and not self.server.shutting_down, head_only=request.method == "HEAD")
         self.task = asyncio.get_running_loop().create_task(self._handle(request, responder))
 
     async def _handle(self, request: HttpRequest, responder: Responder) -> None:
@@ -325,6 +331,7 @@ def _error_payload(status: int, message: str) -> dict[str, Any]:
 
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
+Route = TypeVar("Route")
 
 
 @dataclass(slots=True)
@@ -341,10 +348,18 @@ class RouteTable:
         methods = self.routes.get(request.path)
         if methods is None:
             raise HttpServerError(404, f"{request.method} {request.path}: not found")
-        endpoint = methods.get(request.method)
+        endpoint = method_endpoint(methods, request.method)
         if endpoint is None:
             raise HttpServerError(405, f"{request.method} {request.path}: method not allowed")
         return endpoint
+
+
+def method_endpoint(methods: dict[str, Route], method: str) -> Route | None:
+    """The endpoint for `method`; HEAD is answered as GET (the responder leaves the body out)."""
+    endpoint = methods.get(method)
+    if endpoint is None and method == "HEAD":
+        return methods.get("GET")
+    return endpoint
 
 
 @dataclass(frozen=True, slots=True)

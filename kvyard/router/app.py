@@ -27,14 +27,14 @@ from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
-from kvyard.net.http_server import HttpRequest, HttpServer, Responder
+from kvyard.net.http_server import HttpRequest, HttpServer, Responder, method_endpoint
 from kvyard.router.config import RouterConfig
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.pd import PREFILL, PDPlan, PDPlanner, prefill_leg
 from kvyard.router.policies import Decision, Policy, RouteRequest, make_policy
 from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
-from kvyard.router.replica import Replica
+from kvyard.router.replica import ModelCard, Replica
 from kvyard.router.resume import StreamFollower
 from kvyard.router.tokens import Tokenizer, estimated_tokens_asked
 
@@ -83,7 +83,7 @@ class Router:
             methods = _ROUTES.get(request.path)
             if methods is None:
                 raise APIError(404, f"{request.method} {request.path}: not found", code="not_found")
-            endpoint = methods.get(request.method)
+            endpoint = method_endpoint(methods, request.method)
             if endpoint is None:
                 raise APIError(405, f"{request.method} {request.path}: method not allowed", code="method_not_allowed")
             self._authorize(request)
@@ -266,10 +266,24 @@ async def _chat_completions(router: Router, request: HttpRequest, responder: Res
 
 
 async def _models(router: Router, request: HttpRequest, responder: Responder) -> None:
-    replicas = router.registry.replicas.values()
-    ids = sorted({model_id for replica in replicas for model_id in replica.model_ids})
-    cards = [{"id": model_id, "object": "model", "owned_by": "kvyard"} for model_id in ids]
-    responder.send_json(200, {"object": "list", "data": cards})
+    by_id: dict[str, list[ModelCard]] = {}
+    for replica in router.registry.replicas.values():
+        for card in replica.model_cards:
+            by_id.setdefault(card.id, []).append(card)
+    responder.send_json(200, {"object": "list", "data": [_fleet_card(by_id[i]) for i in sorted(by_id)]})
+
+
+def _fleet_card(cards: list[ModelCard]) -> dict[str, Any]:
+    """One model as the fleet serves it: created when its first replica was, and the context every replica
+    serving it can hold (the smallest)."""
+    created = [card.created for card in cards if card.created is not None]
+    lengths = [card.max_model_len for card in cards if card.max_model_len is not None]
+    owners = [card.owned_by for card in cards if card.owned_by]
+    body: dict[str, Any] = {"id": cards[0].id, "object": "model", "created": min(created, default=0),
+                            "owned_by": owners[0] if owners else "kvyard"}  # fmt: skip
+    if lengths:
+        body["max_model_len"] = min(lengths)
+    return body
 
 
 async def _health(router: Router, request: HttpRequest, responder: Responder) -> None:

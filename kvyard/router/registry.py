@@ -18,7 +18,7 @@ from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
 from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
-from kvyard.router.replica import Replica, State
+from kvyard.router.replica import ModelCard, Replica, State
 from kvyard.router.tier_index import SharedStores
 
 _LOG = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ class Registry:
         while True:
             try:
                 if not replica.model_ids:
-                    replica.model_ids = await self._model_ids(replica, timeout)
+                    replica.model_cards = await self._model_cards(replica, timeout)
+                    replica.model_ids = tuple(card.id for card in replica.model_cards)
                 replica.load = await self._load(replica, timeout)
                 replica.first_bytes_since_load = 0
                 replica.consecutive_failures = 0
@@ -148,12 +149,12 @@ class Registry:
                     self._eject(replica, "health_check")
             await asyncio.sleep(self.config.health_interval_s)
 
-    async def _model_ids(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[str, ...]:
+    async def _model_cards(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[ModelCard, ...]:
         url, headers = f"{replica.url}/v1/models", replica.api_headers
         async with self.session.get(url, timeout=timeout, headers=headers) as response:
             response.raise_for_status()
             body = await response.json()
-        return tuple(str(card["id"]) for card in body["data"])
+        return tuple(ModelCard.from_json(card) for card in body["data"])
 
     async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
         async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
@@ -17,6 +18,26 @@ class State(enum.StrEnum):
     DRAINING = "draining"  # finishes what it has, gets nothing new (admin API)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What a replica's /v1/models says of one model: the fields the router passes on."""
+
+    id: str
+    created: int | None = None
+    owned_by: str | None = None
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_json(cls, card: dict[str, Any]) -> ModelCard:
+        def number(name: str) -> int | None:
+            value = card.get(name)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        owned_by = card.get("owned_by")
+        return cls(str(card["id"]), number("created"), owned_by if isinstance(owned_by, str) else None,
+                   number("max_model_len"))  # fmt: skip
+
+
 @dataclass(slots=True)
 class Replica:
     url: str
@@ -27,6 +48,7 @@ class Replica:
     shared_store_id: str | None = None  # the shared KV store it loads from (tier_index), from its KV events
     salt_key: str | None = None  # the router's key, when the replica salts its cache by caller key (tenant_salt)
     model_ids: tuple[str, ...] = ()
+    model_cards: tuple[ModelCard, ...] = ()  # as its /v1/models describes them
     load: LoadReport = field(default_factory=LoadReport)
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the
     # last load report: requests waiting for their first byte and the prefill work still to do for them.
