@@ -113,6 +113,47 @@ class KVTransferFields(BaseModel):
         return self
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # always enforced: the output matches the schema whatever this says
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and that type needs it")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (kvyard accepts the same): exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=16384)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = Field(default=None, max_length=65536)  # Lark syntax
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+
 class SamplingFields(BaseModel):
     """Parameters shared by completions and chat completions."""
 
@@ -143,6 +184,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0**16)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -166,6 +209,8 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a parameter kvyard accepts syntactically but does not implement."""
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            return "structured_outputs", "give response_format or structured_outputs, not both"
         if self.resume is not None and self.n != 1:
             return "resume", "resume continues one choice: n must be 1"
         if self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode and self.n != 1:
@@ -217,15 +262,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format type 'text' is supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs=true"
         return super().unsupported()

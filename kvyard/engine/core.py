@@ -11,6 +11,7 @@ and evicts exactly as the engine does.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +36,13 @@ from kvyard.engine.speculative import (
     num_tokens_to_propose,
     updated_acceptance,
 )
+from kvyard.engine.structured_output import GrammarCompiler, GrammarMatcher, StructuredOutput
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.stats import RecentCost
 
+_LOG = logging.getLogger(__name__)
 IDLE_LOAD_WAIT_S = 0.01
 MIN_MEASURED_PREFILL_TOKENS = 32  # steps this large say what a prefill token costs (decode-only steps do not)
 
@@ -195,6 +198,7 @@ class EngineCore:
         self._step_cost = StepCost()
         self._prefill_cost = RecentCost(weight=0.1)
         self._tier_costs: dict[str, RecentCost] = {}
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
 
     @property
     def model_name(self) -> str:
@@ -242,6 +246,8 @@ class EngineCore:
             stop_token_ids=self._stop_token_ids(params),
             kv_transfer=kv_transfer,
         )
+        if params.structured is not None:
+            request.grammar = self._grammar_matcher(params.structured, resumed_output_ids)
         if export_id is not None:
             self.kv_exports.open(request, export_id)
         self._requests[request_id] = request
@@ -268,6 +274,17 @@ class EngineCore:
                 self._root_keys.clear()
             key = self._root_keys[salt] = self.namespace.with_salt(salt).root_key()
         return key
+
+    def _grammar_matcher(self, structured: StructuredOutput, resumed_output_ids: Sequence[int]) -> GrammarMatcher:
+        if self.tokenizer is None:
+            raise InputError(f"{structured.param} needs a tokenizer, and this model directory has none",
+                             structured.param)  # fmt: skip
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
+        grammar = self._grammar_compiler.matcher(structured)
+        if not all(grammar.accept(token_id) for token_id in resumed_output_ids):
+            raise InputError(f"resume.token_ids do not match the request's {structured.param}", "resume.token_ids")
+        return grammar
 
     def _make_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -411,9 +428,21 @@ class EngineCore:
         if token_id in request.stop_token_ids and request.num_output_tokens >= params.min_tokens:
             request.stop_reason = token_id if token_id not in self.eos_token_ids else None
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and self._grammar_ends(request, token_id):
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _grammar_ends(self, request: Request, token_id: int) -> bool:
+        """Advance the request's grammar past `token_id`: True when nothing more may follow (the output is a
+        complete sentence), or, which the sampler's mask rules out, when the grammar refuses the token."""
+        assert request.grammar is not None
+        if not request.grammar.accept(token_id):
+            _LOG.error("request %s: token %d breaks its grammar (%s); ending it", request.request_id, token_id,
+                       request.grammar.error)  # fmt: skip
+            return True
+        return request.grammar.is_finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.kv_transfer is not None and request.kv_transfer.export_id is not None:

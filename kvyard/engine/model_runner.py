@@ -13,6 +13,7 @@ from kvyard.engine.request import Request
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.engine.speculative import accept_greedy
+from kvyard.engine.structured_output import GrammarMatcher, allowed_tokens
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
@@ -70,6 +71,7 @@ class ModelRunner:
             return []
         rows = [self._sampling_row(item, ahead) for item in batch.sampling
                 for ahead in range(1 + len(item.spec_token_ids))]  # fmt: skip
+        _constrain(rows, batch.sampling)
         token_ids, logprobs = sample(batch.logits, rows, self.argmax)
         sampled: list[SampledToken] = []
         row = 0
@@ -150,3 +152,17 @@ class ModelRunner:
             return BatchLogits(torch.empty(0, device=self.device), [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         return BatchLogits(logits, sampling)
+
+
+def _constrain(rows: list[SamplingRow], sampling: list[ScheduledRequest]) -> None:
+    """Give the row of each request with a grammar the tokens it allows next (such requests do not speculate,
+    so they have one row)."""
+    constrained: list[tuple[int, GrammarMatcher]] = []
+    row = 0
+    for item in sampling:
+        if item.request.grammar is not None:
+            constrained.append((row, item.request.grammar))
+        row += 1 + len(item.spec_token_ids)
+    if constrained:
+        for (index, _), mask in zip(constrained, allowed_tokens([grammar for _, grammar in constrained])):
+            rows[index].allowed_tokens = mask

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.structured_output import GrammarMatcher
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.transfer import TransferHandle
 
@@ -94,6 +95,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposed tokens (speculative decoding)
     spec_acceptance: float = 0.5  # estimated chance that a proposed token is right (adaptive speculation)
     spec_idle_steps: int = 0  # steps since it last proposed, while speculation did not pay
+    grammar: GrammarMatcher | None = None  # where its output stands in the grammar it must match
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -19,6 +19,7 @@ class SamplingRow:
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens is reached
     history: TokenHistory | None = None  # needed when the params have penalties
+    allowed_tokens: torch.Tensor | None = None  # bool [vocab]: the only tokens a grammar allows next
 
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -35,6 +36,11 @@ def sample(
 
     `argmax` picks the greedy tokens (a native kernel on CPU: torch's takes ~3% of a 64-sequence decode step).
     Logprobs are those of the biased and penalised logits, before temperature, top-k and top-p."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+    if constrained:
+        allowed = torch.stack([rows[i].allowed_tokens for i in constrained])  # type: ignore[misc]
+        constrained_rows = torch.tensor(constrained, device=logits.device)
+        logits[constrained_rows] = logits[constrained_rows].masked_fill(~allowed.to(logits.device), float("-inf"))
     apply_logit_processing(logits, [row.params for row in rows], [row.history for row in rows])
     for index, row in enumerate(rows):
         if row.banned_token_ids:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvyard.engine.structured_output import StructuredOutput
 from kvyard.settings import setting
 
 
@@ -32,6 +33,7 @@ class SamplingParams:
                                         "prompt or output by this; 1 is off")  # fmt: skip
     # token id -> bias (-100 to 100) added to its logit; a JSONL record's or API body's string keys are ids too
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None  # what the output must match (constrained decoding)
     speculate: bool = setting(True, help="let speculative decoding propose tokens for this request, when the "
                               "engine has it on (--speculative)")  # fmt: skip
 

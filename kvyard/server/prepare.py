@@ -19,6 +19,7 @@ from kvyard.api.protocol import (
 )
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.structured_output import StructuredOutput, checked_grammar
 from kvyard.kvcache.transfer import TransferHandle
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 
@@ -92,13 +93,17 @@ def _prepared(
     max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
     biased_ids = [int(key) for key in body.logit_bias or {}]
     check_sampling_token_ids(body.stop_token_ids or [], biased_ids, engine.limits.vocab_size)
+    structured = structured_output_of(body)
+    if structured is not None:
+        vocabulary_of(engine, structured.param)
+        checked_grammar(structured)  # a bad schema is a 400 before any stream starts
     resume = body.resume  # a continued stream keeps its identity
     prepared = PreparedRequest(
         kind=kind,
         request_id=(resume.id if resume is not None else None) or new_request_id(kind),
         model=engine.model_name,
         prompts=prompts,
-        params=build_sampling_params(body, max_tokens, logprobs),
+        params=build_sampling_params(body, max_tokens, logprobs, structured),
         cache_salt=cache_salt,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage) or not body.stream,
@@ -121,7 +126,31 @@ def kv_transfer_params(fields: KVTransferFields | None) -> KVTransferParams | No
     return KVTransferParams(pull_from=TransferHandle(fields.source.rstrip("/"), fields.transfer_id))
 
 
-def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def structured_output_of(body: SamplingFields) -> StructuredOutput | None:
+    """What the request's `response_format` or `structured_outputs` asks the output to match, if anything."""
+    response_format = body.response_format
+    if response_format is not None and response_format.json_schema is not None:
+        return StructuredOutput.json_schema(response_format.json_schema.json_schema)
+    if response_format is not None and response_format.type == "json_object":
+        return StructuredOutput("json_object")
+    wanted = body.structured_outputs
+    if wanted is None:
+        return None
+    param = "structured_outputs"
+    if wanted.json_ is not None:
+        return StructuredOutput.json_schema(wanted.json_, param)
+    if wanted.regex is not None:
+        return StructuredOutput("regex", wanted.regex, param)
+    if wanted.choice is not None:
+        return StructuredOutput.choice(wanted.choice, param)
+    if wanted.grammar is not None:
+        return StructuredOutput("grammar", wanted.grammar, param)
+    return StructuredOutput("json_object", "", param)
+
+
+def build_sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None
+) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the n choices differ."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     result = []
@@ -146,6 +175,7 @@ def build_sampling_params(body: SamplingFields, max_tokens: int, logprobs: int |
                     min_p=body.min_p,
                     logit_bias={int(key): bias for key, bias in (body.logit_bias or {}).items()},
                     speculate=body.speculate,
+                    structured=structured,
                 )
             )
         except ValueError as error:
