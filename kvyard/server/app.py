@@ -193,7 +193,8 @@ class ReplicaApp:
         body = validate(json_object(request.body), ChatCompletionRequest, self.options.ignore_unknown_fields)
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
-        prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt))
+        parser = self.options.tool_call_parser
+        prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser))
         await self._serve(engine, request, prepared, responder)
 
     async def _prepare(self, engine: ReplicaEngine, request: HttpRequest, work: Callable[[], Prepared]) -> Prepared:

@@ -22,13 +22,19 @@ class Vocabulary(Protocol):
     """Text to token ids and back, with the model's chat template."""
 
     cheap: bool  # True: fast enough to run on the event loop whatever the size (the simulator's bytes)
+    @property
+    def chat_template(self) -> str | None:
+        """The template's source, when the model has one."""
+        ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
-    ) -> list[int]:
-        """The prompt of a chat; raises `InputError` when the template cannot render these messages."""
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """The prompt of a chat (with the functions it may call); raises `InputError` when the template cannot
+        render these messages."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...

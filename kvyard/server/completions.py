@@ -16,6 +16,7 @@ from kvyard.engine.core import RequestOutput
 from kvyard.engine.request import TokenLogprobs
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.prepare import PreparedRequest
+from kvyard.server.tool_calls import ToolStream
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class ChoiceState:
     num_shared_tier_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
+    tool_stream: ToolStream | None = None  # a streamed chat with tools: the calls already sent
 
 
 Merged = asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None]
@@ -166,9 +168,15 @@ class CompletionRunner:
         base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
                                 "stop_reason": choice.stop_reason}  # fmt: skip
         logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
-        if prepared.kind == "chat":
-            return {**base, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
-        return {**base, "text": choice.text, "logprobs": logprobs}
+        if prepared.kind != "chat":
+            return {**base, "text": choice.text, "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        calls = prepared.tools.calls(choice.text, True) if prepared.tools is not None else None
+        if prepared.tools is not None and calls:
+            content = choice.text[: prepared.tools.content_end(choice.text, True)].strip()
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.json() for c in calls]}
+            base["finish_reason"] = _tool_finish_reason(choice.finish_reason)
+        return {**base, "message": message, "logprobs": logprobs}
 
     # ------------------------------------------------------------------ streaming
 
@@ -202,14 +210,33 @@ class CompletionRunner:
         # sees text that a later stop match removes.
         holdback = prepared.stop_holdback
         limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - holdback)
+        new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
+        logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
+        if prepared.tools is not None:
+            return self._tool_delta_chunk(prepared, choice, limit, output.finished, logprobs)
         delta = choice.text[choice.sent_chars : limit]
         choice.sent_chars = limit
-        new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
         if not delta and not output.finished and not new_logprobs:
             return None
-        logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
         delta_field = {"content": delta} if prepared.kind == "chat" else delta
         return self._chunk(prepared, choice.index, delta_field, choice.finish_reason, logprobs)
+
+    def _tool_delta_chunk(
+        self, prepared: PreparedRequest, choice: ChoiceState, limit: int, finished: bool, logprobs: Any
+    ) -> dict[str, Any] | None:
+        """A chat with tools streams its content until a call starts, then each call as it completes (a named
+        function's arguments as they are generated)."""
+        assert prepared.tools is not None
+        if choice.tool_stream is None:
+            choice.tool_stream = ToolStream(prepared.tools)
+        text = choice.text[:limit]
+        delta, choice.sent_chars = choice.tool_stream.delta(text, choice.sent_chars, finished)
+        if not delta and not finished and logprobs is None:
+            return None
+        finish_reason = choice.finish_reason
+        if choice.tool_stream.sent_calls:
+            finish_reason = _tool_finish_reason(finish_reason)
+        return self._chunk(prepared, choice.index, delta, finish_reason, logprobs)
 
     def _envelope(self, prepared: PreparedRequest) -> dict[str, Any]:
         return {
@@ -257,6 +284,11 @@ class CompletionRunner:
     def _token_text(self, token_id: int) -> str:
         vocabulary = self.engine.vocabulary
         return vocabulary.decode([token_id]) if vocabulary is not None else f"token_id:{token_id}"
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that ends by itself after making calls ends for them."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _progress(choice: ChoiceState) -> bytes:

@@ -9,6 +9,7 @@ from kvyard.net.http_server import HttpServerConfig
 from kvyard.settings import setting
 
 ROLES = ("unified", "prefill", "decode")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,10 @@ class ServerOptions:
                         "(decode); every role still serves any request")  # fmt: skip
     ignore_unknown_fields: bool = setting(False, help="ignore request fields kvyard does not know instead of "
                                           "answering 400 (for clients that send other engines' fields)")  # fmt: skip
+    tool_call_parser: str = setting("auto", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the "
+                                    "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
+                                    "Qwen), a bare JSON object (llama3_json), or the one the chat template "
+                                    "writes (auto)")  # fmt: skip
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
     owned_by: str = "kvyard"
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /kv/* and fault injection

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvyard.api.checks import check_sampling_token_ids, check_token_ids, resolve_max_tokens
 from kvyard.api.errors import APIError, bad_request
@@ -22,6 +24,7 @@ from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.structured_output import StructuredOutput, checked_grammar
 from kvyard.kvcache.transfer import TransferHandle
 from kvyard.server.backend import ReplicaEngine, Vocabulary
+from kvyard.server.tool_calls import ToolPlan, parser_for, plan_tools, tools_for_template
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class PreparedRequest:
     stream_progress: bool = False  # each chunk after an SSE comment with its token ids (see completions)
     resume: ResumeState | None = None  # continue a stream another replica began
     kv_transfer: KVTransferParams | None = None  # prefill for, or pull the prompt's KV from, another replica
+    tools: ToolPlan | None = None  # how a chat's output becomes tool calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -73,12 +77,22 @@ def prepare_completion(
     return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
 
 
-def prepare_chat(engine: ReplicaEngine, body: ChatCompletionRequest, cache_salt: str | None) -> PreparedRequest:
+def prepare_chat(
+    engine: ReplicaEngine, body: ChatCompletionRequest, cache_salt: str | None, tool_call_parser: str = "auto"
+) -> PreparedRequest:
     check_model(engine, body.model)
     _reject_unsupported(body.unsupported())
-    prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    vocabulary = vocabulary_of(engine, "messages")
+    tool_plan, tool_constraint = plan_tools(body, parser_for(tool_call_parser, vocabulary.chat_template))
+    if tool_plan is not None and body.resume is not None:
+        raise bad_request("a stream with tools cannot be resumed", "resume")
+    prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                         tools_for_template(body))  # fmt: skip
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt)
+    prepared = _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt,
+                         tool_constraint)  # fmt: skip
+    prepared.tools = tool_plan
+    return prepared
 
 
 def _prepared(
@@ -89,11 +103,12 @@ def _prepared(
     max_tokens: int | None,
     logprobs: int | None,
     cache_salt: str | None,
+    structured: StructuredOutput | None = None,
 ) -> PreparedRequest:
     max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
     biased_ids = [int(key) for key in body.logit_bias or {}]
     check_sampling_token_ids(body.stop_token_ids or [], biased_ids, engine.limits.vocab_size)
-    structured = structured_output_of(body)
+    structured = structured or structured_output_of(body)
     if structured is not None:
         vocabulary_of(engine, structured.param)
         checked_grammar(structured)  # a bad schema is a 400 before any stream starts
@@ -201,13 +216,37 @@ def vocabulary_of(engine: ReplicaEngine, param: str) -> Vocabulary:
 
 def render_chat(
     engine: ReplicaEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-    template_kwargs: dict[str, object] | None,
+    template_kwargs: dict[str, object] | None, tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:  # fmt: skip
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    tokens = vocabulary_of(engine, "messages").render_chat(conversation, add_generation_prompt, template_kwargs)
+    conversation = [_template_message(m) for m in messages]
+    vocabulary = vocabulary_of(engine, "messages")
+    tokens = vocabulary.render_chat(conversation, add_generation_prompt, template_kwargs, tools)
     if not tokens:
         raise bad_request("messages render to an empty prompt", "messages")
     return tokens
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it; a call's arguments as an object where they parse (templates that
+    write them with `tojson` would otherwise write a string)."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls
+        ]  # fmt: skip
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _reject_unsupported(problem: tuple[str, str] | None) -> None:

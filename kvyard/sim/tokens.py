@@ -50,13 +50,16 @@ class ByteTokenizer:
     """The functions above as a tokenizer object, for the engine's detokenizer and the replica API."""
 
     cheap = True  # one token per byte: no need to leave the event loop
+    chat_template: str | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return encode(text)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
-    ) -> list[int]:
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """The simulator's fixed chat format; tool definitions and calls are left out of it."""
         return encode(render_chat([(str(m["role"]), str(m["content"])) for m in messages], add_generation_prompt))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
