@@ -114,6 +114,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, the first None
     stop_reason: int | str | None = None
     times: RequestTimes | None = None
     num_local_tier_tokens: int = 0  # of the cached tokens, loaded from the replica's own lower tiers
@@ -559,6 +560,7 @@ def _output(request: Request, new_token_ids: list[int], text: str, new_text: str
         new_token_ids=new_token_ids,
         new_text=new_text,
         logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,
+        prompt_logprobs=request.prompt_logprobs if request.sampling_params.prompt_logprobs is not None else None,
         stop_reason=request.stop_reason,
         times=RequestTimes(request.arrival_time, request.first_token_time, time.monotonic() if finished else None),
     )

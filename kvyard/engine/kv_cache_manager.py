@@ -185,6 +185,8 @@ class KVCacheManager:
         return blocks
 
     def _max_cached_blocks(self, request: Request) -> int:
+        if request.needs_prompt_logprobs:  # every prompt position's logits are wanted
+            return 0
         return (request.num_tokens - 1) // self.block_size
 
     def _device_prefix(self, request: Request, max_blocks: int) -> list[int]:

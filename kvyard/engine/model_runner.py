@@ -9,7 +9,7 @@ import torch
 
 from kvyard.engine.core import SampledToken
 from kvyard.engine.penalties import TokenHistory
-from kvyard.engine.request import Request
+from kvyard.engine.request import Request, TokenLogprobs
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
 from kvyard.engine.speculative import accept_greedy
@@ -34,6 +34,7 @@ class BatchLogits:
     sampling: list[ScheduledRequest]
 
 
+PROMPT_SCORING_ROWS = 256  # prompt positions turned into logits at once (each row is a vocabulary of floats)
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: positions of one seed never reach another choice's seed (seed + i)
 
 
@@ -85,6 +86,26 @@ class ModelRunner:
             row += 1 + len(item.spec_token_ids)
         return sampled
 
+    def _score_prompt(self, request: Request, hidden: torch.Tensor, first_position: int) -> None:
+        """Logprobs of the prompt tokens that follow positions first_position.. (the rows of `hidden`), kept on
+        the request in prompt order; positions scored before a preemption are not scored again."""
+        num_top = request.sampling_params.prompt_logprobs or 0
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        for block_start in range(0, hidden.shape[0], PROMPT_SCORING_ROWS):
+            block = hidden[block_start : block_start + PROMPT_SCORING_ROWS]
+            log_probs = self.model.compute_logits(block).float().log_softmax(dim=-1)
+            for row in range(block.shape[0]):
+                target = first_position + block_start + row + 1
+                if target != len(request.prompt_logprobs):
+                    continue
+                token_id = request.prompt_token_ids[target]
+                top = log_probs[row].topk(num_top) if num_top else None
+                request.prompt_logprobs.append(TokenLogprobs(
+                    token_id, float(log_probs[row, token_id]),
+                    dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
+                ))  # fmt: skip
+
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
 
@@ -123,10 +144,13 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        scoring: list[tuple[Request, int, int, int]] = []  # prompt scoring: request, first row and position, rows
         for item in scheduled:
             request = item.request
             start = request.num_computed_tokens
             num_known = item.num_new_tokens - len(item.spec_token_ids)
+            if request.needs_prompt_logprobs:
+                scoring.append((request, len(input_ids), start, min(num_known, request.num_prompt_tokens - 1 - start)))
             input_ids.extend(request.all_token_ids[start : start + num_known])
             input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, start + item.num_new_tokens))
@@ -148,6 +172,8 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        for request, first_row, first_position, num_rows in scoring:
+            self._score_prompt(request, hidden[first_row : first_row + max(0, num_rows)], first_position)
         if not sample_rows:
             return BatchLogits(torch.empty(0, device=self.device), [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

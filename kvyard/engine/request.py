@@ -96,6 +96,7 @@ class Request:
     spec_acceptance: float = 0.5  # estimated chance that a proposed token is right (adaptive speculation)
     spec_idle_steps: int = 0  # steps since it last proposed, while speculation did not pay
     grammar: GrammarMatcher | None = None  # where its output stands in the grammar it must match
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token; the first None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -116,6 +117,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked and not all computed yet: its prompt cannot come from a cache."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def banned_token_ids(self) -> frozenset[int]:
         """Tokens the sampler must not pick now: the stop tokens, until `min_tokens` are out."""

@@ -24,6 +24,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = setting(False, help="keep the matched stop string in the text")
     logprobs: int | None = setting(None, help="return the log-probability of each sampled token and of this many "
                                    "top alternatives (0-20)")  # fmt: skip
+    prompt_logprobs: int | None = setting(None, help="return the log-probability of each prompt token (after "
+                                          "the first) and of this many top alternatives (0-20); the prompt is "
+                                          "then computed whole, not taken from the prefix cache")  # fmt: skip
     min_tokens: int = setting(0, help="tokens to generate before EOS or a stop token may end the output")
     presence_penalty: float = setting(0.0, help="subtract this from the logit of every token already in the "
                                       "output (-2 to 2)")  # fmt: skip
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
         if any(not s for s in self.stop):

@@ -38,6 +38,9 @@ class ChoiceState:
     started: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     tool_stream: ToolStream | None = None  # a streamed chat with tools: the calls already sent
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # echo with logprobs
+    echoed: bool = False  # a streamed echo: the prompt went out
+    text_offset: int = 0  # characters of the tokens whose logprobs went out (legacy `text_offset`)
 
 
 Merged = asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None]
@@ -119,6 +122,8 @@ class CompletionRunner:
         choice.num_shared_tier_tokens = output.num_shared_tier_tokens
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
+        if output.prompt_logprobs is not None:
+            choice.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             choice.finish_reason = "stop" if output.finish_reason == "stop" else "length"
             choice.stop_reason = output.stop_reason
@@ -167,9 +172,13 @@ class CompletionRunner:
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
         base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
                                 "stop_reason": choice.stop_reason}  # fmt: skip
-        logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
         if prepared.kind != "chat":
-            return {**base, "text": choice.text, "logprobs": logprobs}
+            echo = self._echo(prepared, choice) if prepared.echo_texts is not None else ("", [])
+            logprobs = None
+            if prepared.logprobs is not None:
+                logprobs = self._completion_logprobs(choice, [*echo[1], *_entries(choice.logprobs)])
+            return {**base, "text": echo[0] + choice.text, "logprobs": logprobs}
+        logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         calls = prepared.tools.calls(choice.text, True) if prepared.tools is not None else None
         if prepared.tools is not None and calls:
@@ -211,6 +220,8 @@ class CompletionRunner:
         holdback = prepared.stop_holdback
         limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - holdback)
         new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
+        if prepared.kind != "chat":
+            return self._completion_delta_chunk(prepared, choice, limit, output.finished, new_logprobs)
         logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
         if prepared.tools is not None:
             return self._tool_delta_chunk(prepared, choice, limit, output.finished, logprobs)
@@ -218,8 +229,34 @@ class CompletionRunner:
         choice.sent_chars = limit
         if not delta and not output.finished and not new_logprobs:
             return None
-        delta_field = {"content": delta} if prepared.kind == "chat" else delta
-        return self._chunk(prepared, choice.index, delta_field, choice.finish_reason, logprobs)
+        return self._chunk(prepared, choice.index, {"content": delta}, choice.finish_reason, logprobs)
+
+    def _completion_delta_chunk(
+        self, prepared: PreparedRequest, choice: ChoiceState, limit: int, finished: bool,
+        new_logprobs: list[TokenLogprobs],
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """A completion's next text, after the prompt on the first chunk of an echo."""
+        echo_text, echo_entries = "", list[LogprobEntry]()
+        if prepared.echo_texts is not None and not choice.echoed:
+            choice.echoed = True
+            echo_text, echo_entries = self._echo(prepared, choice)
+        delta = echo_text + choice.text[choice.sent_chars : limit]
+        choice.sent_chars = limit
+        entries = [*echo_entries, *_entries(new_logprobs)]
+        if not delta and not finished and not entries:
+            return None
+        logprobs = self._completion_logprobs(choice, entries) if prepared.logprobs is not None else None
+        return self._chunk(prepared, choice.index, delta, choice.finish_reason, logprobs)
+
+    def _echo(self, prepared: PreparedRequest, choice: ChoiceState) -> tuple[str, list[LogprobEntry]]:
+        """The prompt's text and, with logprobs, its tokens' entries (the first has no logprob)."""
+        assert prepared.echo_texts is not None
+        prompt = prepared.prompts[choice.prompt_index]
+        entries: list[LogprobEntry] = []
+        if prepared.logprobs is not None:
+            scored = choice.prompt_logprobs or [None]
+            entries = [(token_id, scored[i] if i < len(scored) else None) for i, token_id in enumerate(prompt)]
+        return prepared.echo_texts[choice.prompt_index], entries
 
     def _tool_delta_chunk(
         self, prepared: PreparedRequest, choice: ChoiceState, limit: int, finished: bool, logprobs: Any
@@ -259,31 +296,49 @@ class CompletionRunner:
     # ------------------------------------------------------------------ logprobs
 
     def _logprobs(self, prepared: PreparedRequest, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """The chat format of logprobs."""
         decode = self._token_text
-        if prepared.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": decode(e.token_id),
-                        "logprob": e.logprob,
-                        "bytes": list(decode(e.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
-                            for t, lp in e.top.items()
-                        ],
-                    }
-                    for e in entries
-                ]
-            }
         return {
-            "tokens": [decode(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{decode(t): lp for t, lp in e.top.items()} for e in entries],
+            "content": [
+                {
+                    "token": decode(e.token_id),
+                    "logprob": e.logprob,
+                    "bytes": list(decode(e.token_id).encode()),
+                    "top_logprobs": [
+                        {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+                        for t, lp in e.top.items()
+                    ],
+                }
+                for e in entries
+            ]
+        }
+
+    def _completion_logprobs(self, choice: ChoiceState, entries: list[LogprobEntry]) -> dict[str, Any]:
+        """The legacy completions format; `text_offset` counts characters of the token strings the choice has
+        returned so far, its echoed prompt included."""
+        decode = self._token_text
+        tokens = [decode(token_id) for token_id, _ in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob if e is not None else None for _, e in entries],
+            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in e.top.items()} for _, e in entries],
+            "text_offset": offsets,
         }
 
     def _token_text(self, token_id: int) -> str:
         vocabulary = self.engine.vocabulary
         return vocabulary.decode([token_id]) if vocabulary is not None else f"token_id:{token_id}"
+
+
+LogprobEntry = tuple[int, TokenLogprobs | None]  # a token and its logprobs (None: the prompt's first token)
+
+
+def _entries(logprobs: list[TokenLogprobs]) -> list[LogprobEntry]:
+    return [(entry.token_id, entry) for entry in logprobs]
 
 
 def _tool_finish_reason(finish_reason: str | None) -> str | None:

@@ -44,6 +44,7 @@ class PreparedRequest:
     resume: ResumeState | None = None  # continue a stream another replica began
     kv_transfer: KVTransferParams | None = None  # prefill for, or pull the prompt's KV from, another replica
     tools: ToolPlan | None = None  # how a chat's output becomes tool calls
+    echo_texts: list[str] | None = None  # echo: each prompt's text, returned before its completion
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -74,7 +75,18 @@ def prepare_completion(
         raise bad_request("resume continues one choice: send one prompt", "resume")
     if body.kv_transfer_params is not None and len(tokens) != 1:
         raise bad_request("a disaggregated request has one prompt", "kv_transfer_params")
-    return _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
+    prepared = _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
+    if body.echo:
+        if body.resume is not None:
+            raise bad_request("an echoed stream cannot be resumed", "resume")
+        prepared.echo_texts = [p if isinstance(p, str) else _decoded(engine, t) for p, t in zip(prompts, tokens)]
+        for params in prepared.params:
+            params.prompt_logprobs = body.logprobs
+    return prepared
+
+
+def _decoded(engine: ReplicaEngine, token_ids: list[int]) -> str:
+    return engine.vocabulary.decode(token_ids) if engine.vocabulary is not None else ""
 
 
 def prepare_chat(
