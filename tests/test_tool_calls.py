@@ -180,6 +180,10 @@ def test_auto_renders_the_tools_and_returns_plain_text_without_calls(client: ope
     assert with_tools.usage and without.usage and none.usage
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens == none.usage.prompt_tokens
     assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].finish_reason == "length"
+    # /tokenize renders the tools as the chat does (the router hashes that prompt's blocks to route)
+    url = str(client.base_url).removesuffix("/v1/")
+    counted = httpx.post(f"{url}/tokenize", json={"messages": [USER], "tools": TOOLS}, timeout=30).json()["count"]
+    assert counted == with_tools.usage.prompt_tokens
 
 
 @pytest.mark.parametrize(

@@ -327,6 +327,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | list[int] | None = None  # token ids come back as they are (checked against the vocabulary)
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered with the messages, as a chat request with them would be
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
 

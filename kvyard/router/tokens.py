@@ -66,7 +66,12 @@ def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
     model = body.get("model")
     if kind == "chat":
         messages = body.get("messages")
-        return {"model": model, "messages": messages, "add_generation_prompt": True} if messages else None
+        if not messages:
+            return None
+        payload = {"model": model, "messages": messages, "add_generation_prompt": True}
+        if body.get("tools") and body.get("tool_choice") != "none":  # the replica renders them into the prompt
+            payload["tools"] = body["tools"]
+        return payload
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

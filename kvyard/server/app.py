@@ -261,7 +261,9 @@ class ReplicaApp:
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
         if body.messages is not None:
             messages, generation = body.messages, body.add_generation_prompt
-            tokens = await self._prepare(engine, request, lambda: render_chat(engine, messages, generation, None))
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            tokens = await self._prepare(engine, request,
+                                         lambda: render_chat(engine, messages, generation, None, tools))  # fmt: skip
         elif isinstance(body.prompt, str):
             vocabulary, text = vocabulary_of(engine, "prompt"), body.prompt
             tokens = await self._prepare(engine, request, lambda: vocabulary.encode(text, body.add_special_tokens))
