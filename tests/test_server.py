@@ -121,6 +121,13 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    continuous = list(client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in continuous if c.choices and c.usage is not None]
+    assert counts and counts == sorted(counts) and counts[-1] == 10
 
 
 def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:

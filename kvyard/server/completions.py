@@ -200,6 +200,8 @@ class CompletionRunner:
             async for choice, output in self.stream_outputs(prepared):
                 choices[choice.index] = choice
                 chunk = self._delta_chunk(prepared, choice, output)
+                if chunk is not None and prepared.continuous_usage:
+                    chunk["usage"] = self._running_usage(prepared, choice)
                 if chunk is not None:
                     yield _progress(choice) + _sse(chunk) if prepared.stream_progress else _sse(chunk)
         except (APIError, InputError) as error:
@@ -211,6 +213,13 @@ class CompletionRunner:
         if prepared.include_usage:
             yield _sse({**self._envelope(prepared), "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
+
+    def _running_usage(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, int]:
+        """vLLM's `continuous_usage_stats`: the choice's tokens so far, on every chunk."""
+        prompt_tokens = len(prepared.prompts[choice.prompt_index])
+        completion_tokens = len(choice.token_ids)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
     def _delta_chunk(
         self, prepared: PreparedRequest, choice: ChoiceState, output: RequestOutput

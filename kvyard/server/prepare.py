@@ -40,6 +40,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    continuous_usage: bool = False  # usage so far on every streamed chunk (vLLM's continuous_usage_stats)
     stream_progress: bool = False  # each chunk after an SSE comment with its token ids (see completions)
     resume: ResumeState | None = None  # continue a stream another replica began
     kv_transfer: KVTransferParams | None = None  # prefill for, or pull the prompt's KV from, another replica
@@ -134,6 +135,7 @@ def _prepared(
         cache_salt=cache_salt,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage) or not body.stream,
+        continuous_usage=bool(body.stream and body.stream_options and body.stream_options.continuous_usage_stats),
         logprobs=logprobs,
         stream_progress=body.stream_progress,
         resume=resume,
