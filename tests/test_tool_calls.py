@@ -157,6 +157,17 @@ def test_streamed_required_and_named_calls(client: openai.OpenAI) -> None:
             jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
         if isinstance(tool_choice, dict):
             assert [entry["name"] for entry in calls.values()] == ["get_time"]
+    # the round trip's second half, streamed: the calls and their results go back, an answer streams out
+    history: Any = [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": entry["arguments"]}}
+        for entry in calls.values()]}]  # fmt: skip
+    history += [{"role": "tool", "tool_call_id": entry["id"], "content": "done"} for entry in calls.values()]
+    answer = client.chat.completions.create(model="tiny-llama", messages=history, tools=TOOLS, max_tokens=6,
+                                            temperature=0, stream=True)  # fmt: skip
+    chunks = [chunk for chunk in answer if chunk.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"  # six tokens of a random model's answer, no call
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
 
 
 def test_named_call_and_parallel_calls_off(client: openai.OpenAI) -> None:

@@ -19,6 +19,7 @@ from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
+from kvyard.models.quantization import GROUP_SIZE, quantize_model
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
 
@@ -38,6 +39,7 @@ class LLMEngine(EngineCore):
         _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
+        quantize_model(model, config.quantization)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
         core_config = CoreConfig(
@@ -50,7 +52,7 @@ class LLMEngine(EngineCore):
         )
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,
-            model_digest=model_digest(config.model),
+            model_digest=weights_digest(config.model, config.quantization),
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=config.block_size,
         )
@@ -117,6 +119,13 @@ def _check_window(model_config: ModelConfig, max_model_len: int) -> None:
             f"config.json sliding_window={window}: sliding-window attention is not implemented, so output past "
             f"{window} tokens would differ from the model's; serve it with --max-model-len {window} (or less)"
         )
+
+
+def weights_digest(model_dir: str, quantization: str) -> str:
+    """The checkpoint's digest, with the weight scheme when it is not the stored one: KV computed with other
+    weights lands under other block keys."""
+    digest = model_digest(model_dir)
+    return digest if quantization == "none" else f"{digest}+{quantization}-g{GROUP_SIZE}"
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

@@ -128,6 +128,31 @@ class SmallLinearKernel:
 
 
 @dataclass(frozen=True, slots=True)
+class SmallLinearInt8Kernel:
+    """`F.linear` for fp32 inputs of a few rows against int8 weights [n, k] with a scale per 32 of a row's
+    weights (scales [n, k / 32]); k a multiple of 32."""
+
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scales, const float *bias,
+            float *y, int64_t m, int64_t n, int64_t k, int num_threads);
+    """
+
+    function: Callable[..., Any]
+    num_threads: int
+
+    def __call__(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], qweight.shape[0])
+        self.function(
+            _ptr(x), _ptr(qweight), _ptr(scales), None if bias is None else _ptr(bias), _ptr(out), x.shape[0],
+            qweight.shape[0], qweight.shape[1], self.num_threads,
+        )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ElementwiseKernels:
     """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
 
@@ -188,6 +213,7 @@ class NativeKernels:
     paged_prefill: PagedPrefillKernel
     small_linear: SmallLinearKernel
     elementwise: ElementwiseKernels
+    small_linear_int8: SmallLinearInt8Kernel
 
 
 def load_native_kernels() -> NativeKernels:
@@ -207,7 +233,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
     """Wrap a built kernel library's functions, after checking the wrappers' prototypes against the header.
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
-    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels)
+    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel)
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -220,6 +246,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
             functions["kvyard_silu_mul"],
             functions["kvyard_argmax_rows"],
         ),
+        SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
     )
 
 

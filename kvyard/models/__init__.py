@@ -3,3 +3,5 @@
 # The attention backends a model can run with (kvyard.models.attention_backends), named here, without torch,
 # so that settings can offer them.
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+# The weight schemes a model can be loaded in (kvyard.models.quantization), for the same reason.
+QUANTIZATION_SCHEMES = ("none", "int8")

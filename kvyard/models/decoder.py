@@ -14,6 +14,7 @@ from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.layers import GatedMLP, Linear, NativeElementwise, RMSNorm, RotaryEmbedding, fits_in_memory
+from kvyard.models.quantization import Int8Linear
 
 
 class Attention(nn.Module):
@@ -133,4 +134,6 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
+            if isinstance(module, Int8Linear):
+                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None)
         return True

@@ -5,10 +5,10 @@
  * declaration here (and, with -Werror=missing-prototypes, an exported function missing from it).
  * The Python bindings parse this file when they load the library and check their own expectations
  * against it (kvyard/kernels/header.py), so declarations keep to what that parser reads: one
- * prototype per statement, return and parameter types void, int, float or int64_t, optionally
+ * prototype per statement, return and parameter types void, int, float, int64_t or int8_t, optionally
  * const-qualified pointers to them, every parameter named. No macros, arrays or attributes here.
  *
- * All tensors are fp32 (indices int64), row-major; see each source for layouts.
+ * All tensors are fp32 (indices int64, quantized weights int8), row-major; see each source for layouts.
  */
 #ifndef KVYARD_KERNELS_H
 #define KVYARD_KERNELS_H
@@ -33,6 +33,11 @@ int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float
 /* small_linear.c: y = x w^T (+ bias) for a few rows of x; bias may be NULL. */
 void kvyard_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n,
                          int64_t k, int num_threads);
+
+/* small_linear_int8.c: the same with w as int8 q [n, k] and one fp32 scale per 32 weights of a row,
+ * scales [n, k / 32]; k a multiple of 32. */
+void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scales, const float *bias, float *y,
+                              int64_t m, int64_t n, int64_t k, int num_threads);
 
 /* elementwise.c: the per-layer fused elementwise work and the greedy sampler's argmax. */
 void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
