@@ -4,6 +4,11 @@ prompt logprobs), with its KV cached apart from the fp32 model's."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
+from kvyard.models.package import convert
 from kvyard.models.quantization import GROUP_SIZE, Int8Linear, dequantize_int8, quantize_int8
 
 
@@ -96,3 +102,67 @@ def test_int8_kv_is_cached_apart_and_an_unknown_scheme_is_refused(llama_dir: Pat
         assert int8.engine.namespace.model_digest.endswith("+int8-g32")
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(llama_dir), quantization="int4")
+
+
+# ---------------------------------------------------------------------------- weight packages
+
+
+@pytest.fixture(scope="module")
+def package_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("package") / "llama-int8"
+    convert(llama_dir, "int8", out)
+    return out
+
+
+def test_a_package_loads_the_tensors_converting_at_load_time_gives(llama_dir: Path, package_dir: Path) -> None:
+    prompt = [[5, 9, 14, 3, 77, 41, 2, 8, 100, 7]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with (LLM(str(llama_dir), quantization="int8", served_model_name="m") as converted,
+          LLM(str(package_dir), served_model_name="m") as packaged):  # fmt: skip
+        ours, theirs = converted.engine.runner.model.state_dict(), packaged.engine.runner.model.state_dict()
+        assert set(ours) == set(theirs)
+        for name, tensor in ours.items():
+            assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+        assert converted.engine.namespace.root_key() == packaged.engine.namespace.root_key()
+        assert converted.generate(prompt, params)[0].token_ids == packaged.generate(prompt, params)[0].token_ids
+    assert sum(p.stat().st_size for p in package_dir.iterdir()) < sum(p.stat().st_size for p in llama_dir.iterdir())
+
+
+def _broken_copy(package_dir: Path, tmp_path: Path, how: str) -> Path:
+    broken = tmp_path / how
+    shutil.copytree(package_dir, broken)
+    tensors, info_path = broken / "model.safetensors", broken / "kvyard_package.json"
+    info = json.loads(info_path.read_text())
+    if how == "flipped-byte":
+        data = bytearray(tensors.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    elif how == "truncated":
+        tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+    elif how == "missing-tensors":
+        tensors.unlink()
+    else:
+        info.update({"newer-version": {"format_version": 2}, "int4": {"weights": "int4"},
+                     "not-json": {}}[how])  # fmt: skip
+        info_path.write_text("{not json" if how == "not-json" else json.dumps(info))
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("flipped-byte", "SHA-256"), ("truncated", "corrupt or truncated"), ("missing-tensors", "is missing"),
+     ("newer-version", "format version 2"), ("int4", "'int4'"), ("not-json", "not a kvyard package")],
+)  # fmt: skip
+def test_a_broken_package_is_refused_with_the_reason(package_dir: Path, tmp_path: Path, how: str, message: str) -> None:
+    broken = _broken_copy(package_dir, tmp_path, how)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(broken))
+    result = subprocess.run([sys.executable, "-m", "kvyard", "generate", str(broken), "--prompt", "x"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_convert_refuses_a_non_empty_output_directory(llama_dir: Path, package_dir: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard", "convert", str(llama_dir), "--out", str(package_dir)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "not empty" in result.stderr

@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, generate, serve, sim, route, bench.
+"""`kvyard` command line: create-model, convert, generate, serve, sim, route, bench.
 
 Building the parser imports only settings and light modules, so `--help` and argument errors answer at
 once; each command imports what it runs (torch, for the engine) when it runs.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # command -> module with add_parser(commands) that sets `handler`
 COMMANDS = {
     "create-model": "kvyard.cli.create_model",
+    "convert": "kvyard.cli.convert",
     "generate": "kvyard.cli.generate",
     "serve": "kvyard.cli.serve",
     "sim": "kvyard.cli.sim",

@@ -18,7 +18,9 @@ from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
+from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
+from kvyard.models.package import is_package, load_package, read_info
 from kvyard.models.quantization import GROUP_SIZE, quantize_model
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
@@ -38,8 +40,7 @@ class LLMEngine(EngineCore):
         )
         _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
-        model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
-        quantize_model(model, config.quantization)
+        model, digest = self._load_weights(config, max_model_len)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
         core_config = CoreConfig(
@@ -52,7 +53,7 @@ class LLMEngine(EngineCore):
         )
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,
-            model_digest=weights_digest(config.model, config.quantization),
+            model_digest=digest,
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=config.block_size,
         )
@@ -64,6 +65,19 @@ class LLMEngine(EngineCore):
         self.block_reader = self.device_blocks
         self.kv_tier = self._attach_kv_tier()
         self.kv_puller: KVPullLink | None = None
+
+    def _load_weights(self, config: EngineConfig, max_model_len: int) -> tuple[CausalLM, str]:
+        """The model, converted as `quantization` asks, and the digest naming its weights in block keys. A weight
+        package (kvyard convert) is already converted: its digest is the one converting its source gives."""
+        if is_package(config.model):
+            info = read_info(config.model)
+            if config.quantization not in ("none", info.weights):
+                raise ValueError(f"{config.model} is a package of {info.weights} weights; quantization "
+                                 f"{config.quantization!r} cannot apply to it")  # fmt: skip
+            return load_package(config.model, self.dtype, self.device, max_model_len), info.weights_digest
+        model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
+        quantize_model(model, config.quantization)
+        return model, weights_digest(config.model, config.quantization)
 
     @property
     def num_kv_blocks(self) -> int:

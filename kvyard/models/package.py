@@ -1,0 +1,156 @@
+"""Weight packages: a model directory whose weights are already in kvyard's int8 format, so loading skips the
+conversion (`kvyard convert MODEL_DIR --weights int8 --out PACKAGE`).
+
+A package holds the source's config and tokenizer files, `model.safetensors` with the model's own tensors (each
+converted linear layer as `<layer>.qweight` int8 and `<layer>.scales` fp32, everything else as stored), and
+`kvyard_package.json`: format and version, the weight scheme and group size, the source model's digest and the
+safetensors file's SHA-256. Loading checks all of them before it builds anything, so a corrupt, truncated or
+foreign package is refused with the reason, never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from kvyard.models.config import load_model_config
+from kvyard.models.decoder import CausalLM
+from kvyard.models.loader import load_model, model_digest
+from kvyard.models.quantization import GROUP_SIZE, quantize_model
+
+PACKAGE_FILE = "kvyard_package.json"
+PACKAGE_FORMAT = "kvyard-weights"
+FORMAT_VERSION = 1
+TENSORS_FILE = "model.safetensors"
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
+
+
+class PackageError(ValueError):
+    """A package that cannot be loaded: the message says what is wrong with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackageInfo:
+    format: str
+    format_version: int
+    weights: str  # the scheme: "int8"
+    group_size: int
+    source_digest: str  # model_digest of the directory it was converted from
+    tensors_sha256: str
+
+    @property
+    def weights_digest(self) -> str:
+        """What the block-key namespace calls these weights: the same as converting the source at load time."""
+        return f"{self.source_digest}+{self.weights}-g{self.group_size}"
+
+
+def is_package(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / PACKAGE_FILE).is_file()
+
+
+def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> PackageInfo:
+    """Write the package of `model_dir` with `weights` ("int8") to `out_dir` (created; must not hold files)."""
+    source, out = Path(model_dir), Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise PackageError(f"{out} exists and is not empty")
+    config = load_model_config(source)
+    model = load_model(source, torch.float32, torch.device("cpu"), 1, config)
+    if quantize_model(model, weights) == 0:
+        raise PackageError(f"{source}: no linear layer could be converted to {weights}")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _own_tensors(model, config.tie_word_embeddings)
+    save_file(tensors, str(out / TENSORS_FILE), metadata={"format": "pt"})
+    for name in _COPIED:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, GROUP_SIZE, model_digest(source),
+                       _sha256(out / TENSORS_FILE))  # fmt: skip
+    (out / PACKAGE_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    return info
+
+
+def _own_tensors(model: CausalLM, tied: bool) -> dict[str, torch.Tensor]:
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if tied and "lm_head.weight" in state:  # the embedding's own tensor; safetensors stores no shared storage
+        del state["lm_head.weight"]
+    return state
+
+
+def read_info(package_dir: str | Path) -> PackageInfo:
+    """The package's description, checked: PackageError naming what is wrong."""
+    path = Path(package_dir) / PACKAGE_FILE
+    try:
+        raw: Any = json.loads(path.read_text())
+        info = PackageInfo(**raw)
+    except (OSError, json.JSONDecodeError, TypeError) as error:
+        raise PackageError(f"{path} is not a kvyard package description: {error}") from None
+    if info.format != PACKAGE_FORMAT:
+        raise PackageError(f"{path}: format {info.format!r} is not {PACKAGE_FORMAT!r}")
+    if info.format_version != FORMAT_VERSION:
+        raise PackageError(f"{path}: format version {info.format_version} is not the one this kvyard reads "
+                           f"({FORMAT_VERSION}); convert the model again with this version")  # fmt: skip
+    if info.weights != "int8" or info.group_size != GROUP_SIZE:
+        raise PackageError(f"{path}: weights {info.weights!r} with groups of {info.group_size} cannot run here "
+                           f"(this kvyard runs int8 with groups of {GROUP_SIZE})")  # fmt: skip
+    return info
+
+
+def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """The packaged model, its tensors checked against the description before any is used."""
+    info = read_info(package_dir)
+    tensors_path = Path(package_dir) / TENSORS_FILE
+    if not tensors_path.is_file():
+        raise PackageError(f"{tensors_path} is missing")
+    if _sha256(tensors_path) != info.tensors_sha256:
+        raise PackageError(f"{tensors_path} does not match its SHA-256 in {PACKAGE_FILE}: the file is corrupt or "
+                           "truncated")  # fmt: skip
+    config = load_model_config(package_dir)
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions)
+        quantize_model(model, info.weights)
+    model = model.to_empty(device=device).to(dtype)  # floating tensors only: int8 stays int8
+    _load_tensors(model, tensors_path, config.tie_word_embeddings)
+    model.rotary.build(device)
+    return model.eval().requires_grad_(False)
+
+
+def _load_tensors(model: CausalLM, path: Path, tied: bool) -> None:
+    targets = model.state_dict(keep_vars=True)
+    loaded: set[str] = set()
+    try:
+        with safe_open(str(path), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name not in targets:
+                    raise PackageError(f"{path}: tensor {name!r} has no place in this model")
+                tensor = reader.get_tensor(name)
+                if tensor.shape != targets[name].shape:
+                    raise PackageError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                                       f"{tuple(targets[name].shape)}")  # fmt: skip
+                targets[name].data.copy_(tensor)
+                loaded.add(name)
+    except SafetensorError as error:
+        raise PackageError(f"{path} cannot be read: {error}") from None
+    if tied and isinstance(model.lm_head, nn.Linear):  # an lm_head left in fp32 is the embedding
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise PackageError(f"{path} lacks tensors: {', '.join(missing[:8])}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
