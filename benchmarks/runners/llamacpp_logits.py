@@ -1,0 +1,55 @@
+"""llama.cpp's next-token logits at every position of each prompt (for benchmarks/weight_quality.py).
+
+Runs in the llamacpp peer venv: reads prompts (JSON list of token-id lists), evaluates each one in a single
+batch with logits requested at every position, and writes a float32 array [sum of prompt lengths, vocab] with
+numpy's .npy format.
+
+    python llamacpp_logits.py --gguf MODEL.gguf --prompts prompts.json --out logits.npy --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import llama_cpp as lc
+import numpy as np
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    with open(args.prompts) as file:
+        prompts: list[list[int]] = json.load(file)
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(args.gguf.encode(), lc.llama_model_default_params())
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    longest = max(len(p) for p in prompts)
+    params = lc.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = longest
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(longest, 0, 1)
+    rows = []
+    for prompt in prompts:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        for i, token in enumerate(prompt):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = len(prompt)
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        for i in range(len(prompt)):
+            rows.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy())
+    np.save(args.out, np.stack(rows).astype(np.float32))
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Quality of converted weights: next-token distributions of each weight scheme against the fp32 model's, on the
+same prompts and positions, kvyard's int8 beside llama.cpp's q8_0 and f16 conversions of the same checkpoint.
+
+For every position of 16 prompts of 128 random token ids: mean KL(fp32 || scheme) of the next-token
+distribution, and how often the scheme's most likely token is fp32's. fp32 is Hugging Face transformers on the
+checkpoint. kvyard int8 is transformers on the weights kvyard's int8 loader produces (quantized and dequantized:
+tests/test_quantization.py checks kvyard's int8 engine equal to exactly that model, greedy tokens and logprobs to
+1e-4), so its logits are kvyard's. llama.cpp runs its own GGUF conversions in its peer venv
+(`bash benchmarks/setup_peers.sh llamacpp`) with its default f16 KV cache, through runners/llamacpp_logits.py.
+
+    .venv/bin/python benchmarks/weight_quality.py --out benchmarks/results/weight_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from kvyard.models.quantization import GROUP_SIZE, dequantize_int8, quantize_int8
+from kvyard.testing.create_model import create_model
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNERS = REPO / "benchmarks" / "runners"
+PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
+LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gguf-types", default="q8_0,f16")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "weight_quality.json")
+    return parser.parse_args()
+
+
+def bench_model(work_dir: Path) -> Path:
+    out = work_dir / "models" / "llama-bench"
+    if not (out / "config.json").exists():
+        create_model("llama", "bench", out)
+    return out
+
+
+def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([p])).logits[0].float() for p in prompts])
+
+
+def int8_reference(model_dir: Path) -> nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
+            module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+    return model
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+    ref_log = reference.double().log_softmax(-1)
+    log = logits.double().log_softmax(-1)
+    kl = (ref_log.exp() * (ref_log - log)).sum(-1)
+    top1 = (reference.argmax(-1) == logits.argmax(-1)).double()
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "top1_agreement": float(top1.mean())}
+
+
+def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
+    python = PEERS / "llamacpp" / "bin" / "python"
+    if not python.exists():
+        return f"no llama.cpp venv at {python.parent.parent} (bash benchmarks/setup_peers.sh llamacpp)"
+    gguf = args.work_dir / "gguf" / f"{model_dir.name}-{outtype}.gguf"
+    if not gguf.exists():
+        llama_dir = PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        convert = [str(python), str(RUNNERS / "gguf_convert.py"), "--llama-cpp-dir", str(llama_dir), str(model_dir),
+                   "--outtype", outtype, "--outfile", str(gguf)]  # fmt: skip
+        result = subprocess.run(convert, capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"GGUF conversion to {outtype} failed: {result.stderr[-500:]}"
+    out = args.work_dir / f"llamacpp-logits-{outtype}.npy"
+    command = [str(python), str(RUNNERS / "llamacpp_logits.py"), "--gguf", str(gguf), "--prompts",
+               str(prompts_file), "--out", str(out), "--threads", str(os.cpu_count() or 1)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"llama.cpp logits failed: {result.stderr[-500:]}"
+    return np.load(out)
+
+
+def main() -> int:
+    args = parse_args()
+    model_dir = bench_model(args.work_dir)
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = reference_model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist()
+               for _ in range(args.prompts)]  # fmt: skip
+    reference = hf_logits(reference_model, prompts)
+    int8_logits = hf_logits(int8_reference(model_dir), prompts)
+    results: dict[str, Any] = {"kvyard int8 (group 32)": compare(reference, int8_logits)}
+    print(json.dumps(results), flush=True)
+    prompts_file = args.work_dir / "weight_quality_prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    for outtype in args.gguf_types.split(","):
+        logits = llamacpp_logits(args, model_dir, outtype, prompts_file)
+        name = f"llama.cpp {outtype}"
+        results[name] = logits if isinstance(logits, str) else compare(reference, torch.from_numpy(logits)[:, :vocab])
+        print(json.dumps({name: results[name]}), flush=True)
+    conditions = {
+        "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 reference (transformers)",
+        "prompts": f"{args.prompts} prompts of {args.prompt_tokens} random token ids, every position",
+        "llama_cpp": f"llama-cpp-python {LLAMA_CPP_VERSION}, its own GGUF conversions, default f16 KV cache",
+        "kvyard_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=REPO).stdout.strip(),
+    }  # fmt: skip
+    args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
