@@ -22,7 +22,7 @@ from typing import Any
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.speculative import SpeculativeConfig
-from kvyard.testing.create_model import create_model
+from kvyard.testing.create_model import cached_model
 from kvyard.testing.oracle_proposer import OracleProposer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,15 +42,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def bench_model(work_dir: Path) -> Path:
-    """The bench preset (56M, random weights), created once and cached like the other benchmarks'."""
-    out = work_dir / "models" / "llama-bench"
-    if not (out / "config.json").exists():
-        print(f"creating the bench model in {out}", flush=True)
-        create_model("llama", "bench", out)
-    return out
-
-
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
@@ -58,13 +49,13 @@ def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
     started = time.perf_counter()
-    outputs = llm.generate(batch, params, use_tqdm=False)  # type: ignore[arg-type]
+    outputs = llm.generate(batch, params, use_tqdm=False)
     return [output.token_ids for output in outputs], time.perf_counter() - started
 
 
 def main() -> int:
     args = parse_args()
-    model = str(bench_model(args.work_dir))
+    model = str(cached_model(args.work_dir))
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     plain = LLM(model)
     results: list[dict[str, Any]] = []

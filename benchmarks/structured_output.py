@@ -23,7 +23,7 @@ from typing import Any
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.structured_output import StructuredOutput
-from kvyard.testing.create_model import create_model
+from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -53,14 +53,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def bench_model(work_dir: Path) -> Path:
-    out = work_dir / "models" / "llama-bench"
-    if not (out / "config.json").exists():
-        print(f"creating the bench model in {out}", flush=True)
-        create_model("llama", "bench", out)
-    return out
-
-
 def prompts(count: int, length: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
@@ -81,7 +73,7 @@ def params_for(count: int, max_tokens: int, structured: StructuredOutput | None)
 
 def main() -> int:
     args = parse_args()
-    llm = LLM(str(bench_model(args.work_dir)))
+    llm = LLM(str(cached_model(args.work_dir)))
     results: list[dict[str, Any]] = []
     for batch_size in args.batch_sizes:
         batch = prompts(batch_size, args.prompt_tokens)

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from kvyard.models.quantization import GROUP_SIZE, dequantize_int8, quantize_int8
-from kvyard.testing.create_model import create_model
+from kvyard.models.quantization import round_trip_linears
+from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "benchmarks" / "runners"
@@ -45,13 +45,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def bench_model(work_dir: Path) -> Path:
-    out = work_dir / "models" / "llama-bench"
-    if not (out / "config.json").exists():
-        create_model("llama", "bench", out)
-    return out
-
-
 def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([model(torch.tensor([p])).logits[0].float() for p in prompts])
@@ -59,9 +52,7 @@ def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 
 def int8_reference(model_dir: Path) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
-            module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+    round_trip_linears(model)
     return model
 
 
@@ -97,7 +88,7 @@ def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, pro
 
 def main() -> int:
     args = parse_args()
-    model_dir = bench_model(args.work_dir)
+    model_dir = cached_model(args.work_dir)
     reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = reference_model.config.vocab_size
     generator = torch.Generator().manual_seed(0)

@@ -1,10 +1,13 @@
-"""Shared fixtures: small random-weight models in real architectures, created locally, and the native kernels."""
+"""Shared fixtures: small random-weight models in real architectures, created locally, the native kernels, and a
+server of the tiny Llama model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_utils import ServerProcess, start_server
 
 from kvyard.kernels.build import KernelsUnavailable, find_compiler
 from kvyard.kernels.ops import NativeKernels, load_native_kernels
@@ -33,3 +36,11 @@ def native_kernels() -> NativeKernels:
     except KernelsUnavailable:
         assert find_compiler() is None, "a C compiler is here but the kernels did not build"
         pytest.skip("no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A `kvyard serve` of the tiny Llama model as `tiny-llama`, one per test module."""
+    process = start_server(llama_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", "tiny-llama")
+    yield process
+    process.stop()

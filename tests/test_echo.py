@@ -5,14 +5,13 @@ completion, with its tokens' logprobs and `text_offset`, whole and streamed alik
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from server_utils import ServerProcess, start_server
+from server_utils import ServerProcess
 from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
@@ -42,10 +41,8 @@ def test_prompt_logprobs_match_hugging_face_through_chunks_and_without_the_cache
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start_server(llama_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", "tiny-llama")
-    yield process
-    process.stop()
+def server(llama_server: ServerProcess) -> ServerProcess:
+    return llama_server
 
 
 def _streamed(server: ServerProcess, body: dict[str, Any]) -> tuple[str, dict[str, list[Any]]]:

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.package import convert
-from kvyard.models.quantization import GROUP_SIZE, Int8Linear, dequantize_int8, quantize_int8
+from kvyard.models.quantization import GROUP_SIZE, Int8Linear, dequantize_int8, quantize_int8, round_trip_linears
 
 
 def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
@@ -70,9 +70,7 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
 
 def _dequantized_reference(model_dir: Path) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
-            module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+    round_trip_linears(model)
     return model
 
 

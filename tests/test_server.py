@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,10 +16,8 @@ from kvyard import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start_server(llama_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", "tiny-llama")
-    yield process
-    process.stop()
+def server(llama_server: ServerProcess) -> ServerProcess:
+    return llama_server
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import ServerProcess, start_server
+from server_utils import ServerProcess
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.speculative import SpeculativeConfig
@@ -117,10 +116,8 @@ def test_a_grammar_that_does_not_compile_is_refused_by_name(
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start_server(llama_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", "tiny-llama")
-    yield process
-    process.stop()
+def server(llama_server: ServerProcess) -> ServerProcess:
+    return llama_server
 
 
 def test_fifty_seeded_strict_json_schema_chats_are_all_valid(server: ServerProcess) -> None:

@@ -5,15 +5,13 @@ round trip (tools → tool_calls → tool message → answer) renders through th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import ServerProcess, start_server
+from server_utils import ServerProcess
 
 from kvyard.server.tool_calls import HermesParser, Llama3JsonParser, ToolPlan, ToolStream
 
@@ -99,10 +97,8 @@ def test_a_named_call_streams_its_arguments_as_they_are_generated() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start_server(llama_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", "tiny-llama")
-    yield process
-    process.stop()
+def server(llama_server: ServerProcess) -> ServerProcess:
+    return llama_server
 
 
 @pytest.fixture(scope="module")

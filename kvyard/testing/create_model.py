@@ -192,3 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def cached_model(work_dir: str | Path, arch: str = "llama", preset: str = "bench") -> Path:
+    """`work_dir/models/<arch>-<preset>`, created the first time (benchmarks share it)."""
+    out = Path(work_dir) / "models" / f"{arch}-{preset}"
+    if not (out / "config.json").exists():
+        print(f"creating the {preset} {arch} model in {out}", flush=True)
+        create_model(arch, preset, out)
+    return out

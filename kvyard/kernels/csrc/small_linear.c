@@ -11,19 +11,12 @@
 #include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "vec_math.h"
 #endif
 
 #define ROWS_PER_TILE 4
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-
 /* Four rows of w against one row of x; k must be a multiple of 8. */
 static void dot_4x1(const float *x, const float *w, int64_t k, float *out, int64_t out_stride) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -34,7 +27,7 @@ static void dot_4x1(const float *x, const float *w, int64_t k, float *out, int64
         a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 2 * k + i), a2);
         a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 3 * k + i), a3);
     }
-    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
     (void)out_stride;
 }
 
@@ -53,7 +46,7 @@ static void dot_4x3(const float *x, const float *w, int64_t k, float *out, int64
         }
     }
     for (int r = 0; r < 3; r++)
-        for (int j = 0; j < 4; j++) out[r * out_stride + j] = hsum(acc[r][j]);
+        for (int j = 0; j < 4; j++) out[r * out_stride + j] = hsum8(acc[r][j]);
 }
 #endif
 

@@ -24,4 +24,13 @@ static inline __m256 exp2_nonpositive(__m256 x) {
     return _mm256_and_ps(scaled, in_range);
 }
 
+/* The sum of a vector's eight lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
 #endif
