@@ -22,10 +22,11 @@ if TYPE_CHECKING:  # torch and llguidance load with the first constrained reques
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
-# JSON may have whitespace between tokens; at most this much in one place. Unbounded whitespace lets a model
-# (random weights, or a real one in a loop) fill max_tokens with it and never close the object; 32 characters
-# still hold a newline and indentation seven levels deep.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+# Whitespace allowed between JSON tokens: one space, or a newline and up to 16 spaces or tabs of indentation
+# (pretty-printed JSON, eight levels deep at two spaces). Any whitespace at all, as JSON itself allows, lets a
+# model that likes it (the demo model was trained on indented code; random weights) pad every separator and
+# fill max_tokens before the object closes.
+JSON_WHITESPACE = r"(?:\n[\x20\x09]{0,16}|\x20)"
 COMPILED_CACHE_SIZE = 256
 
 
