@@ -63,7 +63,8 @@ def main() -> None:
     args = parse_args(__doc__ or "")
     workload = load_workload(args.workload)
     set_thread_env(workload.threads)
-    engine = KvyardEngine(workload.model_dir, workload.threads, workload.options("kvyard"))
+    label = args.engine or "kvyard"  # kvyard-int8 has its own options (quantization)
+    engine = KvyardEngine(workload.model_dir, workload.threads, workload.options(label))
     engine.generate(workload.warmup.prompts, workload.warmup.output_lens)
     results = run_scenarios(workload, args.scenarios, lambda s: run_all_at_once(engine.generate, s))
 
@@ -74,13 +75,13 @@ def main() -> None:
     info = {
         "version": f"kvyard {getattr(kvyard, '__version__', 'dev')} ({git_commit()[:12]})",
         "torch": torch.__version__,
-        "dtype": engine.config["dtype"],
+        "dtype": engine.config["dtype"] + ("" if label == "kvyard" else f" ({label})"),
         "threads": torch.get_num_threads(),
         "batch_size": "all prompts in one generate call",
         "config": engine.config,
         "notes": ["offline LLM API, token-id prompts, ignore_eos, greedy"],
     }
-    write_result(args.out, "kvyard", info, results)
+    write_result(args.out, label, info, results)
 
 
 if __name__ == "__main__":
