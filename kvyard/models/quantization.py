@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
     """A linear layer with int8 weights: few rows (decode) through the native int8 kernel, which reads the int8
     weights directly; more rows (prefill, large batches) dequantize the weight for one fp32 matmul."""
 
-    max_small_rows = 32
+    max_small_rows = 64  # the kernel beats dequantizing for one matmul up to about 64 rows (bench shapes, AVX2)
     qweight: torch.Tensor  # int8 [out_features, in_features], a buffer
     scales: torch.Tensor  # fp32 [out_features, in_features / 32], a buffer
 
