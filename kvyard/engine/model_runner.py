@@ -190,5 +190,6 @@ def _constrain(rows: list[SamplingRow], sampling: list[ScheduledRequest]) -> Non
             constrained.append((row, item.request.grammar))
         row += 1 + len(item.spec_token_ids)
     if constrained:
-        for (index, _), mask in zip(constrained, allowed_tokens([grammar for _, grammar in constrained])):
+        masks = allowed_tokens([grammar for _, grammar in constrained])
+        for (index, _), mask in zip(constrained, masks):
             rows[index].allowed_tokens = mask

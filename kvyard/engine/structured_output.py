@@ -76,17 +76,10 @@ class GrammarMatcher:
         return str(self.matcher.get_error())
 
 
-def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> list[torch.Tensor]:
-    """For each matcher, a bool tensor [vocab_size] of the tokens it allows next."""
-    rows: list[torch.Tensor | None] = [None] * len(matchers)
-    by_compiler: dict[int, list[int]] = {}
-    for index, item in enumerate(matchers):
-        by_compiler.setdefault(id(item.compiler), []).append(index)
-    for indices in by_compiler.values():
-        masks = matchers[indices[0]].compiler.allowed_tokens([matchers[i] for i in indices])
-        for row, index in enumerate(indices):
-            rows[index] = masks[row]
-    return [row for row in rows if row is not None]
+def allowed_tokens(matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+    """A bool tensor [len(matchers), vocab_size]: which tokens each matcher allows next. One engine's matchers
+    share its compiler."""
+    return matchers[0].compiler.allowed_tokens(matchers)
 
 
 class GrammarCompiler:
