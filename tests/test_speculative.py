@@ -40,12 +40,12 @@ def request_of(tokens: list[int]) -> Request:
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix() -> None:
     proposer = NgramProposer(ngram_min=1, ngram_max=3)
-    assert proposer.propose(request_of([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]), 2) == [7, 1]  # the latest, longest match
-    assert proposer.propose(request_of([5, 6, 7]), 4) == []  # nothing repeats
+    assert proposer.propose_one(request_of([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]), 2) == [7, 1]  # the latest, longest match
+    assert proposer.propose_one(request_of([5, 6, 7]), 4) == []  # nothing repeats
     request = request_of([4, 5, 4])
-    assert proposer.propose(request, 3) == [5, 4]
+    assert proposer.propose_one(request, 3) == [5, 4]
     request.append_token(5)  # the index grows with the sequence
-    assert proposer.propose(request, 3) == [4, 5]
+    assert proposer.propose_one(request, 3) == [4, 5]
 
 
 def test_greedy_acceptance_keeps_the_agreeing_run_and_the_models_own_next_token() -> None:

@@ -27,6 +27,7 @@ from kvyard.engine.request import KVTransferParams, Request, RequestStatus, Toke
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.engine.speculative import (
+    INITIAL_ACCEPTANCE,
     PROBE_EVERY,
     Proposer,
     SpeculativeConfig,
@@ -176,7 +177,10 @@ class EngineCore:
         runner: Runner,
         tokenizer: Decoder | None = None,
         eos_token_ids: Iterable[int] = (),
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer`: the speculative proposer when it runs a model (the engine on the model builds it); else
+        the one `config.speculative` names is made here."""
         if namespace.block_size != config.block_size:
             raise ValueError(f"namespace block size {namespace.block_size} != engine's {config.block_size}")
         self.config = config
@@ -194,8 +198,9 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
-        self.proposer: Proposer | None = make_proposer(config.speculative)
+        self.proposer: Proposer | None = proposer if proposer is not None else make_proposer(config.speculative)
         self.num_spec_proposed = self.num_spec_accepted = 0
+        self._spec_acceptance = INITIAL_ACCEPTANCE  # over all requests: where a new request's estimate starts
         self._step_cost = StepCost()
         self._prefill_cost = RecentCost(weight=0.1)
         self._tier_costs: dict[str, RecentCost] = {}
@@ -246,6 +251,7 @@ class EngineCore:
             block_size=self.config.block_size,
             stop_token_ids=self._stop_token_ids(params),
             kv_transfer=kv_transfer,
+            spec_acceptance=self._spec_acceptance,
         )
         if params.structured is not None:
             request.grammar = self._grammar_matcher(params.structured, resumed_output_ids)
@@ -342,19 +348,29 @@ class EngineCore:
         """Proposed tokens for every running request that can speculate this step (none for the others)."""
         wanted, vocab = self.config.speculative.num_speculative_tokens, self.limits.vocab_size
         eligible = [request for request in self.scheduler.running if can_speculate(request)]
-        token_cost = self._step_cost.verify_token_cost(len(eligible)) or self.config.speculative.verify_token_cost
+        token_cost = self._proposal_cost(proposer, len(eligible))
 
         def embeddable(token_id: int) -> bool:  # a token the model cannot embed is no guess: stop before it
             return 0 <= token_id < vocab
 
         for request in self.scheduler.running:
             request.spec_token_ids = []
-        for request in eligible:
-            room = min(self._num_to_propose(request, wanted, token_cost),
-                       self.limits.max_model_len - request.num_tokens - 1,
-                       request.sampling_params.max_tokens - request.num_output_tokens - 1)  # fmt: skip
-            proposed = proposer.propose(request, room) if room > 0 else []
-            request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[:room]))
+        rooms = [min(self._num_to_propose(request, wanted, token_cost),
+                     self.limits.max_model_len - request.num_tokens - 1,
+                     request.sampling_params.max_tokens - request.num_output_tokens - 1)
+                 for request in eligible]  # fmt: skip
+        if not any(room > 0 for room in rooms):
+            return
+        for request, room, proposed in zip(eligible, rooms, proposer.propose(eligible, rooms)):
+            request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[: max(room, 0)]))
+
+    def _proposal_cost(self, proposer: Proposer, num_sequences: int) -> float:
+        """What one more proposed token per sequence adds to a step, as a fraction of a decode step of
+        `num_sequences`: verifying it, plus producing it when the proposer runs a model."""
+        verify = self._step_cost.verify_token_cost(num_sequences) or self.config.speculative.verify_token_cost
+        proposal_s = proposer.seconds_per_proposal()
+        step_s = self._step_cost.step_seconds(num_sequences) if proposal_s else None
+        return verify + (proposal_s / step_s if step_s else 0.0)
 
     def _num_to_propose(self, request: Request, wanted: int, token_cost: float) -> int:
         if not self.config.speculative.adaptive:
@@ -373,6 +389,7 @@ class EngineCore:
         accepted = num_emitted - 1
         request = item.request
         request.spec_acceptance = updated_acceptance(request.spec_acceptance, len(item.spec_token_ids), accepted)
+        self._spec_acceptance = updated_acceptance(self._spec_acceptance, len(item.spec_token_ids), accepted)
         self.num_spec_proposed += len(item.spec_token_ids)
         self.num_spec_accepted += accepted
         return item.num_new_tokens - len(item.spec_token_ids) + accepted

@@ -10,10 +10,12 @@ import torch
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import CoreConfig, EngineCore, RequestOutput, RequestTimes
+from kvyard.engine.draft_proposer import DraftModelProposer, load_draft_model
 from kvyard.engine.kv_pull_link import KVPullLink
 from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.kv_transfer import DeviceBlocks
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
+from kvyard.engine.speculative import MODEL_METHODS
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
@@ -60,7 +62,9 @@ class LLMEngine(EngineCore):
         self.runner: ModelRunner = ModelRunner(
             model, num_kv_blocks, config.block_size, self.dtype, self.device, config.attention_backend
         )
-        super().__init__(core_config, namespace, self.runner, tokenizer, _eos_token_ids(self.model_config, tokenizer))
+        eos_token_ids = _eos_token_ids(self.model_config, tokenizer)
+        proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
+        super().__init__(core_config, namespace, self.runner, tokenizer, eos_token_ids, proposer)
         self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size)
         self.block_reader = self.device_blocks
         self.kv_tier = self._attach_kv_tier()
@@ -78,6 +82,18 @@ class LLMEngine(EngineCore):
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
         quantize_model(model, config.quantization)
         return model, weights_digest(config.model, config.quantization)
+
+    def _model_proposer(self, max_model_len: int, num_kv_blocks: int, tokenizer: Any) -> DraftModelProposer | None:
+        """The speculative proposer that runs a model (draft, self-int8), with as many KV blocks as the model."""
+        config = self.engine_config
+        spec = config.speculative
+        if spec.method not in MODEL_METHODS:
+            return None
+        draft_tokenizer = _load_tokenizer(spec.draft_model) if spec.draft_model else None
+        model = load_draft_model(spec.method, spec.draft_model, config.model, self.model_config, config.quantization,
+                                 max_model_len, self.dtype, self.device, (tokenizer, draft_tokenizer))  # fmt: skip
+        return DraftModelProposer(model, num_kv_blocks, config.block_size, self.device, config.attention_backend,
+                                  spec.max_draft_catch_up)  # fmt: skip
 
     @property
     def num_kv_blocks(self) -> int:

@@ -16,8 +16,10 @@ acceptance a, k proposals emit 1 + a + a^2 + ... + a^k tokens for a step that co
 cost is taken, 0 when none beats plain decoding; a request at 0 still proposes one token every `PROBE_EVERY`
 steps, so it notices when guessing starts to pay.
 
-Proposers here: `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens, for n from `ngram_max` down to `ngram_min`).
+Proposers: `ngram` (here; prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+last n tokens, for n from `ngram_max` down to `ngram_min`), and `draft` / `self-int8` (`draft_proposer`: a smaller
+model, or the target's own weights in int8, run greedily on its own paged KV cache). A proposer that costs time
+says how much (`seconds_per_proposal`), and that cost joins the verify cost when k is chosen.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Protocol
 from kvyard.engine.request import Request
 from kvyard.settings import setting
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft", "self-int8")
+MODEL_METHODS = ("draft", "self-int8")  # proposers that run a model, built by the engine that has one
 PROBE_EVERY = 8  # steps between single-token probes of a request whose speculation stopped paying
+INITIAL_ACCEPTANCE = 0.5  # the first request's acceptance estimate; later ones start at the engine's recent one
 ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptance estimate
 
 
@@ -39,10 +43,16 @@ class SpeculativeConfig:
     """Speculative decoding: who proposes tokens, and how many per step."""
 
     method: str | None = setting(None, flag="--speculative", choices=METHODS, help="propose tokens for the model "
-                                 "to verify in one pass: ngram (prompt lookup)", default_text="none: off")  # fmt: skip
+                                 "to verify in one pass: ngram (prompt lookup), draft (a smaller model with the same "
+                                 "vocabulary: --draft-model), self-int8 (the model's own weights in int8)",
+                                 default_text="none: off")  # fmt: skip
     num_speculative_tokens: int = setting(4, help="tokens proposed per decode step of a request")
     ngram_min: int = setting(1, help="ngram: shortest suffix looked up in the sequence")
     ngram_max: int = setting(4, help="ngram: longest suffix looked up in the sequence")
+    draft_model: str | None = setting(None, help="draft: the model directory that proposes (same tokenizer and "
+                                      "vocabulary as the served model)")  # fmt: skip
+    max_draft_catch_up: int = setting(512, help="draft, self-int8: prompt tokens the proposer's model may prefill "
+                                      "per step (a new request's prompt is caught up over several steps)")  # fmt: skip
     adaptive: bool = setting(True, flag="--spec-adaptive", help="propose fewer tokens (down to none) for a "
                              "request whose guesses are often wrong")  # fmt: skip
     verify_token_cost: float = setting(0.1, help="what verifying one more token adds to a decode step, as a fraction "
@@ -55,11 +65,20 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft needs --draft-model DIR" if self.method == "draft" else
+                             "--draft-model is used only with --speculative draft")  # fmt: skip
+        if self.max_draft_catch_up < 1:
+            raise ValueError(f"max_draft_catch_up must be at least 1, got {self.max_draft_catch_up}")
 
 
 class Proposer(Protocol):
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` guesses of the tokens after `request.all_token_ids` (may be none)."""
+    def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
+        """For each request, up to `rooms[i]` guesses of the tokens after its `all_token_ids` (may be none)."""
+        ...
+
+    def seconds_per_proposal(self) -> float:
+        """What proposing one more token per request costs a step, measured (0.0: nothing worth counting)."""
         ...
 
     def release(self, request: Request) -> None:
@@ -83,7 +102,13 @@ class NgramProposer:
     ngram_max: int = 4
     _indexes: dict[str, _NgramIndex] = field(default_factory=dict)
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
+        return [self.propose_one(request, room) if room > 0 else [] for request, room in zip(requests, rooms)]
+
+    def seconds_per_proposal(self) -> float:
+        return 0.0
+
+    def propose_one(self, request: Request, max_tokens: int) -> list[int]:
         tokens = request.all_token_ids
         index = self._indexes.setdefault(request.request_id, _NgramIndex())
         # The suffix itself is indexed last, after the lookup, so a match is always an earlier occurrence.
@@ -108,6 +133,9 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The proposer that needs no model (None: speculation off); model proposers come from the engine."""
+    if config.method in MODEL_METHODS:
+        raise ValueError(f"speculative method {config.method!r} runs a model: only an engine on a model builds it")
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     return None
@@ -126,9 +154,22 @@ class StepCost:
         x, y = float(num_tokens), seconds
         self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
 
+    def step_seconds(self, num_tokens: int) -> float | None:
+        """The fitted time of a step of `num_tokens` tokens (None until the fit is usable)."""
+        line = self._line()
+        return None if line is None else line[0] + line[1] * num_tokens
+
     def verify_token_cost(self, num_sequences: int) -> float | None:
         """What one more token per sequence adds to a step of `num_sequences` decoding sequences, as a fraction of
         that step (None until the fit is usable)."""
+        line = self._line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        return per_token * num_sequences / (fixed + per_token * num_sequences)
+
+    def _line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) of the fit, once it has points enough and both are positive."""
         weight, x, y, xx, xy = self._sums
         if weight < 4:
             return None
@@ -137,9 +178,7 @@ class StepCost:
             return None
         per_token = (xy / weight - x * y / weight**2) / variance
         fixed = y / weight - per_token * x / weight
-        if per_token <= 0 or fixed <= 0:
-            return None
-        return per_token * num_sequences / (fixed + per_token * num_sequences)
+        return (fixed, per_token) if per_token > 0 and fixed > 0 else None
 
 
 def num_tokens_to_propose(acceptance: float, max_tokens: int, verify_token_cost: float) -> int:

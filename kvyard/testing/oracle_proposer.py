@@ -5,6 +5,7 @@ from outside (random-weight models do not repeat their prompts the way trained o
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvyard.engine.request import Request
@@ -17,7 +18,13 @@ class OracleProposer:
     rng: random.Random = field(default_factory=lambda: random.Random(5))
     proposed: int = 0
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
+        return [self.propose_one(request, room) if room > 0 else [] for request, room in zip(requests, rooms)]
+
+    def seconds_per_proposal(self) -> float:
+        return 0.0
+
+    def propose_one(self, request: Request, max_tokens: int) -> list[int]:
         known = self.continuations[tuple(request.prompt_token_ids)]
         ahead = known[request.num_output_tokens : request.num_output_tokens + max_tokens]
         # token ^ 1 differs from token and stays inside the vocabulary (an even size, or the last id even)

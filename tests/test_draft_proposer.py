@@ -1,0 +1,137 @@
+"""Model proposers (draft, self-int8): the output under greedy decoding is the output without speculation, token
+for token; the draft keeps its own KV right across steps, evictions and long prompts; a draft that cannot
+propose for the served model is refused at load time with the reason."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvyard import LLM, SamplingParams
+from kvyard.engine.draft_proposer import DraftModelError, DraftModelProposer
+from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.testing.create_model import create_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SELF_INT8 = SpeculativeConfig(method="self-int8", num_speculative_tokens=4, adaptive=False)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(20 + 7 * index)] for index in range(count)]
+
+
+def token_ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [output.token_ids for output in llm.generate(batch, params)]
+
+
+def draft(method: str, draft_dir: Path | None = None, **options: object) -> SpeculativeConfig:
+    return SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=False,
+                             draft_model=str(draft_dir) if draft_dir else None, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny Llama: the same tokenizer, other weights (a draft that is often wrong)."""
+    return create_model("llama", "tiny", tmp_path_factory.mktemp("draft") / "llama", seed=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_self_int8_speculation_gives_the_output_without_it(model_dirs: dict[str, Path], arch: str) -> None:
+    batch = prompts(8)
+    reference = token_ids(LLM(str(model_dirs[arch])), batch)
+    with LLM(str(model_dirs[arch]), speculative=SELF_INT8) as llm:
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        # int8 weights mostly agree with fp32 on the next token: most guesses are kept
+        assert stats.spec_accepted_tokens > 0.5 * stats.spec_proposed_tokens > 0
+
+
+def test_a_draft_model_with_other_weights_gives_the_output_without_it(llama_dir: Path, other_llama_dir: Path) -> None:
+    batch = prompts(8, seed=1)
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    with LLM(str(llama_dir), speculative=draft("draft", other_llama_dir)) as llm:
+        assert token_ids(llm, batch) == reference
+        assert llm.engine.stats().spec_proposed_tokens > 0
+
+
+def test_a_draft_with_the_served_weights_has_its_guesses_kept(llama_dir: Path, tmp_path: Path) -> None:
+    """The draft's KV holds what the served model's would: guesses of the same weights are (almost all) right,
+    which they would not be if the draft's cache lost track of a sequence between steps."""
+    same = Path(shutil.copytree(llama_dir, tmp_path / "same"))
+    batch = prompts(6, seed=2)
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    with LLM(str(llama_dir), speculative=draft("draft", same)) as llm:
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        assert stats.spec_accepted_tokens >= 0.95 * stats.spec_proposed_tokens > 0
+
+
+def test_model_proposers_are_exact_with_prefix_hits_chunked_prefill_preemption_and_eviction(llama_dir: Path) -> None:
+    batch = prompts(12, seed=3)
+    # 24 blocks cannot hold twelve sequences: the target preempts, and the draft (as many blocks) evicts the KV of
+    # the requests it served least recently; 32-token steps chunk every prefill; the second round hits the cache.
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    reference = token_ids(LLM(str(llama_dir)), batch, params)
+    options = {"num_kv_blocks": 24, "max_num_batched_tokens": 32}
+    with LLM(str(llama_dir), speculative=SELF_INT8, **options) as llm:
+        assert token_ids(llm, batch, params) == reference
+        assert token_ids(llm, batch, params) == reference
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_a_long_prompt_is_caught_up_over_several_steps_before_the_draft_guesses(llama_dir: Path) -> None:
+    batch = [list(range(3, 83))]
+    reference = token_ids(LLM(str(llama_dir)), batch)
+    with LLM(str(llama_dir), speculative=draft("self-int8", max_draft_catch_up=16)) as llm:
+        engine = llm.engine
+        engine.add_request("long", batch[0], GREEDY)
+        proposer = engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        computed = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            sequence = proposer._sequences.get("long")
+            computed.append(sequence.num_computed if sequence else 0)
+        # the prefill is one step (the target's); the draft then takes 16 prompt tokens a step
+        assert computed[1:5] == [16, 32, 48, 64]
+        assert engine.stats().spec_accepted_tokens > 0
+    with LLM(str(llama_dir), speculative=draft("self-int8", max_draft_catch_up=16)) as llm:
+        assert token_ids(llm, batch) == reference
+
+
+def test_sampled_requests_with_a_draft_keep_their_seeded_output(llama_dir: Path) -> None:
+    batch = prompts(4, seed=4)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=9, ignore_eos=True)
+    reference = token_ids(LLM(str(llama_dir)), batch, sampled)
+    with LLM(str(llama_dir), speculative=SELF_INT8) as llm:
+        assert token_ids(llm, batch, sampled) == reference
+        assert llm.engine.stats().spec_accepted_tokens > 0
+
+
+def test_released_requests_give_their_draft_blocks_back(llama_dir: Path) -> None:
+    with LLM(str(llama_dir), speculative=SELF_INT8, num_kv_blocks=64) as llm:
+        proposer = llm.engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        token_ids(llm, prompts(5, seed=5))
+        assert not proposer._sequences and len(proposer._free_blocks) == 64
+
+
+def test_a_draft_that_cannot_propose_for_the_model_is_refused(
+    model_dirs: dict[str, Path], llama_dir: Path, tmp_path: Path
+) -> None:
+    small = create_model("llama", "small", tmp_path / "small")
+    with pytest.raises(DraftModelError, match="vocabulary of 8000 tokens"):
+        LLM(str(llama_dir), speculative=draft("draft", small))
+    with pytest.raises(DraftModelError, match="maps tokens to other ids"):
+        LLM(str(llama_dir), speculative=draft("draft", model_dirs["qwen2"]))  # same size, other tokenizer
+    with pytest.raises(DraftModelError, match=r"no config\.json"):
+        LLM(str(llama_dir), speculative=draft("draft", tmp_path / "missing"))
+    with pytest.raises(DraftModelError, match="already runs int8"):
+        LLM(str(llama_dir), speculative=SELF_INT8, quantization="int8")
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        SpeculativeConfig(method="draft")
