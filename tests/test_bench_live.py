@@ -65,7 +65,8 @@ def check_against_server(result: dict[str, Any], before: dict[str, float], after
     }
     measured_by_test = {k: after[k] - before[k] - PROBE[k] for k in COUNTERS}
     assert client == pytest.approx(measured_by_test)
-    assert result["server"]["counted"] == pytest.approx(client)  # the JSON's own before/after snapshots agree
+    counted = {k: v for k, v in result["server"]["counted"].items() if k in client}
+    assert counted == pytest.approx(client)  # the JSON's own before/after snapshots agree
     assert summary["tokens"]["prompt"] == sum(r["prompt_tokens"] for r in done)  # the server saw what was sent
     assert all(r["output_tokens"] == r["max_tokens"] for r in done)  # ignore_eos made lengths exact
     assert result["server"]["missing"] == []
@@ -166,6 +167,33 @@ def test_compare_and_plot(server: ServerProcess, tmp_path: Path, capsys: pytest.
     assert "x six" in table and "TTFT p50 (ms)" in table and "conditions:" in table
     ratio_row = next(line for line in table.splitlines() if line.startswith("completed requests"))
     assert ratio_row.split()[-1] == "1.000x"
+
+
+def test_a_speculating_server_reports_its_acceptance(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    process = start_server(llama_dir, tmp_path, "--speculative", "self-int8")
+    try:
+        before = httpx.get(f"{process.url}/metrics", timeout=10).text
+        capsys.readouterr()
+        result = bench(process.url, tmp_path / "spec.json", "--workload", "random", "--num-requests", "4",
+                       "--input-len", "24", "--output-len", "24", "--seed", "3")  # fmt: skip
+        printed = capsys.readouterr().out
+        after = httpx.get(f"{process.url}/metrics", timeout=10).text
+    finally:
+        process.stop()
+
+    def gauge(text: str, name: str) -> float:
+        return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+    counted = result["server"]["counted"]
+    for quantity in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications"):
+        name = f"kvyard_{quantity}"
+        # the probe request (2 tokens) proposes nothing: its single decode step comes before any verification
+        assert counted[quantity] == gauge(after, name) - gauge(before, name)
+    assert 0 < counted["spec_accepted_tokens"] <= counted["spec_proposed_tokens"]
+    summary = f"{counted['spec_accepted_tokens']:.0f} of {counted['spec_proposed_tokens']:.0f} proposed tokens accepted"
+    assert summary in printed
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -13,6 +13,9 @@ REQUESTS = "kvyard_requests"  # label `outcome`: stop, length, abort, rejected_o
 PROMPT_TOKENS = "kvyard_prompt_tokens"
 GENERATION_TOKENS = "kvyard_generation_tokens"
 CACHED_PROMPT_TOKENS = "kvyard_cached_prompt_tokens"
+SPEC_PROPOSED = "kvyard_spec_proposed_tokens"
+SPEC_ACCEPTED = "kvyard_spec_accepted_tokens"
+SPEC_VERIFICATIONS = "kvyard_spec_verifications"
 REJECTED_OVERLOAD = "rejected_overload"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -39,6 +42,8 @@ class EngineCounters(Protocol):
     def spec_proposed_tokens(self) -> int: ...
     @property
     def spec_accepted_tokens(self) -> int: ...
+    @property
+    def spec_verifications(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -60,6 +65,7 @@ class ServerMetrics:
     preemptions: Gauge = field(init=False)
     spec_proposed: Gauge = field(init=False)
     spec_accepted: Gauge = field(init=False)
+    spec_verifications: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -83,10 +89,13 @@ class ServerMetrics:
         self.prefix_hits = Gauge("kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache (total since "
                                  "start)", registry=r)  # fmt: skip
         self.preemptions = Gauge("kvyard_num_preemptions", "Requests preempted (total since start)", registry=r)
-        self.spec_proposed = Gauge("kvyard_spec_proposed_tokens", "Speculative decoding: tokens proposed and "
+        self.spec_proposed = Gauge(SPEC_PROPOSED, "Speculative decoding: tokens proposed and "
                                    "verified (total since start)", registry=r)  # fmt: skip
-        self.spec_accepted = Gauge("kvyard_spec_accepted_tokens", "Speculative decoding: proposed tokens the model "
+        self.spec_accepted = Gauge(SPEC_ACCEPTED, "Speculative decoding: proposed tokens the model "
                                    "agreed with, each a decode step saved (total since start)", registry=r)  # fmt: skip
+        self.spec_verifications = Gauge(SPEC_VERIFICATIONS, "Speculative decoding: steps of a request that verified "
+                                        "proposals; accepted tokens / this is the mean accepted run (total since "
+                                        "start)", registry=r)  # fmt: skip
 
     def refresh(self, stats: EngineCounters) -> None:
         """Set the gauges from the engine's statistics (at scrape time)."""
@@ -99,3 +108,4 @@ class ServerMetrics:
         self.preemptions.set(stats.num_preemptions)
         self.spec_proposed.set(stats.spec_proposed_tokens)
         self.spec_accepted.set(stats.spec_accepted_tokens)
+        self.spec_verifications.set(stats.spec_verifications)

@@ -32,6 +32,10 @@ def summary_table(result: dict[str, Any]) -> str:
                      f"{_num(good['requests_per_s'])} req/s")  # fmt: skip
     info = result["workload"].get("info", {})
     lines.append(_cache_line(s["prefix_cache"], info))
+    if spec := speculation(result["server"].get("counted", {})):
+        lines.append(f"speculative decoding: {spec['accepted_tokens']:.0f} of {spec['proposed_tokens']:.0f} proposed "
+                     f"tokens accepted ({spec['acceptance_rate']:.3f}), {_num(spec['mean_accepted_run'], 2)} "
+                     "accepted per verification")  # fmt: skip
     if "rewrites" in info:
         lines.append(f"multiturn: {info['rewrites']} turns rewrote the middle of their history")
     if s["errors"]:
@@ -59,6 +63,17 @@ def _cache_line(cache: dict[str, Any], info: dict[str, Any]) -> str:
     if (trace_ideal := info.get("trace_ideal_block_hit_ratio")) is not None:
         line += f"; the trace's own ideal block ratio: {trace_ideal:.3f}"
     return line + ")"
+
+
+def speculation(counted: dict[str, float]) -> dict[str, float | None] | None:
+    """Speculative decoding as the server counted it during the run (None: it did not speculate, or says nothing)."""
+    proposed = counted.get("spec_proposed_tokens") or 0.0
+    if proposed <= 0:
+        return None
+    accepted = counted.get("spec_accepted_tokens", 0.0)
+    verifications = counted.get("spec_verifications")
+    return {"proposed_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed,
+            "mean_accepted_run": accepted / verifications if verifications else None}  # fmt: skip
 
 
 def _num(value: float | None, digits: int = 1) -> str:

@@ -28,6 +28,7 @@ from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvyard.engine.speculative import (
     INITIAL_ACCEPTANCE,
+    MAX_PROBE_INTERVAL,
     PROBE_EVERY,
     Proposer,
     SpeculativeConfig,
@@ -144,6 +145,7 @@ class EngineStats:
     kv_shared_hit_tokens: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, the ones the model agreed with (each saves a decode step)
+    spec_verifications: int = 0  # request-steps that verified proposals (accepted / this: mean accepted run)
     prefill_s_per_token: float | None = None  # recent step seconds per token of steps that prefilled
     tier_s_per_block: dict[str, float] = field(default_factory=dict)  # recent load seconds per block, by medium
     shared_tier_available: bool = True
@@ -199,7 +201,7 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
         self.proposer: Proposer | None = proposer if proposer is not None else make_proposer(config.speculative)
-        self.num_spec_proposed = self.num_spec_accepted = 0
+        self.num_spec_proposed = self.num_spec_accepted = self.num_spec_verifications = 0
         self._spec_acceptance = INITIAL_ACCEPTANCE  # over all requests: where a new request's estimate starts
         self._step_cost = StepCost()
         self._prefill_cost = RecentCost(weight=0.1)
@@ -378,9 +380,14 @@ class EngineCore:
         num = num_tokens_to_propose(request.spec_acceptance, wanted, token_cost)
         if num:
             request.spec_idle_steps = 0
+            request.spec_probe_interval = PROBE_EVERY
             return num
         request.spec_idle_steps += 1
-        return 1 if request.spec_idle_steps % PROBE_EVERY == 0 else 0
+        if request.spec_idle_steps < request.spec_probe_interval:
+            return 0
+        request.spec_idle_steps = 0
+        request.spec_probe_interval = min(2 * request.spec_probe_interval, MAX_PROBE_INTERVAL)
+        return 1
 
     def _num_computed(self, item: ScheduledRequest, num_emitted: int) -> int:
         """Tokens of `item` whose KV is now right: all it scheduled, less the proposals the model rejected."""
@@ -392,6 +399,7 @@ class EngineCore:
         self._spec_acceptance = updated_acceptance(self._spec_acceptance, len(item.spec_token_ids), accepted)
         self.num_spec_proposed += len(item.spec_token_ids)
         self.num_spec_accepted += accepted
+        self.num_spec_verifications += 1
         return item.num_new_tokens - len(item.spec_token_ids) + accepted
 
     def _measure_step(self, scheduled: Sequence[ScheduledRequest], wall_s: float) -> None:
@@ -490,6 +498,7 @@ class EngineCore:
             kv_shared_hit_tokens=kv.num_shared_hit_tokens,
             spec_proposed_tokens=self.num_spec_proposed,
             spec_accepted_tokens=self.num_spec_accepted,
+            spec_verifications=self.num_spec_verifications,
             prefill_s_per_token=self._prefill_cost.estimate,
             tier_s_per_block=self._tier_load_costs(),
             shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,
