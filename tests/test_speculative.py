@@ -196,8 +196,8 @@ def test_adaptive_speculation_stops_proposing_for_a_request_whose_guesses_are_al
         assert token_ids(llm, batch, params) == reference
         proposed = llm.engine.stats().spec_proposed_tokens
     # Without adaptation each of the ~63 decode steps of 4 requests would propose 4 tokens (about 1,000 in all);
-    # after a few wrong steps only the one-token probes every 8 steps remain.
-    assert proposed < 4 * (4 * 4 + 64 // 8 + 1)
+    # after a few wrong steps only one-token probes remain, 8, 16 and 32 steps apart.
+    assert proposed < 4 * (4 * 4 + 3 + 1)
 
 
 def test_the_measured_verify_cost_grows_with_the_batch() -> None:

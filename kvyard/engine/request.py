@@ -95,6 +95,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposed tokens (speculative decoding)
     spec_acceptance: float = 0.5  # estimated chance that a proposed token is right (adaptive speculation)
     spec_idle_steps: int = 0  # steps since it last proposed, while speculation did not pay
+    spec_probe_interval: int = 8  # idle steps before its next probe (speculative.PROBE_EVERY, doubling)
     grammar: GrammarMatcher | None = None  # where its output stands in the grammar it must match
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token; the first None
 

@@ -13,8 +13,9 @@ no block holding them is entered into the prefix cache.
 How many tokens a request proposes adapts to how often its guesses were right: with an estimated per-token
 acceptance a, k proposals emit 1 + a + a^2 + ... + a^k tokens for a step that costs 1 + c*k decode steps (c:
 `verify_token_cost`, or what the engine measures: `StepCost`), and the k that gives the most tokens per unit of
-cost is taken, 0 when none beats plain decoding; a request at 0 still proposes one token every `PROBE_EVERY`
-steps, so it notices when guessing starts to pay.
+cost is taken, 0 when none beats plain decoding; a request at 0 still proposes one token after `PROBE_EVERY`
+steps, so it notices when guessing starts to pay, and waits twice as long after each probe that did not change
+that (up to `MAX_PROBE_INTERVAL`): a probe of a model proposer costs a pass of it.
 
 Proposers: `ngram` (here; prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens, for n from `ngram_max` down to `ngram_min`), and `draft` / `self-int8` (`draft_proposer`: a smaller
@@ -33,7 +34,8 @@ from kvyard.settings import setting
 
 METHODS = ("ngram", "draft", "self-int8")
 MODEL_METHODS = ("draft", "self-int8")  # proposers that run a model, built by the engine that has one
-PROBE_EVERY = 8  # steps between single-token probes of a request whose speculation stopped paying
+PROBE_EVERY = 8  # steps before the first single-token probe of a request whose speculation stopped paying
+MAX_PROBE_INTERVAL = 64  # the longest wait between probes
 INITIAL_ACCEPTANCE = 0.5  # the first request's acceptance estimate; later ones start at the engine's recent one
 ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptance estimate
 
