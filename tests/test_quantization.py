@@ -38,8 +38,10 @@ def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
         quantize_int8(torch.randn(4, 40))
 
 
+# rows: one, a block of 8 and remainders of it; out_features: whole tiles of 8 weight rows and a partial one
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (3, 130, 256), (32, 77, 512),
-                                                                   (7, 4, 32)])  # fmt: skip
+                                                                   (7, 4, 32), (9, 19, 64), (17, 1000, 96),
+                                                                   (64, 33, 128)])  # fmt: skip
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_int8_kernel_matches_a_float64_reference(
     native_kernels: NativeKernels, rows: int, out_features: int, in_features: int, bias: bool

@@ -6,6 +6,11 @@
  * per step and is bound by memory bandwidth; int8 with a scale per 32 is 1.125 bytes a weight against fp32's 4.
  * The int8 values are widened to fp32 in registers and accumulated in fp32: x is not quantized.
  *
+ * Each weight row is read as one sequential stream and widened once per block of up to 8 rows of x, which all
+ * use it before the next group is read (8 accumulators, 4 widened vectors and 2 temporaries fill AVX2's 16
+ * registers). Threads take tiles of 8 weight rows. Both choices were measured on 2-core AVX2 machines against
+ * reading 4 weight rows at once and widening them again for every row of x: about 2x faster at 1 to 64 rows.
+ *
  * Layout: x [m, k] fp32, q [n, k] int8, scales [n, k / 32] fp32, bias [n] or NULL, y [m, n]; k % 32 == 0.
  */
 #include <stdint.h>
@@ -16,7 +21,8 @@
 #endif
 
 #define GROUP 32
-#define ROWS_PER_TILE 4
+#define WEIGHT_ROWS_PER_TILE 8
+#define X_ROWS_PER_BLOCK 8
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Eight int8 weights widened to fp32. */
@@ -24,60 +30,75 @@ static inline __m256 widen8(const int8_t *q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
 
-/* One row of x against four rows of q. */
-static void dot_4x1(const float *x, const int8_t *q, const float *scales, int64_t k, float *out) {
-    const int64_t groups = k / GROUP;
-    __m256 acc[ROWS_PER_TILE];
-    for (int j = 0; j < ROWS_PER_TILE; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const float *xg = x + g * GROUP;
-        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
-                     x3 = _mm256_loadu_ps(xg + 24);
-        for (int j = 0; j < ROWS_PER_TILE; j++) {
-            const int8_t *qg = q + j * k + g * GROUP;
-            __m256 part = _mm256_mul_ps(x0, widen8(qg));
-            part = _mm256_fmadd_ps(x1, widen8(qg + 8), part);
-            part = _mm256_fmadd_ps(x2, widen8(qg + 16), part);
-            part = _mm256_fmadd_ps(x3, widen8(qg + 24), part);
-            acc[j] = _mm256_fmadd_ps(part, _mm256_set1_ps(scales[j * groups + g]), acc[j]);
+/* One weight row q (with its group scales) against `rows` rows of x; out[r * out_stride] = their dot products.
+ * Always inlined with a constant `rows`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dot_row(const float *x, int64_t k, const int8_t *q,
+                                                          const float *scales, float *out, int64_t out_stride,
+                                                          const int rows) {
+    __m256 acc[X_ROWS_PER_BLOCK];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const int8_t *qg = q + g * GROUP;
+        const __m256 w0 = widen8(qg), w1 = widen8(qg + 8), w2 = widen8(qg + 16), w3 = widen8(qg + 24);
+        const __m256 scale = _mm256_set1_ps(scales[g]);
+        for (int r = 0; r < rows; r++) {
+            const float *xg = x + r * k + g * GROUP;
+            __m256 part = _mm256_mul_ps(_mm256_loadu_ps(xg), w0);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, part);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w2, part);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w3, part);
+            acc[r] = _mm256_fmadd_ps(part, scale, acc[r]);
         }
     }
-    for (int j = 0; j < ROWS_PER_TILE; j++) out[j] = hsum8(acc[j]);
+    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum8(acc[r]);
+}
+
+static void dot_block(const float *x, int64_t k, const int8_t *q, const float *scales, float *out, int64_t n,
+                      int64_t rows) {
+    switch (rows) {
+    case 1: dot_row(x, k, q, scales, out, n, 1); break;
+    case 2: dot_row(x, k, q, scales, out, n, 2); break;
+    case 3: dot_row(x, k, q, scales, out, n, 3); break;
+    case 4: dot_row(x, k, q, scales, out, n, 4); break;
+    case 5: dot_row(x, k, q, scales, out, n, 5); break;
+    case 6: dot_row(x, k, q, scales, out, n, 6); break;
+    case 7: dot_row(x, k, q, scales, out, n, 7); break;
+    default: dot_row(x, k, q, scales, out, n, 8); break;
+    }
+}
+#else
+static void dot_block(const float *x, int64_t k, const int8_t *q, const float *scales, float *out, int64_t n,
+                      int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            float part = 0.0f;
+            for (int i = 0; i < GROUP; i++) part += x[r * k + g * GROUP + i] * (float)q[g * GROUP + i];
+            total += part * scales[g];
+        }
+        out[r * n] = total;
+    }
 }
 #endif
-
-static float dot1(const float *x, const int8_t *q, const float *scales, int64_t k) {
-    float total = 0.0f;
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        float part = 0.0f;
-        for (int i = 0; i < GROUP; i++) part += x[g * GROUP + i] * (float)q[g * GROUP + i];
-        total += part * scales[g];
-    }
-    return total;
-}
 
 static void tile(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
-                 int64_t n, int64_t k, int64_t row) {
-    const int64_t rows = n - row < ROWS_PER_TILE ? n - row : ROWS_PER_TILE;
+                 int64_t n, int64_t k, int64_t first_row) {
+    const int64_t end = first_row + WEIGHT_ROWS_PER_TILE < n ? first_row + WEIGHT_ROWS_PER_TILE : n;
     const int64_t groups = k / GROUP;
-    for (int64_t r = 0; r < m; r++) {
-        float out[ROWS_PER_TILE];
-#if defined(__AVX2__) && defined(__FMA__)
-        if (rows == ROWS_PER_TILE) {
-            dot_4x1(x + r * k, q + row * k, scales + row * groups, k, out);
-        } else
-#endif
-        {
-            for (int64_t j = 0; j < rows; j++) out[j] = dot1(x + r * k, q + (row + j) * k, scales + (row + j) * groups, k);
+    for (int64_t r0 = 0; r0 < m; r0 += X_ROWS_PER_BLOCK) {
+        const int64_t rows = m - r0 < X_ROWS_PER_BLOCK ? m - r0 : X_ROWS_PER_BLOCK;
+        for (int64_t j = first_row; j < end; j++) {
+            dot_block(x + r0 * k, k, q + j * k, scales + j * groups, y + r0 * n + j, n, rows);
+            if (bias)
+                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * n + j] += bias[j];
         }
-        for (int64_t j = 0; j < rows; j++) y[r * n + row + j] = out[j] + (bias ? bias[row + j] : 0.0f);
     }
 }
 
 void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scales, const float *bias, float *y,
                               int64_t m, int64_t n, int64_t k, int num_threads) {
-    const int64_t num_tiles = (n + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
+    const int64_t num_tiles = (n + WEIGHT_ROWS_PER_TILE - 1) / WEIGHT_ROWS_PER_TILE;
     const int parallel = n * k >= 4 * 65536; /* as small_linear.c: ~256 KB of weights before a second thread pays */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-    for (int64_t t = 0; t < num_tiles; t++) tile(x, q, scales, bias, y, m, n, k, t * ROWS_PER_TILE);
+    for (int64_t t = 0; t < num_tiles; t++) tile(x, q, scales, bias, y, m, n, k, t * WEIGHT_ROWS_PER_TILE);
 }
