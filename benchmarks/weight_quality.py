@@ -64,11 +64,12 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
     return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "top1_agreement": float(top1.mean())}
 
 
-def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
+def llamacpp_gguf(work_dir: Path, model_dir: Path, outtype: str) -> Path | str:
+    """llama.cpp's own GGUF conversion of `model_dir` (made once, kept in `work_dir`), or why there is none."""
     python = PEERS / "llamacpp" / "bin" / "python"
     if not python.exists():
         return f"no llama.cpp venv at {python.parent.parent} (bash benchmarks/setup_peers.sh llamacpp)"
-    gguf = args.work_dir / "gguf" / f"{model_dir.name}-{outtype}.gguf"
+    gguf = work_dir / "gguf" / f"{model_dir.name}-{outtype}.gguf"
     if not gguf.exists():
         llama_dir = PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
         gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +78,14 @@ def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, pro
         result = subprocess.run(convert, capture_output=True, text=True)
         if result.returncode != 0:
             return f"GGUF conversion to {outtype} failed: {result.stderr[-500:]}"
+    return gguf
+
+
+def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
+    python = PEERS / "llamacpp" / "bin" / "python"
+    gguf = llamacpp_gguf(args.work_dir, model_dir, outtype)
+    if isinstance(gguf, str):
+        return gguf
     out = args.work_dir / f"llamacpp-logits-{outtype}.npy"
     command = [str(python), str(RUNNERS / "llamacpp_logits.py"), "--gguf", str(gguf), "--prompts",
                str(prompts_file), "--out", str(out), "--threads", str(os.cpu_count() or 1)]  # fmt: skip

@@ -370,7 +370,7 @@ class EngineCore:
         """What one more proposed token per sequence adds to a step, as a fraction of a decode step of
         `num_sequences`: verifying it, plus producing it when the proposer runs a model."""
         verify = self._step_cost.verify_token_cost(num_sequences) or self.config.speculative.verify_token_cost
-        proposal_s = proposer.seconds_per_proposal()
+        proposal_s = proposer.seconds_per_proposal(num_sequences)
         step_s = self._step_cost.step_seconds(num_sequences) if proposal_s else None
         return verify + (proposal_s / step_s if step_s else 0.0)
 
@@ -382,6 +382,8 @@ class EngineCore:
             request.spec_idle_steps = 0
             request.spec_probe_interval = PROBE_EVERY
             return num
+        if num_tokens_to_propose(1.0, wanted, token_cost) == 0:
+            return 0  # not even guesses that are always right would pay at this cost: nothing to probe for
         request.spec_idle_steps += 1
         if request.spec_idle_steps < request.spec_probe_interval:
             return 0

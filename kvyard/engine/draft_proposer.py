@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvyard.engine.request import Request
+from kvyard.engine.speculative import StepCost
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig, load_model_config
@@ -32,7 +33,7 @@ from kvyard.models.loader import load_model
 from kvyard.models.package import is_package, load_package
 from kvyard.models.quantization import quantize_model
 
-PASS_COST_WEIGHT = 0.2  # how far one measured pass moves the proposer's cost estimate
+WARM_UP_BATCHES = (1, 2, 4, 8, 16, 1, 4)  # sequences in the passes that seed the pass-cost fit
 
 
 class DraftModelError(ValueError):
@@ -83,26 +84,25 @@ class DraftModelProposer:
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[str, _DraftSequence] = {}
         self._step = 0
-        self._pass_seconds = 0.0  # recent time of one single-token pass over the requests guessing
+        self._pass_cost = StepCost()  # seconds of a pass of one or two tokens per sequence, against sequences
         self._warm_up()
 
-    def seconds_per_proposal(self) -> float:
-        return self._pass_seconds
+    def seconds_per_proposal(self, num_sequences: int) -> float:
+        return self._pass_cost.step_seconds(num_sequences) or 0.0
 
     @torch.inference_mode()
-    def _warm_up(self, num_passes: int = 4) -> None:
-        """A few single-token passes on one block, so the first real steps price a guess at what it costs rather
-        than at a cold first pass (the fastest of them is kept)."""
-        sequence = _DraftSequence()
-        if not self._reserve(sequence, self.block_size):
+    def _warm_up(self) -> None:
+        """Single-token passes over 1 to 16 sequences of one block each, so the first real steps price a guess
+        at what a pass of their size costs (the first, cold pass is not counted)."""
+        sequences = [_DraftSequence() for _ in range(max(WARM_UP_BATCHES))]
+        if not all(self._reserve(sequence, self.block_size) for sequence in sequences):
             return
-        timings = []
-        for position in range(num_passes):
-            self._run_pass([_Query(sequence, [0], position, True)], guessing=True)
-            timings.append(self._pass_seconds)
-            self._pass_seconds = 0.0
-        self._pass_seconds = min(timings)
-        self._free_blocks.extend(reversed(sequence.block_table))
+        self._run_pass([_Query(sequences[0], [0], 0, True)])
+        self._pass_cost = StepCost()
+        for position, num_sequences in enumerate(WARM_UP_BATCHES):
+            self._run_pass([_Query(sequence, [0], position, True) for sequence in sequences[:num_sequences]])
+        for sequence in sequences:
+            self._free_blocks.extend(reversed(sequence.block_table))
 
     def release(self, request: Request) -> None:
         sequence = self._sequences.pop(request.request_id, None)
@@ -216,10 +216,8 @@ class DraftModelProposer:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             token_ids = logits.argmax(dim=-1).tolist()
-        if guessing or max(len(query.token_ids) for query in queries) <= 2:
-            seconds = time.perf_counter() - started
-            weight = PASS_COST_WEIGHT if self._pass_seconds else 1.0
-            self._pass_seconds += weight * (seconds - self._pass_seconds)
+        if max(len(query.token_ids) for query in queries) <= 2:
+            self._pass_cost.observe(len(queries), time.perf_counter() - started)
         return token_ids
 
 

@@ -79,8 +79,9 @@ class Proposer(Protocol):
         """For each request, up to `rooms[i]` guesses of the tokens after its `all_token_ids` (may be none)."""
         ...
 
-    def seconds_per_proposal(self) -> float:
-        """What proposing one more token per request costs a step, measured (0.0: nothing worth counting)."""
+    def seconds_per_proposal(self, num_sequences: int) -> float:
+        """What proposing one more token for each of `num_sequences` requests costs a step, measured (0.0: nothing
+        worth counting)."""
         ...
 
     def release(self, request: Request) -> None:
@@ -107,7 +108,7 @@ class NgramProposer:
     def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
         return [self.propose_one(request, room) if room > 0 else [] for request, room in zip(requests, rooms)]
 
-    def seconds_per_proposal(self) -> float:
+    def seconds_per_proposal(self, num_sequences: int) -> float:
         return 0.0
 
     def propose_one(self, request: Request, max_tokens: int) -> list[int]:

@@ -21,7 +21,7 @@ class OracleProposer:
     def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
         return [self.propose_one(request, room) if room > 0 else [] for request, room in zip(requests, rooms)]
 
-    def seconds_per_proposal(self) -> float:
+    def seconds_per_proposal(self, num_sequences: int) -> float:
         return 0.0
 
     def propose_one(self, request: Request, max_tokens: int) -> list[int]:

@@ -1,0 +1,76 @@
+"""llama.cpp's prompt-lookup speculative decoding (llama-cpp-python's LlamaPromptLookupDecoding), single stream.
+
+Runs in the ``llamacpp`` peer venv:
+
+    python llamacpp_spec.py --gguf MODEL.gguf --prompts PROMPTS.json --num-pred-tokens 4 --out OUT.json
+
+For each prompt: greedy generation without a draft, with prompt lookup, and without again (this machine is noisy),
+EOS banned so every answer is `--output-tokens` long; the outputs with and without lookup are compared. Writes
+tokens/s of both and whether the outputs were equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def generate(llm: Any, prompt: list[int], output_tokens: int, eos: int) -> tuple[list[int], float]:
+    llm.reset()
+    started = time.perf_counter()
+    tokens: list[int] = []
+    from llama_cpp import LogitsProcessorList
+
+    for token in llm.generate(prompt, temp=0.0, top_k=1, logits_processor=LogitsProcessorList([ban(eos)])):
+        tokens.append(int(token))
+        if len(tokens) == output_tokens:
+            break
+    return tokens, time.perf_counter() - started
+
+
+def ban(token_id: int) -> Any:
+    def processor(input_ids: Any, scores: Any) -> Any:
+        scores[token_id] = -float("inf")
+        return scores
+
+    return processor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--num-pred-tokens", type=int, default=4)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    common = {"model_path": args.gguf, "n_ctx": 1024, "n_threads": args.threads, "n_threads_batch": args.threads,
+              "verbose": False, "logits_all": False}  # fmt: skip
+    plain = Llama(**common)
+    lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens))
+    eos = plain.token_eos()
+    rows = []
+    generate(plain, prompts[0], 8, eos)  # warm-up
+    generate(lookup, prompts[0], 8, eos)
+    for prompt in prompts:
+        reference, before = generate(plain, prompt, args.output_tokens, eos)
+        guessed, seconds = generate(lookup, prompt, args.output_tokens, eos)
+        _, after = generate(plain, prompt, args.output_tokens, eos)
+        rows.append({"plain_s": (before + after) / 2, "lookup_s": seconds, "equal": guessed == reference})
+    plain_s, lookup_s = sum(r["plain_s"] for r in rows), sum(r["lookup_s"] for r in rows)
+    total = args.output_tokens * len(rows)
+    result = {"plain_tokens_per_s": total / plain_s, "lookup_tokens_per_s": total / lookup_s,
+              "speedup": plain_s / lookup_s, "outputs_equal": all(r["equal"] for r in rows), "per_prompt": rows}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

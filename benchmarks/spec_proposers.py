@@ -1,0 +1,191 @@
+"""Speculative decoding with real proposers on the bench model: how often each one's guesses are right, and what
+that does to decode speed, beside llama.cpp's prompt-lookup decoding on the same model and prompts.
+
+Proposers: `ngram` (prompt lookup), `draft` (the bench model cut to its first two layers, with its embeddings,
+final norm and head: the same tokenizer, about 45% of the weights read per token) and `self-int8` (the bench
+model's own weights in int8). Their acceptance is real: agreement between the proposer and the fp32 model on the
+model's own greedy continuations. The bench model has random weights, so this says how the engine and the
+proposers perform, not what a trained model's acceptance would be.
+
+Every speculative run's output is checked against the run without speculation (exact, token for token), and its
+decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
+llama.cpp runs its f16 GGUF of the same checkpoint single-stream, with and without prompt lookup
+(runners/llamacpp_spec.py); llama-cpp-python offers no draft-model speculation to compare `draft` with.
+
+    .venv/bin/python benchmarks/spec_proposers.py --out benchmarks/results/spec_proposers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from weight_quality import PEERS, RUNNERS, llamacpp_gguf
+
+from kvyard import LLM, SamplingParams
+from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.testing.create_model import cached_model
+
+REPO = Path(__file__).resolve().parents[1]
+PROPOSERS = ("ngram", "draft", "self-int8")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")))
+    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-sets", nargs="+", choices=("random", "repetitive"), default=["random", "repetitive"])
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json")
+    return parser.parse_args()
+
+
+def prompts(kind: str, count: int, seed: int = 0) -> list[list[int]]:
+    """`random`: 32 random tokens. `repetitive`: an 8-token motif repeated to 64 tokens, then 4 random ones (a
+    prompt that lookup can match, as code re-emitted would be)."""
+    rng = random.Random(seed)
+    if kind == "random":
+        return [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(count)]
+    out = []
+    for _ in range(count):
+        motif = [rng.randrange(3, 2000) for _ in range(8)]
+        out.append(motif * 8 + [rng.randrange(3, 2000) for _ in range(4)])
+    return out
+
+
+def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
+    """The checkpoint's first `num_layers` layers with its embeddings, final norm and head: a draft that shares
+    the tokenizer by construction."""
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors: dict[str, Any] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(path).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for path in model_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    llm.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    return [output.token_ids for output in outputs], time.perf_counter() - started
+
+
+def speculative_config(proposer: str, k: int, draft_dir: Path) -> SpeculativeConfig:
+    return SpeculativeConfig(proposer, k, draft_model=str(draft_dir) if proposer == "draft" else None)
+
+
+def run_kvyard(args: argparse.Namespace, model: str, draft_dir: Path) -> list[dict[str, Any]]:
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    plain = LLM(model)
+    rows: list[dict[str, Any]] = []
+    for proposer in args.proposers:
+        speculative = LLM(model, speculative=speculative_config(proposer, args.num_speculative_tokens, draft_dir))
+        for kind in args.prompt_sets:
+            for batch_size in args.batch_sizes:
+                batch = prompts(kind, batch_size)
+                reference, _ = timed_generate(plain, batch, params)
+                timed_generate(speculative, batch[:1], params)  # warm-up
+                ratios, plain_s, spec_s = [], 0.0, 0.0
+                before = speculative.engine.stats()
+                for _ in range(args.repeats):
+                    _, first = timed_generate(plain, batch, params)
+                    outputs, seconds = timed_generate(speculative, batch, params)
+                    _, last = timed_generate(plain, batch, params)
+                    assert outputs == reference, f"{proposer} changed the output ({kind}, batch {batch_size})"
+                    ratios.append((first + last) / 2 / seconds)
+                    plain_s += (first + last) / 2
+                    spec_s += seconds
+                stats = speculative.engine.stats()
+                proposed = stats.spec_proposed_tokens - before.spec_proposed_tokens
+                accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+                verifications = stats.spec_verifications - before.spec_verifications
+                output_tokens = args.repeats * batch_size * args.output_tokens
+                row = {
+                    "engine": "kvyard", "proposer": proposer, "prompts": kind, "batch_size": batch_size,
+                    "exact": True, "speedups": ratios, "speedup": sum(ratios) / len(ratios),
+                    "tokens_per_s": output_tokens / spec_s, "plain_tokens_per_s": output_tokens / plain_s,
+                    "acceptance_rate": accepted / proposed if proposed else None,
+                    "mean_accepted_run": accepted / verifications if verifications else None,
+                    "proposed_per_output_token": proposed / output_tokens,
+                }  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        speculative.close()
+    return rows
+
+
+def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
+    gguf = llamacpp_gguf(args.work_dir, model_dir, "f16")
+    if isinstance(gguf, str):
+        return [{"engine": "llama.cpp", "error": gguf}]
+    rows: list[dict[str, Any]] = []
+    for kind in args.prompt_sets:
+        prompts_file = args.work_dir / f"spec-prompts-{kind}.json"
+        prompts_file.write_text(json.dumps(prompts(kind, 4)))
+        out = args.work_dir / f"llamacpp-spec-{kind}.json"
+        command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_spec.py"), "--gguf", str(gguf),
+                   "--prompts", str(prompts_file), "--num-pred-tokens", str(args.num_speculative_tokens),
+                   "--output-tokens", str(args.output_tokens), "--threads", str(os.cpu_count() or 1),
+                   "--out", str(out)]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            rows.append({"engine": "llama.cpp", "prompts": kind, "error": result.stderr[-500:]})
+            continue
+        measured = json.loads(out.read_text())
+        row = {"engine": "llama.cpp f16", "proposer": "prompt lookup", "prompts": kind, "batch_size": 1,
+               "exact": measured["outputs_equal"], "speedup": measured["speedup"],
+               "tokens_per_s": measured["lookup_tokens_per_s"], "plain_tokens_per_s": measured["plain_tokens_per_s"]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
+    model_dir = cached_model(args.work_dir)
+    draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"llama-bench-draft{args.draft_layers}",
+                                args.draft_layers)  # fmt: skip
+    results = run_kvyard(args, str(model_dir), draft_dir)
+    if not args.skip_llamacpp:
+        results += run_llamacpp(args, model_dir)
+    conditions = {
+        "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV",
+        "draft": f"the bench model's first {args.draft_layers} of 8 layers, with its embeddings, norm and head",
+        "device": "cpu", "cpus": os.cpu_count(), "output_tokens": args.output_tokens, "greedy": True,
+        "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,
+        "prompts": {"random": "32 random tokens", "repetitive": "an 8-token motif x 8, then 4 random tokens"},
+        "prefix_cache": "reset before every run", "repeats": args.repeats,
+        "llama_cpp": "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts",
+    }  # fmt: skip
+    args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
