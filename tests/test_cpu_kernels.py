@@ -372,3 +372,17 @@ def test_the_library_exports_exactly_what_the_header_declares(portable_library: 
     ).stdout
     exported = {line.split()[-1] for line in listing.splitlines() if line.split()[1:2] == ["T"]}
     assert exported == set(parse_prototypes(HEADER.read_text()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_portable_half_linear_widens_every_16_bit_value_exactly(portable: NativeKernels, dtype: torch.dtype) -> None:
+    """The portable path converts each 16-bit weight itself: normals, subnormals, zeros of both signs and
+    infinities must come out as torch converts them (x is one-hot, so each output is one weight, exactly)."""
+    special = [0.0, -0.0, 1.0, -2.5, 65504.0, 6.1e-5, 5.96e-8, -3.0e-6, float("inf"), float("-inf"), 1e-30, 3e38]
+    values = torch.tensor(special).to(dtype)
+    weight = torch.zeros(64, 8, dtype=dtype)  # zeros beside column 3: no 0 * inf anywhere
+    weight[:, 3] = torch.cat([values, torch.randn(64 - len(special)).to(dtype)])
+    x = torch.zeros(1, 8)
+    x[0, 3] = 1.0
+    out = portable.small_linear_half(x, weight, None)
+    assert torch.equal(out[0], weight[:, 3].float())

@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.package import convert
-from kvyard.models.quantization import GROUP_SIZE, Int8Linear, dequantize_int8, quantize_int8, round_trip_linears
+from kvyard.models.quantization import (
+    GROUP_SIZE,
+    HalfLinear,
+    Int8Linear,
+    dequantize_int8,
+    quantize_int8,
+    round_trip_linears,
+)
 
 
 def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
@@ -70,19 +77,40 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
     assert torch.allclose(layer(many), expected, atol=1e-6)
 
 
-def _dequantized_reference(model_dir: Path) -> nn.Module:
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (9, 19, 64), (17, 130, 40),
+                                                                   (3, 5, 7)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_half_kernel_matches_a_float64_reference(
+    native_kernels: NativeKernels, rows: int, out_features: int, in_features: int, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator)
+    reference = x.double() @ weight.double().T + bias.double()
+    out = native_kernels.small_linear_half(x, weight, bias)  # in_features 40 and 7: the portable path's tail
+    assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        native_kernels.small_linear_half(x, weight.float(), bias)
+
+
+def _round_tripped_reference(model_dir: Path, scheme: str) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    round_trip_linears(model)
+    round_trip_linears(model, scheme)
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_an_int8_model_equals_hugging_face_on_the_dequantized_weights(model_dirs: dict[str, Path], arch: str) -> None:
-    reference = _dequantized_reference(model_dirs[arch])
+@pytest.mark.parametrize(("arch", "scheme"), [("llama", "int8"), ("qwen3", "int8"), ("llama", "fp16"),
+                                              ("qwen2", "bf16")])  # fmt: skip
+def test_a_converted_model_equals_hugging_face_on_the_round_tripped_weights(
+    model_dirs: dict[str, Path], arch: str, scheme: str
+) -> None:
+    reference = _round_tripped_reference(model_dirs[arch], scheme)
     prompts = [torch.randint(3, 900, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    with LLM(str(model_dirs[arch]), quantization="int8") as llm:
-        assert any(isinstance(m, Int8Linear) for m in llm.engine.runner.model.modules())
+    with LLM(str(model_dirs[arch]), quantization=scheme) as llm:
+        converted = HalfLinear if scheme != "int8" else Int8Linear
+        assert any(isinstance(m, converted) and m.kernel is not None for m in llm.engine.runner.model.modules())
         outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
@@ -96,10 +124,13 @@ def test_an_int8_model_equals_hugging_face_on_the_dequantized_weights(model_dirs
             assert entry.logprob == pytest.approx(float(log_probs[position - 1, prompt[position]]), abs=1e-4)
 
 
-def test_int8_kv_is_cached_apart_and_an_unknown_scheme_is_refused(llama_dir: Path) -> None:
-    with LLM(str(llama_dir)) as plain, LLM(str(llama_dir), quantization="int8") as int8:
-        assert plain.engine.namespace.root_key() != int8.engine.namespace.root_key()
+def test_converted_weights_cache_their_kv_apart_and_an_unknown_scheme_is_refused(llama_dir: Path) -> None:
+    with (LLM(str(llama_dir)) as plain, LLM(str(llama_dir), quantization="int8") as int8,
+          LLM(str(llama_dir), quantization="fp16") as fp16):  # fmt: skip
+        roots = {llm.engine.namespace.root_key() for llm in (plain, int8, fp16)}
+        assert len(roots) == 3
         assert int8.engine.namespace.model_digest.endswith("+int8-g32")
+        assert fp16.engine.namespace.model_digest.endswith("+fp16")
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(llama_dir), quantization="int4")
 
@@ -114,10 +145,16 @@ def package_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
-def test_a_package_loads_the_tensors_converting_at_load_time_gives(llama_dir: Path, package_dir: Path) -> None:
+@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+def test_a_package_loads_the_tensors_converting_at_load_time_gives(
+    llama_dir: Path, package_dir: Path, tmp_path: Path, scheme: str
+) -> None:
+    if scheme != "int8":
+        package_dir = tmp_path / f"llama-{scheme}"
+        convert(llama_dir, scheme, package_dir)
     prompt = [[5, 9, 14, 3, 77, 41, 2, 8, 100, 7]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with (LLM(str(llama_dir), quantization="int8", served_model_name="m") as converted,
+    with (LLM(str(llama_dir), quantization=scheme, served_model_name="m") as converted,
           LLM(str(package_dir), served_model_name="m") as packaged):  # fmt: skip
         ours, theirs = converted.engine.runner.model.state_dict(), packaged.engine.runner.model.state_dict()
         assert set(ours) == set(theirs)

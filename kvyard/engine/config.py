@@ -28,9 +28,10 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, flag="--prefix-caching", help="reuse the KV of repeated prefixes")
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="attention kernels: native (the CPU "
                                      "fp32 kernels), torch (PyTorch SDPA), or auto (native where it runs)")  # fmt: skip
-    quantization: str = setting("none", choices=QUANTIZATION_SCHEMES, help="weights as loaded: none (as stored) "
-                                "or int8 (each linear layer's weight int8 with a scale per 32 weights, converted "
-                                "at load time; KV computed with them is cached apart)")  # fmt: skip
+    quantization: str = setting("none", choices=QUANTIZATION_SCHEMES, help="weights as loaded: none (as stored), "
+                                "int8 (each linear layer's weight int8 with a scale per 32 weights), fp16 or bf16 "
+                                "(each linear layer's weight in 16 bits); converted at load time, activations "
+                                "fp32, KV computed with them cached apart")  # fmt: skip
     served_model_name: str | None = setting(None, help="model id in the API and in block keys (none: the model "
                                             "directory's name)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

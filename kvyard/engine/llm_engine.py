@@ -23,7 +23,7 @@ from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
-from kvyard.models.quantization import GROUP_SIZE, quantize_model
+from kvyard.models.quantization import quantize_model, scheme_suffix
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
 
@@ -154,8 +154,7 @@ def _check_window(model_config: ModelConfig, max_model_len: int) -> None:
 def weights_digest(model_dir: str, quantization: str) -> str:
     """The checkpoint's digest, with the weight scheme when it is not the stored one: KV computed with other
     weights lands under other block keys."""
-    digest = model_digest(model_dir)
-    return digest if quantization == "none" else f"{digest}+{quantization}-g{GROUP_SIZE}"
+    return model_digest(model_dir) + scheme_suffix(quantization)
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

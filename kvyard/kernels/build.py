@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 HEADER = SOURCE_DIR / "kvyard_kernels.h"  # declares every exported function; the bindings check against it
-SOURCES = ("paged_attention.c", "prefill_attention.c", "small_linear.c", "small_linear_int8.c", "elementwise.c")
+SOURCES = ("paged_attention.c", "prefill_attention.c", "small_linear.c", "small_linear_int8.c", "small_linear_half.c",
+           "elementwise.c")
 _HEADERS = ("kvyard_kernels.h", "vec_math.h")  # included by the sources: part of the build fingerprint
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 PORTABLE_FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BASE_TYPES = ("void", "int", "float", "int64_t", "int8_t")
+BASE_TYPES = ("void", "int", "float", "int64_t", "int8_t", "uint16_t")
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
 _TOKEN = re.compile(r"\s*(?:([A-Za-z_]\w*)|([*(),]))")

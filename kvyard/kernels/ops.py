@@ -153,6 +153,30 @@ class SmallLinearInt8Kernel:
 
 
 @dataclass(frozen=True, slots=True)
+class SmallLinearHalfKernel:
+    """`F.linear` for fp32 inputs of a few rows against fp16 or bfloat16 weights [n, k] (fp32 accumulation)."""
+
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_small_linear_half(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m,
+            int64_t n, int64_t k, int is_bf16, int num_threads);
+    """
+
+    function: Callable[..., Any]
+    num_threads: int
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"half-precision weights must be float16 or bfloat16, got {weight.dtype}")
+        x, weight = x.contiguous(), weight.contiguous()
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self.function(
+            _ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out), x.shape[0], weight.shape[0],
+            weight.shape[1], int(weight.dtype == torch.bfloat16), self.num_threads,
+        )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ElementwiseKernels:
     """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
 
@@ -214,6 +238,7 @@ class NativeKernels:
     small_linear: SmallLinearKernel
     elementwise: ElementwiseKernels
     small_linear_int8: SmallLinearInt8Kernel
+    small_linear_half: SmallLinearHalfKernel
 
 
 def load_native_kernels() -> NativeKernels:
@@ -233,7 +258,8 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
     """Wrap a built kernel library's functions, after checking the wrappers' prototypes against the header.
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
-    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel)
+    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel,
+                SmallLinearHalfKernel)  # fmt: skip
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -247,6 +273,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
             functions["kvyard_argmax_rows"],
         ),
         SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
+        SmallLinearHalfKernel(functions["kvyard_small_linear_half"], threads),
     )
 
 

@@ -4,4 +4,5 @@
 # so that settings can offer them.
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 # The weight schemes a model can be loaded in (kvyard.models.quantization), for the same reason.
-QUANTIZATION_SCHEMES = ("none", "int8")
+QUANTIZATION_SCHEMES = ("none", "int8", "fp16", "bf16")
+PACKAGE_SCHEMES = ("int8", "fp16", "bf16")  # what `kvyard convert` writes: every scheme but the stored weights

@@ -14,7 +14,7 @@ from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.layers import GatedMLP, Linear, NativeElementwise, RMSNorm, RotaryEmbedding, fits_in_memory
-from kvyard.models.quantization import Int8Linear
+from kvyard.models.quantization import HalfLinear, Int8Linear
 
 
 class Attention(nn.Module):
@@ -136,4 +136,6 @@ class CausalLM(nn.Module):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
             if isinstance(module, Int8Linear):
                 module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None)
+            if isinstance(module, HalfLinear):
+                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None)
         return True

@@ -1,8 +1,9 @@
-"""Weight packages: a model directory whose weights are already in kvyard's int8 format, so loading skips the
-conversion (`kvyard convert MODEL_DIR --weights int8 --out PACKAGE`).
+"""Weight packages: a model directory whose weights are already in one of kvyard's converted formats (int8, fp16,
+bf16), so loading skips the conversion (`kvyard convert MODEL_DIR --weights int8 --out PACKAGE`).
 
 A package holds the source's config and tokenizer files, `model.safetensors` with the model's own tensors (each
-converted linear layer as `<layer>.qweight` int8 and `<layer>.scales` fp32, everything else as stored), and
+converted linear layer as `<layer>.qweight` int8 and `<layer>.scales` fp32, or `<layer>.weight16` in 16 bits;
+everything else as stored), and
 `kvyard_package.json`: format and version, the weight scheme and group size, the source model's digest and the
 safetensors file's SHA-256. Loading checks all of them before it builds anything, so a corrupt, truncated or
 foreign package is refused with the reason, never served.
@@ -22,10 +23,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from kvyard.models import PACKAGE_SCHEMES
 from kvyard.models.config import load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model, model_digest
-from kvyard.models.quantization import GROUP_SIZE, quantize_model
+from kvyard.models.quantization import GROUP_SIZE, quantize_model, scheme_suffix
 
 PACKAGE_FILE = "kvyard_package.json"
 PACKAGE_FORMAT = "kvyard-weights"
@@ -43,15 +45,15 @@ class PackageError(ValueError):
 class PackageInfo:
     format: str
     format_version: int
-    weights: str  # the scheme: "int8"
-    group_size: int
+    weights: str  # the scheme: "int8", "fp16" or "bf16"
+    group_size: int  # weights per int8 scale; 0 for the 16-bit schemes
     source_digest: str  # model_digest of the directory it was converted from
     tensors_sha256: str
 
     @property
     def weights_digest(self) -> str:
         """What the block-key namespace calls these weights: the same as converting the source at load time."""
-        return f"{self.source_digest}+{self.weights}-g{self.group_size}"
+        return self.source_digest + scheme_suffix(self.weights)
 
 
 def is_package(model_dir: str | Path) -> bool:
@@ -59,7 +61,7 @@ def is_package(model_dir: str | Path) -> bool:
 
 
 def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> PackageInfo:
-    """Write the package of `model_dir` with `weights` ("int8") to `out_dir` (created; must not hold files)."""
+    """Write the package of `model_dir` with `weights` (a scheme) to `out_dir` (created; must not hold files)."""
     source, out = Path(model_dir), Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise PackageError(f"{out} exists and is not empty")
@@ -73,7 +75,7 @@ def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> Package
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
-    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, GROUP_SIZE, model_digest(source),
+    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, _group_size(weights), model_digest(source),
                        _sha256(out / TENSORS_FILE))  # fmt: skip
     (out / PACKAGE_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
@@ -99,10 +101,15 @@ def read_info(package_dir: str | Path) -> PackageInfo:
     if info.format_version != FORMAT_VERSION:
         raise PackageError(f"{path}: format version {info.format_version} is not the one this kvyard reads "
                            f"({FORMAT_VERSION}); convert the model again with this version")  # fmt: skip
-    if info.weights != "int8" or info.group_size != GROUP_SIZE:
+    if info.weights not in PACKAGE_SCHEMES or info.group_size != _group_size(info.weights):
         raise PackageError(f"{path}: weights {info.weights!r} with groups of {info.group_size} cannot run here "
-                           f"(this kvyard runs int8 with groups of {GROUP_SIZE})")  # fmt: skip
+                           f"(this kvyard runs {', '.join(PACKAGE_SCHEMES)}; int8 with groups of "
+                           f"{GROUP_SIZE})")  # fmt: skip
     return info
+
+
+def _group_size(scheme: str) -> int:
+    return GROUP_SIZE if scheme == "int8" else 0
 
 
 def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
@@ -116,9 +123,9 @@ def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.devi
                            "truncated")  # fmt: skip
     config = load_model_config(package_dir)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions)
-        quantize_model(model, info.weights)
-    model = model.to_empty(device=device).to(dtype)  # floating tensors only: int8 stays int8
+        model = CausalLM(config, max_positions).to(dtype)
+        quantize_model(model, info.weights)  # after the dtype: converted tensors keep theirs
+    model = model.to_empty(device=device)
     _load_tensors(model, tensors_path, config.tie_word_embeddings)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)

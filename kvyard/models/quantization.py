@@ -1,9 +1,15 @@
-"""int8 weights: each linear layer's weight as int8 with one fp32 scale per 32 consecutive weights of a row.
+"""Weights converted for speed: int8 with a scale per group of 32, or 16-bit floats (fp16, bf16); activations fp32.
+
+int8: each linear layer's weight as int8 with one fp32 scale per 32 consecutive weights of a row.
 
 Symmetric, round to nearest: scale = max |w| over the group / 127. A scale per group of 32 (llama.cpp's q8_0
 groups the same way) rather than per output row keeps one large weight from costing its whole row precision;
 it adds 4 bytes per 32 weights, 1.125 bytes a weight against fp32's 4. Decode reads every weight once per step
 and is bound by memory bandwidth, which is the point of the smaller format. Activations stay fp32.
+
+fp16 / bf16: each linear layer's weight rounded to 16 bits (2 bytes a weight), widened back to fp32 in the
+kernel's registers: fp16 keeps 11 significant bits within its range (|w| < 65504, far above trained weights),
+bf16 keeps fp32's range with 8.
 """
 
 from __future__ import annotations
@@ -12,10 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvyard.kernels.ops import SmallLinearInt8Kernel
+from kvyard.kernels.ops import SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import QUANTIZATION_SCHEMES
 
 GROUP_SIZE = 32
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def scheme_suffix(scheme: str) -> str:
+    """What a weight scheme adds to the checkpoint's digest in block keys ("" for the stored weights)."""
+    if scheme == "none":
+        return ""
+    return f"+{scheme}-g{GROUP_SIZE}" if scheme == "int8" else f"+{scheme}"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,24 +81,65 @@ class Int8Linear(nn.Module):
         self.kernel = kernel
 
 
+class HalfLinear(nn.Module):
+    """A linear layer with fp16 or bf16 weights: few rows through the native kernel, which widens them in
+    registers; more rows (prefill, large batches) widen the whole weight for one fp32 matmul."""
+
+    max_small_rows = 64
+    weight16: torch.Tensor  # float16 or bfloat16 [out_features, in_features], a buffer
+
+    def __init__(self, weight16: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight16", weight16)
+        self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        self.in_features, self.out_features = weight16.shape[1], weight16.shape[0]
+        self.kernel: SmallLinearHalfKernel | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> HalfLinear:
+        return cls(linear.weight.detach().to(dtype).contiguous(), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
+            return self.kernel(x, self.weight16, self.bias)
+        return F.linear(x, self.weight16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def use_native_kernel(self, kernel: SmallLinearHalfKernel | None) -> None:
+        self.kernel = kernel
+
+
 def quantize_model(model: nn.Module, scheme: str) -> int:
-    """Replace every linear layer whose input size allows it with its int8 form; returns how many were."""
+    """Replace every linear layer the scheme can convert (int8: input size a multiple of 32; fp16, bf16: all)
+    with its converted form; returns how many were."""
     if scheme == "none":
         return 0
-    if scheme != "int8":
+    if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.in_features % GROUP_SIZE == 0:
-                setattr(parent, name, Int8Linear.from_linear(child))
+            if isinstance(child, nn.Linear) and _converts(child, scheme):
+                setattr(parent, name, _converted(child, scheme))
                 replaced += 1
     return replaced
 
 
-def round_trip_linears(model: nn.Module) -> None:
-    """Give every linear layer `quantize_model` would convert the weight it would compute with (quantized, then
-    dequantized), in place: a float model that an int8 model should equal (tests, quality benchmarks)."""
+def _converts(linear: nn.Linear, scheme: str) -> bool:
+    return linear.in_features % GROUP_SIZE == 0 if scheme == "int8" else True
+
+
+def _converted(linear: nn.Linear, scheme: str) -> nn.Module:
+    if scheme == "int8":
+        return Int8Linear.from_linear(linear)
+    return HalfLinear.from_linear(linear, HALF_DTYPES[scheme])
+
+
+def round_trip_linears(model: nn.Module, scheme: str = "int8") -> None:
+    """Give every linear layer `quantize_model` would convert the weight it would compute with (converted, then
+    back to fp32), in place: a float model that a converted model should equal (tests, quality benchmarks)."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
-            module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+        if isinstance(module, nn.Linear) and _converts(module, scheme):
+            if scheme == "int8":
+                module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+            else:
+                module.weight.data = module.weight.data.to(HALF_DTYPES[scheme]).float()

@@ -39,6 +39,10 @@ void kvyard_small_linear(const float *x, const float *w, const float *bias, floa
 void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scales, const float *bias, float *y,
                               int64_t m, int64_t n, int64_t k, int num_threads);
 
+/* small_linear_half.c: the same with w [n, k] in 16 bits, fp16 (is_bf16 = 0) or bfloat16 (is_bf16 = 1). */
+void kvyard_small_linear_half(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
+                              int64_t k, int is_bf16, int num_threads);
+
 /* elementwise.c: the per-layer fused elementwise work and the greedy sampler's argmax. */
 void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                          int64_t dim, float eps);

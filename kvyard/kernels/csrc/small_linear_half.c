@@ -1,0 +1,109 @@
+/*
+ * y = x W^T (+ b) for a handful of rows of x, with W stored in 16 bits (IEEE fp16 or bfloat16): the decode-step
+ * matmul of a model whose weights were converted to half precision. x, y and the accumulation stay fp32.
+ *
+ * Half the bytes of fp32 weights to stream per step. Laid out as small_linear_int8.c: each weight row is one
+ * sequential stream, widened to fp32 in registers (F16C for fp16, a 16-bit shift for bf16) once per block of up
+ * to 8 rows of x, and threads take tiles of 8 weight rows.
+ *
+ * Layout: x [m, k] fp32, w [n, k] 16-bit, bias [n] or NULL, y [m, n]; `is_bf16` picks the 16-bit format.
+ */
+#include <stdint.h>
+#include <string.h>
+#include "kvyard_kernels.h"
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#include "vec_math.h"
+#define HALF_SIMD 1
+#endif
+
+#define WEIGHT_ROWS_PER_TILE 8
+#define X_ROWS_PER_BLOCK 8
+
+static float half_to_float(uint16_t h, int is_bf16) {
+    uint32_t bits;
+    if (is_bf16) {
+        bits = (uint32_t)h << 16;
+    } else {
+        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+        if (exponent == 0x1f) {
+            bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+        } else if (exponent != 0) {
+            bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+        } else if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            uint32_t e = 113, m = mantissa;
+            while (!(m & 0x400)) m <<= 1, e--;
+            bits = sign | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#ifdef HALF_SIMD
+static inline __m256 widen8(const uint16_t *w, int is_bf16) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)w);
+    if (is_bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    return _mm256_cvtph_ps(raw);
+}
+
+/* One weight row against `rows` rows of x (k a multiple of 8); always inlined with a constant `rows`. */
+static inline __attribute__((always_inline)) void dot_row(const float *x, int64_t k, const uint16_t *w,
+                                                          int is_bf16, float *out, int64_t out_stride,
+                                                          const int rows) {
+    __m256 acc[X_ROWS_PER_BLOCK];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+        const __m256 wv = widen8(w + i, is_bf16);
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), wv, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum8(acc[r]);
+}
+#endif
+
+static void dot_block(const float *x, int64_t k, const uint16_t *w, int is_bf16, float *out, int64_t n,
+                      int64_t rows) {
+#ifdef HALF_SIMD
+    if (k % 8 == 0) {
+        switch (rows) {
+        case 1: dot_row(x, k, w, is_bf16, out, n, 1); return;
+        case 2: dot_row(x, k, w, is_bf16, out, n, 2); return;
+        case 3: dot_row(x, k, w, is_bf16, out, n, 3); return;
+        case 4: dot_row(x, k, w, is_bf16, out, n, 4); return;
+        case 5: dot_row(x, k, w, is_bf16, out, n, 5); return;
+        case 6: dot_row(x, k, w, is_bf16, out, n, 6); return;
+        case 7: dot_row(x, k, w, is_bf16, out, n, 7); return;
+        default: dot_row(x, k, w, is_bf16, out, n, 8); return;
+        }
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        float total = 0.0f;
+        for (int64_t i = 0; i < k; i++) total += x[r * k + i] * half_to_float(w[i], is_bf16);
+        out[r * n] = total;
+    }
+}
+
+static void tile(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                 int is_bf16, int64_t first_row) {
+    const int64_t end = first_row + WEIGHT_ROWS_PER_TILE < n ? first_row + WEIGHT_ROWS_PER_TILE : n;
+    for (int64_t r0 = 0; r0 < m; r0 += X_ROWS_PER_BLOCK) {
+        const int64_t rows = m - r0 < X_ROWS_PER_BLOCK ? m - r0 : X_ROWS_PER_BLOCK;
+        for (int64_t j = first_row; j < end; j++) {
+            dot_block(x + r0 * k, k, w + j * k, is_bf16, y + r0 * n + j, n, rows);
+            if (bias)
+                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * n + j] += bias[j];
+        }
+    }
+}
+
+void kvyard_small_linear_half(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
+                              int64_t k, int is_bf16, int num_threads) {
+    const int64_t num_tiles = (n + WEIGHT_ROWS_PER_TILE - 1) / WEIGHT_ROWS_PER_TILE;
+    const int parallel = n * k >= 2 * 65536; /* ~256 KB of weights before a second thread pays */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+    for (int64_t t = 0; t < num_tiles; t++) tile(x, w, bias, y, m, n, k, is_bf16, t * WEIGHT_ROWS_PER_TILE);
+}
