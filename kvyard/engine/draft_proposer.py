@@ -1,5 +1,5 @@
 """Speculative proposals from a model: a smaller checkpoint with the same vocabulary (`draft`) or the served
-model's own weights in int8 (`self-int8`), run greedily on a paged KV cache of its own.
+model's own weights in int8 or fp16 (`self-int8`, `self-fp16`), run greedily on a paged KV cache of its own.
 
 Each step, every request that may speculate first brings the draft up to date with its tokens: the tokens the
 draft has not seen yet (a new request's prompt, over several steps when it is long; else the tokens the target
@@ -232,15 +232,17 @@ def load_draft_model(
     device: torch.device,
     tokenizers: tuple[Any, Any] = (None, None),
 ) -> CausalLM:
-    """The model that proposes: `self-int8` quantizes the target's own checkpoint; `draft` loads `draft_dir`,
-    after checking that it shares the target's vocabulary (`tokenizers`: the target's and the draft's, None where
-    a directory has none) and covers its context."""
-    if method == "self-int8":
+    """The model that proposes: `self-int8` / `self-fp16` convert the target's own checkpoint; `draft` loads
+    `draft_dir`, after checking that it shares the target's vocabulary (`tokenizers`: the target's and the draft's,
+    None where a directory has none) and covers its context."""
+    if method.startswith("self-"):
+        scheme = method.removeprefix("self-")
         if is_package(target_dir) or target_quantization != "none":
-            raise DraftModelError("--speculative self-int8 drafts with the model's own weights in int8, but the model "
-                                  "already runs int8 weights: serve the fp32 checkpoint, or use ngram or draft")
+            raise DraftModelError(f"--speculative {method} drafts with the model's own weights converted to "
+                                  f"{scheme}, but the model already runs converted weights: serve the checkpoint "
+                                  "as stored, or use ngram or draft")  # fmt: skip
         model = load_model(target_dir, dtype, device, max_model_len, target)
-        quantize_model(model, "int8")
+        quantize_model(model, scheme)
         return model
     if draft_dir is None or not (Path(draft_dir) / "config.json").is_file():
         raise DraftModelError(f"--draft-model {draft_dir}: no config.json there; give a Hugging Face model directory")

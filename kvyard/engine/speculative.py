@@ -19,7 +19,7 @@ that (up to `MAX_PROBE_INTERVAL`): a probe of a model proposer costs a pass of i
 
 Proposers: `ngram` (here; prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens, for n from `ngram_max` down to `ngram_min`), and `draft` / `self-int8` (`draft_proposer`: a smaller
-model, or the target's own weights in int8, run greedily on its own paged KV cache). A proposer that costs time
+model, or the target's own weights in int8 or fp16, run greedily on its own paged KV cache). A proposer that costs time
 says how much (`seconds_per_proposal`), and that cost joins the verify cost when k is chosen.
 """
 
@@ -32,8 +32,8 @@ from typing import Protocol
 from kvyard.engine.request import Request
 from kvyard.settings import setting
 
-METHODS = ("ngram", "draft", "self-int8")
-MODEL_METHODS = ("draft", "self-int8")  # proposers that run a model, built by the engine that has one
+METHODS = ("ngram", "draft", "self-int8", "self-fp16")
+MODEL_METHODS = ("draft", "self-int8", "self-fp16")  # proposers that run a model, built by the engine that has one
 PROBE_EVERY = 8  # steps before the first single-token probe of a request whose speculation stopped paying
 MAX_PROBE_INTERVAL = 64  # the longest wait between probes
 INITIAL_ACCEPTANCE = 0.5  # the first request's acceptance estimate; later ones start at the engine's recent one
@@ -46,14 +46,15 @@ class SpeculativeConfig:
 
     method: str | None = setting(None, flag="--speculative", choices=METHODS, help="propose tokens for the model "
                                  "to verify in one pass: ngram (prompt lookup), draft (a smaller model with the same "
-                                 "vocabulary: --draft-model), self-int8 (the model's own weights in int8)",
+                                 "vocabulary: --draft-model), self-int8 / self-fp16 (the model's own weights in int8 "
+                                 "or fp16)",
                                  default_text="none: off")  # fmt: skip
     num_speculative_tokens: int = setting(4, help="tokens proposed per decode step of a request")
     ngram_min: int = setting(1, help="ngram: shortest suffix looked up in the sequence")
     ngram_max: int = setting(4, help="ngram: longest suffix looked up in the sequence")
     draft_model: str | None = setting(None, help="draft: the model directory that proposes (same tokenizer and "
                                       "vocabulary as the served model)")  # fmt: skip
-    max_draft_catch_up: int = setting(512, help="draft, self-int8: prompt tokens the proposer's model may prefill "
+    max_draft_catch_up: int = setting(512, help="draft, self-*: prompt tokens the proposer's model may prefill "
                                       "per step (a new request's prompt is caught up over several steps)")  # fmt: skip
     adaptive: bool = setting(True, flag="--spec-adaptive", help="propose fewer tokens (down to none) for a "
                              "request whose guesses are often wrong")  # fmt: skip
