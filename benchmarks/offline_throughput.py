@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNERS = REPO / "benchmarks" / "runners"
 PEERS_DIR = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
 LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
-ALL_ENGINES = ("kvyard", "kvyard-int8", "hf", "llamacpp", "vllm")
+ALL_ENGINES = ("kvyard", "kvyard-int8", "kvyard-fp16", "kvyard-bf16", "hf", "llamacpp", "vllm")
 # Headline metric(s) per scenario; the ratio kvyard/peer is reported for each (higher is better).
 HEADLINE = {
     "batch": ("output_tok_s", "total_tok_s"),
@@ -298,8 +298,8 @@ def build_engines(args: argparse.Namespace, model_dir: Path) -> list[Engine]:
     for name in args.engines.split(","):
         if name == "kvyard":
             engines.append(kvyard_engine(args))
-        elif name == "kvyard-int8":
-            engines.append(kvyard_engine(args, "int8"))
+        elif name in ("kvyard-int8", "kvyard-fp16", "kvyard-bf16"):
+            engines.append(kvyard_engine(args, name.removeprefix("kvyard-")))
         elif name == "hf":
             engines.append(
                 Engine(

@@ -1,11 +1,12 @@
 """Quality of converted weights: next-token distributions of each weight scheme against the fp32 model's, on the
-same prompts and positions, kvyard's int8 beside llama.cpp's q8_0 and f16 conversions of the same checkpoint.
+same prompts and positions, kvyard's int8, fp16 and bf16 beside llama.cpp's q8_0 and f16 conversions of the same
+checkpoint.
 
 For every position of 16 prompts of 128 random token ids: mean KL(fp32 || scheme) of the next-token
 distribution, and how often the scheme's most likely token is fp32's. fp32 is Hugging Face transformers on the
-checkpoint. kvyard int8 is transformers on the weights kvyard's int8 loader produces (quantized and dequantized:
-tests/test_quantization.py checks kvyard's int8 engine equal to exactly that model, greedy tokens and logprobs to
-1e-4), so its logits are kvyard's. llama.cpp runs its own GGUF conversions in its peer venv
+checkpoint. Each kvyard scheme is transformers on the weights kvyard's loader computes with (converted and back
+to fp32: tests/test_quantization.py checks kvyard's converted engines equal to exactly that model, greedy tokens
+and logprobs to 1e-4), so its logits are kvyard's. llama.cpp runs its own GGUF conversions in its peer venv
 (`bash benchmarks/setup_peers.sh llamacpp`) with its default f16 KV cache, through runners/llamacpp_logits.py.
 
     .venv/bin/python benchmarks/weight_quality.py --out benchmarks/results/weight_quality.json
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_gguf
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -30,9 +32,7 @@ from kvyard.models.quantization import round_trip_linears
 from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNERS = REPO / "benchmarks" / "runners"
-PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
-LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
+PEERS = PEERS_DIR
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,9 +50,9 @@ def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
         return torch.cat([model(torch.tensor([p])).logits[0].float() for p in prompts])
 
 
-def int8_reference(model_dir: Path) -> nn.Module:
+def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    round_trip_linears(model)
+    round_trip_linears(model, scheme)
     return model
 
 
@@ -69,16 +69,10 @@ def llamacpp_gguf(work_dir: Path, model_dir: Path, outtype: str) -> Path | str:
     python = PEERS / "llamacpp" / "bin" / "python"
     if not python.exists():
         return f"no llama.cpp venv at {python.parent.parent} (bash benchmarks/setup_peers.sh llamacpp)"
-    gguf = work_dir / "gguf" / f"{model_dir.name}-{outtype}.gguf"
-    if not gguf.exists():
-        llama_dir = PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        convert = [str(python), str(RUNNERS / "gguf_convert.py"), "--llama-cpp-dir", str(llama_dir), str(model_dir),
-                   "--outtype", outtype, "--outfile", str(gguf)]  # fmt: skip
-        result = subprocess.run(convert, capture_output=True, text=True)
-        if result.returncode != 0:
-            return f"GGUF conversion to {outtype} failed: {result.stderr[-500:]}"
-    return gguf
+    try:
+        return ensure_gguf(argparse.Namespace(work_dir=work_dir, peers_dir=PEERS), model_dir, outtype)
+    except RuntimeError as error:
+        return str(error)
 
 
 def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
@@ -104,9 +98,10 @@ def main() -> int:
     prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(args.prompts)]  # fmt: skip
     reference = hf_logits(reference_model, prompts)
-    int8_logits = hf_logits(int8_reference(model_dir), prompts)
-    results: dict[str, Any] = {"kvyard int8 (group 32)": compare(reference, int8_logits)}
-    print(json.dumps(results), flush=True)
+    results: dict[str, Any] = {}
+    for scheme, name in (("int8", "kvyard int8 (group 32)"), ("fp16", "kvyard fp16"), ("bf16", "kvyard bf16")):
+        results[name] = compare(reference, hf_logits(converted_reference(model_dir, scheme), prompts))
+        print(json.dumps({name: results[name]}), flush=True)
     prompts_file = args.work_dir / "weight_quality_prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     for outtype in args.gguf_types.split(","):
