@@ -210,3 +210,22 @@ def test_the_measured_verify_cost_grows_with_the_batch() -> None:
     assert one is not None and eight is not None
     assert abs(one - 0.001 / 0.011) < 1e-6 and abs(eight - 0.008 / 0.018) < 1e-6
     assert StepCost().verify_token_cost(1) is None  # nothing measured yet: the configured figure is used
+
+
+def test_speculating_requests_get_the_logprobs_of_plain_decoding(llama_dir: Path) -> None:
+    batch = prompts(6, seed=8)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    with LLM(str(llama_dir)) as plain:
+        reference = plain.generate(batch, params)
+    with LLM(str(llama_dir), speculative=NGRAM) as llm:
+        # guesses 30% wrong: tokens come both from accepted runs and from the model's own next token
+        llm.engine.proposer = OracleProposer({tuple(p): list(r.token_ids) for p, r in zip(batch, reference)}, 0.3)
+        outputs = llm.generate(batch, params)
+        assert llm.engine.stats().spec_accepted_tokens > 0
+    for ours, theirs in zip(outputs, reference):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.logprobs is not None and theirs.logprobs is not None and len(ours.logprobs) == 16
+        for mine, expected in zip(ours.logprobs, theirs.logprobs):
+            assert mine.token_id == expected.token_id
+            assert mine.logprob == pytest.approx(expected.logprob, abs=1e-4)
+            assert mine.top == pytest.approx(expected.top, abs=1e-4)

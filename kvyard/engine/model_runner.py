@@ -78,9 +78,10 @@ class ModelRunner:
         row = 0
         for item in batch.sampling:
             spec = item.spec_token_ids
-            if spec:  # no logprobs (speculative.can_speculate)
+            if spec:  # the i-th emitted token was sampled from row + i, after the i kept guesses before it
                 emitted = accept_greedy(spec, token_ids[row : row + 1 + len(spec)])
-                sampled += [SampledToken(item.request, token_id) for token_id in emitted]
+                sampled += [SampledToken(item.request, token_id, logprobs[row + i])
+                            for i, token_id in enumerate(emitted)]  # fmt: skip
             else:
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)

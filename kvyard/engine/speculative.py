@@ -216,9 +216,9 @@ def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
 
 
 def can_speculate(request: Request) -> bool:
-    """Requests that allow it (`speculate`), decoding one token at a time, with no logprobs asked, no token
-    banned right now and no grammar (those change what a position samples)."""
+    """Requests that allow it (`speculate`), decoding one token at a time, with no token banned right now and no
+    grammar (those change what a position samples). Logprobs are fine: each position's row yields its own."""
     params = request.sampling_params
-    return (params.speculate and params.logprobs is None and request.num_tokens - request.num_computed_tokens == 1
+    return (params.speculate and request.num_tokens - request.num_computed_tokens == 1
             and not request.banned_token_ids() and request.kv_transfer is None
             and request.grammar is None)  # fmt: skip
