@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvyard.engine.model_runner import zeroed_cache
 from kvyard.engine.request import Request
 from kvyard.engine.speculative import StepCost
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
@@ -77,7 +78,7 @@ class DraftModelProposer:
         config = model.config
         dtype = next(model.parameters()).dtype
         shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(config.num_layers)]
         self.backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         kernels = self.backend.kernels if isinstance(self.backend, CPUNativeBackend) else None
         model.use_cpu_fast_paths(kernels)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from kvyard.models.package import is_package, load_package, read_info
 from kvyard.models.quantization import quantize_model, scheme_suffix
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
+
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # tokenizer.json read as it is
 
 
 class LLMEngine(EngineCore):
@@ -167,6 +170,21 @@ def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
 def _load_tokenizer(model_dir: str) -> Any:
     if not any((Path(model_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    if _tokenizer_class(model_dir) in GENERIC_TOKENIZERS and (Path(model_dir) / "tokenizer.json").is_file():
+        # The class AutoTokenizer would pick, without the model config and modeling imports it loads first
+        # (about 2 s of start-up).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _tokenizer_class(model_dir: str) -> str | None:
+    path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        name = json.loads(path.read_text()).get("tokenizer_class") if path.is_file() else None
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reads it again and says what is wrong
+    return name if isinstance(name, str) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +20,15 @@ from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import CausalLM
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU an anonymous memory mapping: the OS hands out zeroed pages as they
+    are first written, so a large pool costs neither start-up time nor resident memory before it is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -57,7 +68,7 @@ class ModelRunner:
         config = model.config
         shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(config.num_layers)]
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         kernels = self.attention_backend.kernels if isinstance(self.attention_backend, CPUNativeBackend) else None
         self.uses_cpu_fast_paths = model.use_cpu_fast_paths(kernels)

@@ -83,7 +83,10 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (uninitialised) weight, the embedding skips drawing random values, which on the meta device
+        # the loader builds on imports torch._dynamo: about 3 s of start-up. The checkpoint overwrites it anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -124,7 +124,7 @@ def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.devi
     config = load_model_config(package_dir)
     with torch.device("meta"):
         model = CausalLM(config, max_positions).to(dtype)
-        quantize_model(model, info.weights)  # after the dtype: converted tensors keep theirs
+        quantize_model(model, info.weights, empty=True)  # after the dtype: converted tensors keep theirs
     model = model.to_empty(device=device)
     _load_tensors(model, tensors_path, config.tie_word_embeddings)
     model.rotary.build(device)

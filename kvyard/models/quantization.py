@@ -108,9 +108,10 @@ class HalfLinear(nn.Module):
         self.kernel = kernel
 
 
-def quantize_model(model: nn.Module, scheme: str) -> int:
+def quantize_model(model: nn.Module, scheme: str, *, empty: bool = False) -> int:
     """Replace every linear layer the scheme can convert (int8: input size a multiple of 32; fp16, bf16: all)
-    with its converted form; returns how many were."""
+    with its converted form; returns how many were. `empty`: the converted layers get uninitialised tensors of
+    their shapes and dtypes instead (a package's loader fills them), and no weight is read."""
     if scheme == "none":
         return 0
     if scheme not in QUANTIZATION_SCHEMES:
@@ -119,7 +120,7 @@ def quantize_model(model: nn.Module, scheme: str) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and _converts(child, scheme):
-                setattr(parent, name, _converted(child, scheme))
+                setattr(parent, name, _converted(child, scheme, empty))
                 replaced += 1
     return replaced
 
@@ -128,10 +129,17 @@ def _converts(linear: nn.Linear, scheme: str) -> bool:
     return linear.in_features % GROUP_SIZE == 0 if scheme == "int8" else True
 
 
-def _converted(linear: nn.Linear, scheme: str) -> nn.Module:
+def _converted(linear: nn.Linear, scheme: str, empty: bool) -> nn.Module:
+    rows, columns = linear.out_features, linear.in_features
     if scheme == "int8":
+        if empty:
+            q = torch.empty(rows, columns, dtype=torch.int8)
+            return Int8Linear(q, torch.empty(rows, columns // GROUP_SIZE), linear.bias)
         return Int8Linear.from_linear(linear)
-    return HalfLinear.from_linear(linear, HALF_DTYPES[scheme])
+    dtype = HALF_DTYPES[scheme]
+    if empty:
+        return HalfLinear(torch.empty(rows, columns, dtype=dtype), linear.bias)
+    return HalfLinear.from_linear(linear, dtype)
 
 
 def round_trip_linears(model: nn.Module, scheme: str = "int8") -> None:
