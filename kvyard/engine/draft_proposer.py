@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 
-from kvyard.engine.model_runner import zeroed_cache
+from kvyard.engine.model_runner import PagedModel
 from kvyard.engine.request import Request
 from kvyard.engine.speculative import StepCost
-from kvyard.models.attention import AttentionBackend, build_attention_metadata
-from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model
@@ -71,17 +69,10 @@ class DraftModelProposer:
         attention_backend: str = "auto",
         max_catch_up: int = 512,
     ) -> None:
-        self.model = model
-        self.block_size = block_size
-        self.device = device
-        self.max_catch_up = max_catch_up
-        config = model.config
         dtype = next(model.parameters()).dtype
-        shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(config.num_layers)]
-        self.backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
-        kernels = self.backend.kernels if isinstance(self.backend, CPUNativeBackend) else None
-        model.use_cpu_fast_paths(kernels)
+        self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend)
+        self.block_size = block_size
+        self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[str, _DraftSequence] = {}
         self._step = 0
@@ -195,27 +186,19 @@ class DraftModelProposer:
             positions += range(query.start, query.start + len(query.token_ids))
             if query.wants_guess:
                 rows.append(len(input_ids) - 1)
-        meta = build_attention_metadata(
-            self.backend,
+        hidden = self.paged.run(
+            input_ids,
+            positions,
             block_tables=[query.sequence.block_table for query in queries],
             context_lens=[query.start + len(query.token_ids) for query in queries],
             query_lens=[len(query.token_ids) for query in queries],
-            block_size=self.block_size,
-            dtype=self.kv_caches[0].dtype,
-            device=self.device,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            meta,
         )
         if not guessing:
             for query in queries:
                 query.sequence.num_computed = query.start + len(query.token_ids)
         token_ids: list[int] = []
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.paged.model.compute_logits(hidden[torch.tensor(rows, device=self.paged.device)])
             token_ids = logits.argmax(dim=-1).tolist()
         if max(len(query.token_ids) for query in queries) <= 2:
             self._pass_cost.observe(len(queries), time.perf_counter() - started)

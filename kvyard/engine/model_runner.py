@@ -49,7 +49,10 @@ PROMPT_SCORING_ROWS = 256  # prompt positions turned into logits at once (each r
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: positions of one seed never reach another choice's seed (seed + i)
 
 
-class ModelRunner:
+class PagedModel:
+    """A model with its paged KV cache and the attention backend chosen for it: forward passes over a flat batch
+    of tokens from many sequences. The engine's runner is one; a draft model that proposes tokens has its own."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -70,8 +73,38 @@ class ModelRunner:
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(config.num_layers)]
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
-        kernels = self.attention_backend.kernels if isinstance(self.attention_backend, CPUNativeBackend) else None
-        self.uses_cpu_fast_paths = model.use_cpu_fast_paths(kernels)
+        backend = self.attention_backend
+        self.kernels = backend.kernels if isinstance(backend, CPUNativeBackend) else None
+        self.uses_cpu_fast_paths = model.use_cpu_fast_paths(self.kernels)
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        query_lens: list[int],
+    ) -> torch.Tensor:
+        """The final hidden states of a step's tokens (sequences with a single query token first), whose keys and
+        values it writes into the cache."""
+        meta = build_attention_metadata(self.attention_backend, block_tables, context_lens, query_lens,
+                                        self.block_size, self.kv_caches[0].dtype, self.device)  # fmt: skip
+        ids = torch.tensor(input_ids, device=self.device)
+        return self.model(ids, torch.tensor(positions, device=self.device), self.kv_caches, meta)
+
+
+class ModelRunner(PagedModel):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ) -> None:
+        super().__init__(model, num_blocks, block_size, dtype, device, attention_backend)
+        kernels = self.kernels
         self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded generators
 
@@ -169,20 +202,12 @@ class ModelRunner:
             if item.completes_sequence:
                 sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
                 sampling.append(item)
-        meta = build_attention_metadata(
-            self.attention_backend,
+        hidden = self.run(
+            input_ids,
+            positions,
             block_tables=[item.request.block_table for item in scheduled],
             context_lens=[item.request.num_computed_tokens + item.num_new_tokens for item in scheduled],
             query_lens=[item.num_new_tokens for item in scheduled],
-            block_size=self.block_size,
-            dtype=self.kv_caches[0].dtype,
-            device=self.device,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            meta,
         )
         for request, first_row, first_position, num_rows in scoring:
             self._score_prompt(request, hidden[first_row : first_row + max(0, num_rows)], first_position)
