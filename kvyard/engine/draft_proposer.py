@@ -87,13 +87,12 @@ class DraftModelProposer:
         """Single-token passes over 1 to 16 sequences of one block each, so the first real steps price a guess
         at what a pass of their size costs (the first, cold pass is not counted)."""
         sequences = [_DraftSequence() for _ in range(max(WARM_UP_BATCHES))]
-        if not all(self._reserve(sequence, self.block_size) for sequence in sequences):
-            return
-        self._run_pass([_Query(sequences[0], [0], 0, True)])
-        self._pass_cost = StepCost()
-        for position, num_sequences in enumerate(WARM_UP_BATCHES):
-            self._run_pass([_Query(sequence, [0], position, True) for sequence in sequences[:num_sequences]])
-        for sequence in sequences:
+        if all(self._reserve(sequence, self.block_size) for sequence in sequences):  # a pool of 16 blocks or more
+            self._run_pass([_Query(sequences[0], [0], 0, True)])
+            self._pass_cost = StepCost()
+            for position, num_sequences in enumerate(WARM_UP_BATCHES):
+                self._run_pass([_Query(sequence, [0], position, True) for sequence in sequences[:num_sequences]])
+        for sequence in sequences:  # every block taken, also when the pool was too small to warm up
             self._free_blocks.extend(reversed(sequence.block_table))
 
     def release(self, request: Request) -> None:
