@@ -3,14 +3,15 @@ server of the tiny Llama model."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from server_utils import ServerProcess, start_server
 
-from kvyard.kernels.build import KernelsUnavailable, find_compiler
-from kvyard.kernels.ops import NativeKernels, load_native_kernels
+from kvyard.kernels.build import PORTABLE_FLAGS, KernelsUnavailable, compile_kernels, find_compiler
+from kvyard.kernels.ops import NativeKernels, bind_kernels, load_native_kernels
 from kvyard.testing.create_model import create_model
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -36,6 +37,22 @@ def native_kernels() -> NativeKernels:
     except KernelsUnavailable:
         assert find_compiler() is None, "a C compiler is here but the kernels did not build"
         pytest.skip("no C compiler here")
+
+
+@pytest.fixture(scope="session")
+def portable_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernels built without -march=native (on x86-64: without AVX2), so they take their plain C paths."""
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path_factory.mktemp("portable") / "kernels_portable.so"
+    compile_kernels(compiler, PORTABLE_FLAGS, library_path)
+    return library_path
+
+
+@pytest.fixture(scope="session")
+def portable(portable_library: Path) -> NativeKernels:
+    return bind_kernels(ctypes.CDLL(str(portable_library)), 2)
 
 
 @pytest.fixture(scope="module")

@@ -109,9 +109,10 @@ def test_the_choice_decides_every_native_path(model_dirs: dict[str, Path], nativ
     assert pure.argmax is torch_argmax
 
 
-def test_native_refuses_a_bfloat16_cache_and_auto_falls_back(model_dirs: dict[str, Path]) -> None:
+def test_native_refuses_a_bfloat16_model_and_auto_falls_back(model_dirs: dict[str, Path]) -> None:
     model = _model(model_dirs["llama"], torch.bfloat16)
-    with pytest.raises(AttentionBackendUnavailable, match=r"float32 only, and the dtype is torch\.bfloat16"):
+    with pytest.raises(AttentionBackendUnavailable, match=r"float32 activations only, and the model's dtype is "
+                       r"torch\.bfloat16"):  # fmt: skip
         _runner(model, "native", torch.bfloat16)
     runner = _runner(model, "auto", torch.bfloat16)
     assert runner.attention_backend.name == "torch"

@@ -13,28 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels.bindings import KernelBindingError, bind_functions
-from kvyard.kernels.build import HEADER, PORTABLE_FLAGS, compile_kernels, compiled_library, find_compiler
+from kvyard.kernels.build import HEADER, compiled_library
 from kvyard.kernels.header import HeaderSyntaxError, parse_prototypes
 from kvyard.kernels.ops import NativeKernels, SmallLinearKernel, bind_kernels
 from kvyard.models.attention import AttentionBackend, build_attention_metadata, paged_attention
 from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
 from kvyard.models.layers import Linear
-
-
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The kernels built without -march=native (on x86-64: without AVX2), so they take their plain C paths."""
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library_path = tmp_path_factory.mktemp("portable") / "kernels_portable.so"
-    compile_kernels(compiler, PORTABLE_FLAGS, library_path)
-    return library_path
-
-
-@pytest.fixture(scope="module")
-def portable(portable_library: Path) -> NativeKernels:
-    return bind_kernels(ctypes.CDLL(str(portable_library)), 2)
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +276,7 @@ def test_argtypes_come_from_the_header(library: ctypes.CDLL) -> None:
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     assert functions["kvyard_rotary"].argtypes == [pointer, int64, int64, int64, int64, pointer, pointer, pointer]
     assert functions["kvyard_paged_prefill_attention"].restype is ctypes.c_int
-    assert functions["kvyard_paged_prefill_attention"].argtypes[12] is ctypes.c_float  # scale
+    assert functions["kvyard_paged_prefill_attention"].argtypes[13] is ctypes.c_float  # scale
     assert functions["kvyard_silu_mul"].restype is None
 
 

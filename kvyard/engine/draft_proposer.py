@@ -68,9 +68,10 @@ class DraftModelProposer:
         device: torch.device,
         attention_backend: str = "auto",
         max_catch_up: int = 512,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         dtype = next(model.parameters()).dtype
-        self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend)
+        self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
         self.block_size = block_size
         self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))

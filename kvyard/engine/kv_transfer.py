@@ -1,7 +1,8 @@
 """Copy whole blocks of the paged KV cache out to host memory and back.
 
-Each layer's cache is `[2, num_slots, num_kv_heads, head_dim]` with slot = block_id * block_size +
-offset. A block's KV across all layers is `[num_layers, 2, block_size, num_kv_heads, head_dim]`.
+Each layer's cache is `[2, num_slots, num_kv_heads, row]` with slot = block_id * block_size + offset (a row in
+the cache's format, `kvyard.models.kv_format`). A block's KV across all layers is
+`[num_layers, 2, block_size, num_kv_heads, row]`, copied as the bytes it is stored in.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class DeviceBlocks:
     """Whole blocks of the paged KV cache as bytes in the block codec's format: what the KV tier stores and
     what replicas send each other."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size: int) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_size: int, format_name: str) -> None:
+        """`format_name`: the KV format as the block codec names it (`KVFormat.codec_name`)."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self._dtype = kv_caches[0].dtype
-        self.format = BlockFormat(str(self._dtype).removeprefix("torch."), block_shape(kv_caches, block_size))
+        self.format = BlockFormat(format_name, block_shape(kv_caches, block_size))
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         """A host copy of each block's bytes, taken now (the blocks may be reused right after)."""

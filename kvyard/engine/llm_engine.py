@@ -22,6 +22,7 @@ from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from kvyard.models.decoder import CausalLM
+from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
 from kvyard.models.quantization import quantize_model, scheme_suffix
@@ -46,6 +47,7 @@ class LLMEngine(EngineCore):
         _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
         model, digest = self._load_weights(config, max_model_len)
+        self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
         core_config = CoreConfig(
@@ -59,16 +61,15 @@ class LLMEngine(EngineCore):
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,
             model_digest=digest,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=self.kv_format.namespace_dtype(self.dtype),
             block_size=config.block_size,
         )
-        self.runner: ModelRunner = ModelRunner(
-            model, num_kv_blocks, config.block_size, self.dtype, self.device, config.attention_backend
-        )
+        self.runner: ModelRunner = ModelRunner(model, num_kv_blocks, config.block_size, self.dtype, self.device,
+                                               config.attention_backend, config.kv_cache_dtype)  # fmt: skip
         eos_token_ids = _eos_token_ids(self.model_config, tokenizer)
         proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
         super().__init__(core_config, namespace, self.runner, tokenizer, eos_token_ids, proposer)
-        self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size)
+        self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size, self.kv_format.codec_name)
         self.block_reader = self.device_blocks
         self.kv_tier = self._attach_kv_tier()
         self.kv_puller: KVPullLink | None = None
@@ -96,7 +97,7 @@ class LLMEngine(EngineCore):
         model = load_draft_model(spec.method, spec.draft_model, config.model, self.model_config, config.quantization,
                                  max_model_len, self.dtype, self.device, (tokenizer, draft_tokenizer))  # fmt: skip
         return DraftModelProposer(model, num_kv_blocks, config.block_size, self.device, config.attention_backend,
-                                  spec.max_draft_catch_up)  # fmt: skip
+                                  spec.max_draft_catch_up, config.kv_cache_dtype)  # fmt: skip
 
     @property
     def num_kv_blocks(self) -> int:
@@ -107,7 +108,7 @@ class LLMEngine(EngineCore):
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         blocks_per_seq = -(-max_model_len // config.block_size)
-        per_block = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_format)
         by_memory = int(config.kv_cache_memory_gb * (1 << 30)) // per_block
         return max(1, min(by_memory, blocks_per_seq * config.scheduler.max_num_seqs))
 

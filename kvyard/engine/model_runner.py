@@ -20,6 +20,7 @@ from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import CausalLM
+from kvyard.models.kv_format import KVFormat
 
 
 def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -31,9 +32,8 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat) -> int:
+    return 2 * config.num_layers * block_size * config.num_kv_heads * kv_format.row_bytes(config.head_dim)
 
 
 @dataclass(slots=True)
@@ -61,17 +61,23 @@ class PagedModel:
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """`attention_backend`: "torch" (PyTorch SDPA, and no native code at all), "native" (the native
-        CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error saying why), or
-        "auto" (native where it can run, else torch). Chosen here, once: `self.attention_backend.name`."""
+        """`dtype`: the model's. `attention_backend`: "torch" (PyTorch SDPA, and no native code at all),
+        "native" (the native CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error
+        saying why), or "auto" (native where it can run, else torch). Chosen here, once:
+        `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`)."""
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
+        self.kv_format = KVFormat.resolve(kv_cache_dtype, dtype)
         config = model.config
-        shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        shape = (2, num_blocks * block_size, config.num_kv_heads, self.kv_format.row_width(config.head_dim))
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
-        self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(config.num_layers)]
+        storage = self.kv_format.storage_dtype
+        self.kv_caches = [zeroed_cache(shape, storage, device) for _ in range(config.num_layers)]
+        self._keys_from_cache = not self.kv_format.is_exact_for(dtype)
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         backend = self.attention_backend
         self.kernels = backend.kernels if isinstance(backend, CPUNativeBackend) else None
@@ -88,7 +94,7 @@ class PagedModel:
         """The final hidden states of a step's tokens (sequences with a single query token first), whose keys and
         values it writes into the cache."""
         meta = build_attention_metadata(self.attention_backend, block_tables, context_lens, query_lens,
-                                        self.block_size, self.kv_caches[0].dtype, self.device)  # fmt: skip
+                                        self.block_size, self.dtype, self.device, self._keys_from_cache)  # fmt: skip
         ids = torch.tensor(input_ids, device=self.device)
         return self.model(ids, torch.tensor(positions, device=self.device), self.kv_caches, meta)
 
@@ -102,8 +108,9 @@ class ModelRunner(PagedModel):
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        super().__init__(model, num_blocks, block_size, dtype, device, attention_backend)
+        super().__init__(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
         kernels = self.kernels
         self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded generators

@@ -1,4 +1,4 @@
-"""Native CPU kernels as functions of torch tensors (fp32, on CPU).
+"""Native CPU kernels as functions of torch tensors (fp32 activations, on CPU).
 
 Only what PyTorch lacks or does slowly here: decode and prefill-chunk attention that read the paged
 KV cache in place instead of gathering it into a temporary first, the few-row matmul of a decode step,
@@ -18,11 +18,16 @@ import torch
 from kvyard.kernels.bindings import bind_functions
 from kvyard.kernels.build import HEADER, KernelsUnavailable, compiled_library
 
+# The KV-cache formats the kernels read and write (kv_rows.h), by the cache tensor's dtype (uint8: int8 rows with
+# their scale, kvyard.models.kv_format).
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
+INT8_ROW_SCALE_BYTES = 4  # an int8 row is head_dim int8 values, then its fp32 scale
+
 
 @dataclass(frozen=True, slots=True)
 class PagedDecodeKernel:
     PROTOTYPES: ClassVar[str] = """
-        void kvyard_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+        void kvyard_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
             const int64_t *block_tables, const int64_t *context_lens, float *out, float *workspace, int num_seqs,
             int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t max_context,
             float scale, int num_threads);
@@ -42,14 +47,18 @@ class PagedDecodeKernel:
         block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        """q: [B, Hq, D]; caches: [slots, Hkv, D]; tables: [B, max_blocks] int64; lens: [B] int64."""
+        """q: [B, Hq, D]; caches: [slots, Hkv, row] contiguous; tables: [B, max_blocks] int64; lens: [B] int64."""
         q = q.contiguous()
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
+        _check_cache(k_cache, v_cache, head_dim)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the decode kernel reads slots packed back to back: the caches must be contiguous")
         out = torch.empty_like(q)
         workspace = torch.empty(self.num_threads * num_heads * max(1, max_context))
         self.function(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), _ptr(out),
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype], _ptr(block_tables),
+            _ptr(context_lens), _ptr(out),
             _ptr(workspace), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
             max_context, scale, self.num_threads,
         )  # fmt: skip
@@ -58,16 +67,16 @@ class PagedDecodeKernel:
 
 @dataclass(frozen=True, slots=True)
 class PagedPrefillKernel:
-    """Causal attention of a prefill chunk (the last query_len of context_len positions), fp32.
+    """Causal attention of a prefill chunk (the last query_len of context_len positions), fp32 arithmetic.
 
-    Keys and values are read in place, either from the paged cache through a block table or from
-    contiguous [context_len, Hkv, D] rows; rows may be strided but each row's heads are contiguous."""
+    Keys and values are read in place, either from the paged cache (any KV format) through a block table or
+    from contiguous fp32 [context_len, Hkv, D] rows; rows may be strided but each row's heads are contiguous."""
 
     PROTOTYPES: ClassVar[str] = """
-        int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
-            const float *v_cache, int64_t kv_stride, const int64_t *block_table, int block_size, int64_t query_len,
-            int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale, float *out,
-            int num_threads);
+        int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
+            const void *v_cache, int kv_dtype, int64_t kv_stride_bytes, const int64_t *block_table, int block_size,
+            int64_t query_len, int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale,
+            float *out, int num_threads);
     """
 
     function: Callable[..., Any]
@@ -83,15 +92,17 @@ class PagedPrefillKernel:
         block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        """q: [Tq, Hq, D]; caches: [slots, Hkv, D]; block_table: int64, covering context_len keys."""
+        """q: [Tq, Hq, D]; caches: [slots, Hkv, row]; block_table: int64, covering context_len keys."""
         block_table = block_table.contiguous()
         q, k_cache, v_cache = _heads_contiguous(q), _heads_contiguous(k_cache), _heads_contiguous(v_cache)
         if k_cache.stride(0) != v_cache.stride(0):
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         query_len, num_heads, head_dim = q.shape
+        _check_cache(k_cache, v_cache, head_dim)
         out = q.new_empty(query_len, num_heads, head_dim)
         status = self.function(
-            _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0), _ptr(block_table), block_size,
+            _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0) * k_cache.element_size(), _ptr(block_table), block_size,
             query_len, context_len, num_heads, k_cache.shape[1], head_dim, scale, _ptr(out), self.num_threads,
         )  # fmt: skip
         if status != 0:
@@ -103,6 +114,37 @@ class PagedPrefillKernel:
         # Contiguous keys are a paged cache of one block holding all of them.
         single_block = torch.zeros(1, dtype=torch.long)
         return self(q, k, v, single_block, k.shape[0], max(1, k.shape[0]), scale)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreKVKernel:
+    """Writes a step's fp32 keys and values into the paged cache's rows, converted to its format (rounding as
+    `kvyard.models.kv_format` does, so the bytes equal PyTorch's)."""
+
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+            const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, void *k_cache, void *v_cache,
+            int kv_dtype, int64_t slot_bytes, int num_threads);
+    """
+
+    function: Callable[..., Any]
+    num_threads: int
+
+    def __call__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """caches: [slots, Hkv, row], contiguous; slots: [T] int64, each < num_slots; k, v: [T, Hkv, D] fp32."""
+        k, v, slots = _heads_contiguous(k), _heads_contiguous(v), slots.contiguous()
+        num_tokens, num_kv_heads, head_dim = k.shape
+        _check_cache(k_cache, v_cache, head_dim)
+        if v.shape != k.shape or slots.shape != (num_tokens,) or k_cache.shape[1] != num_kv_heads:
+            raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and slots {tuple(slots.shape)} do not match "
+                             f"a cache of {tuple(k_cache.shape)}")  # fmt: skip
+        self.function(
+            _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(slots), num_tokens, num_kv_heads, head_dim,
+            _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype], k_cache.stride(0) * k_cache.element_size(),
+            self.num_threads,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +281,7 @@ class NativeKernels:
     elementwise: ElementwiseKernels
     small_linear_int8: SmallLinearInt8Kernel
     small_linear_half: SmallLinearHalfKernel
+    store_kv: StoreKVKernel
 
 
 def load_native_kernels() -> NativeKernels:
@@ -259,7 +302,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
     wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel,
-                SmallLinearHalfKernel)  # fmt: skip
+                SmallLinearHalfKernel, StoreKVKernel)  # fmt: skip
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -274,6 +317,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
         ),
         SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
         SmallLinearHalfKernel(functions["kvyard_small_linear_half"], threads),
+        StoreKVKernel(functions["kvyard_store_kv"], threads),
     )
 
 
@@ -282,6 +326,19 @@ def _heads_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]:
         return tensor
     return tensor.contiguous()
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
+    """The kernels walk the caches by raw pointer: a format, row width or layout they do not expect must stop here,
+    not read or write past a buffer."""
+    if k_cache.dtype not in KV_DTYPE_CODES or v_cache.dtype != k_cache.dtype or k_cache.device.type != "cpu":
+        raise TypeError(f"a KV cache of {k_cache.dtype}/{v_cache.dtype} on {k_cache.device} is not one the "
+                        "kernels read")  # fmt: skip
+    row_width = head_dim + INT8_ROW_SCALE_BYTES if k_cache.dtype == torch.uint8 else head_dim
+    for cache in (k_cache, v_cache):
+        if cache.dim() != 3 or cache.shape[2] != row_width or cache.stride(2) != 1 or cache.stride(1) != row_width:
+            raise ValueError(f"KV cache {tuple(cache.shape)} (strides {cache.stride()}) does not hold rows of "
+                             f"{row_width} for head_dim {head_dim}")  # fmt: skip
 
 
 def _ptr(tensor: torch.Tensor) -> int:

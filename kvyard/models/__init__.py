@@ -6,3 +6,5 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 # The weight schemes a model can be loaded in (kvyard.models.quantization), for the same reason.
 QUANTIZATION_SCHEMES = ("none", "int8", "fp16", "bf16")
 PACKAGE_SCHEMES = ("int8", "fp16", "bf16")  # what `kvyard convert` writes: every scheme but the stored weights
+# The formats the paged KV cache can store keys and values in (kvyard.models.kv_format); auto: the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")

@@ -1,11 +1,13 @@
 """Paged attention: the layout of a step that every layer shares, and the backend interface.
 
-The KV cache of one layer is a tensor `[2, num_slots, num_kv_heads, head_dim]` where a slot is
-`block_id * block_size + offset`. A step's tokens are laid out decodes first (one query token per
-sequence), then prefill chunks. Everything that depends only on the batch layout (slot indices,
-masks) is computed once per step in `AttentionMetadata` and shared by all layers. How attention is
-computed over the cache is an `AttentionBackend` (implementations in `attention_backends`), chosen
-once by the ModelRunner and carried by each step's metadata, so every layer of a step uses it.
+The KV cache of one layer is a tensor `[2, num_slots, num_kv_heads, row]` where a slot is
+`block_id * block_size + offset` and a row holds one token's keys (or values) of one KV head in the
+cache's format (`kv_format`: head_dim values of fp32, fp16 or bf16, or int8 values and their scale).
+A step's tokens are laid out decodes first (one query token per sequence), then prefill chunks.
+Everything that depends only on the batch layout (slot indices, masks) is computed once per step in
+`AttentionMetadata` and shared by all layers. How attention is computed over the cache is an
+`AttentionBackend` (implementations in `attention_backends`), chosen once by the ModelRunner and
+carried by each step's metadata, so every layer of a step uses it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import torch
 class AttentionBackend(Protocol):
     """Attention of this step's queries over the paged KV cache.
 
-    Writing the step's keys and values into the cache is not part of it: the cache layout is shared
-    with the block pool and the KV tier, which copy whole blocks, so every backend reads that layout
-    and `paged_attention` writes it the same way for all."""
+    The cache layout is shared with the block pool and the KV tier, which copy whole blocks, so every
+    backend reads and writes that same layout (`kv_format`), byte for byte."""
 
     @property
     def name(self) -> str:
@@ -31,6 +32,10 @@ class AttentionBackend(Protocol):
     @property
     def uses_masks(self) -> bool:
         """Whether it reads the additive masks in the metadata; without, they are not built at all."""
+        ...
+
+    def store(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's k, v ([T, Hkv, D]) into the cache's rows `slots`, converted to its format."""
         ...
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -60,8 +65,9 @@ class PrefillSpan:
     query_len: int
     context_len: int
     # Blocks of the whole context (cached prefix + this chunk) and the additive causal mask
-    # [query_len, context_len]; both None when the chunk is the whole context, so keys come
-    # straight from this step's projections. The mask is also None for a backend without masks.
+    # [query_len, context_len]; both None when the chunk is the whole context and the cache holds
+    # keys exactly, so keys come straight from this step's projections. The mask is also None for a
+    # backend without masks.
     block_table: torch.Tensor | None
     mask: torch.Tensor | None
 
@@ -86,8 +92,13 @@ def build_attention_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    keys_from_cache: bool = False,
 ) -> AttentionMetadata:
-    """Describe one step for `backend`. Sequences with query_len == 1 must come first."""
+    """Describe one step for `backend`; `dtype` is the model's. Sequences with query_len == 1 must come first.
+
+    `keys_from_cache`: every prefill chunk reads its keys from the cache, even one that is the whole context.
+    For a cache that rounds what it stores (fp16, int8 on an fp32 model), so that a prompt attends to the
+    same keys whether its prefix was cached or not."""
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
     with_masks = backend.uses_masks
     prefills: list[PrefillSpan] = []
@@ -96,7 +107,8 @@ def build_attention_metadata(
         block_tables[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:]
     ):
         prefills.append(
-            _prefill_span(query_start, query_len, context_len, table, block_size, dtype, device, with_masks)
+            _prefill_span(query_start, query_len, context_len, table, block_size, dtype, device, with_masks,
+                          keys_from_cache)
         )
         query_start += query_len
     decode_tables = _decode_tables(block_tables[:num_decodes], context_lens[:num_decodes], block_size)
@@ -135,8 +147,9 @@ def _prefill_span(
     dtype: torch.dtype,
     device: torch.device,
     with_mask: bool,
+    keys_from_cache: bool,
 ) -> PrefillSpan:
-    if context_len == query_len:
+    if context_len == query_len and not keys_from_cache:
         return PrefillSpan(query_start, query_len, context_len, None, None)
     num_blocks = -(-context_len // block_size)
     table = torch.tensor(block_table[:num_blocks], dtype=torch.long).to(device)
@@ -164,11 +177,11 @@ def _decode_mask(context_lens: list[int], tables: torch.Tensor, block_size: int,
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Rows of `cache` ([num_slots, Hkv, D]) for whole blocks: [*block_ids.shape[:-1], n*block_size, Hkv, D]."""
-    num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
-    per_block = cache.view(-1, block_size * num_kv_heads * head_dim)
+    """Rows of `cache` ([num_slots, Hkv, W]) for whole blocks: [*block_ids.shape[:-1], n*block_size, Hkv, W]."""
+    num_kv_heads, row_width = cache.shape[1], cache.shape[2]
+    per_block = cache.view(-1, block_size * num_kv_heads * row_width)
     rows = per_block.index_select(0, block_ids.flatten())
-    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, row_width)
 
 
 def paged_attention(
@@ -180,8 +193,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache; returns [T, Hq, D]."""
-    kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-    kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    meta.backend.store(kv_cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels.build import KernelsUnavailable
-from kvyard.kernels.ops import NativeKernels, load_native_kernels
+from kvyard.kernels.ops import KV_DTYPE_CODES, NativeKernels, load_native_kernels
 from kvyard.models import ATTENTION_BACKENDS
 from kvyard.models.attention import AttentionBackend, AttentionMetadata, PrefillSpan, gather_blocks
+from kvyard.models.kv_format import from_storage, store_rows
 
 logger = logging.getLogger(__name__)
 
@@ -23,18 +24,23 @@ class AttentionBackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class TorchSDPABackend:
-    """Plain PyTorch: gathers the context's KV blocks and runs scaled_dot_product_attention. Any device, any dtype."""
+    """Plain PyTorch: gathers the context's KV blocks, widens them to the query's dtype and runs
+    scaled_dot_product_attention. Any device, any dtype, any KV format."""
 
     name: ClassVar[str] = "torch"
     uses_masks: ClassVar[bool] = True
+
+    def store(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store_rows(kv_cache[0], slots, k)
+        store_rows(kv_cache[1], slots, v)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # The query heads of one KV group share its keys, so they ride along as extra query rows
         # ([B, Hkv, group, D]) instead of expanding K and V to every query head.
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
-        keys = gather_blocks(kv_cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
-        values = gather_blocks(kv_cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+        keys = _gather(kv_cache[0], meta.decode_block_tables, meta.block_size, q.dtype).transpose(1, 2)
+        values = _gather(kv_cache[1], meta.decode_block_tables, meta.block_size, q.dtype).transpose(1, 2)
         grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
         return out.reshape(num_seqs, num_heads, head_dim)
@@ -52,8 +58,8 @@ class TorchSDPABackend:
         if span.block_table is None:
             keys, values, mask = k, v, None
         else:
-            keys = gather_blocks(kv_cache[0], span.block_table, meta.block_size)[: span.context_len]
-            values = gather_blocks(kv_cache[1], span.block_table, meta.block_size)[: span.context_len]
+            keys = _gather(kv_cache[0], span.block_table, meta.block_size, q.dtype)[: span.context_len]
+            values = _gather(kv_cache[1], span.block_table, meta.block_size, q.dtype)[: span.context_len]
             mask = span.mask
         # SDPA takes its fused CPU kernel only for 4-D inputs, hence the leading batch dim of 1.
         out = F.scaled_dot_product_attention(
@@ -66,14 +72,21 @@ class TorchSDPABackend:
 @dataclass(frozen=True, slots=True)
 class CPUNativeBackend:
     """The native kernels (`kvyard.kernels`): keys and values read in place through the block tables,
-    causality and padding from positions and lengths, so no gather and no masks. fp32 on CPU only."""
+    causality and padding from positions and lengths, so no gather and no masks. fp32 activations on CPU,
+    the cache in any KV format."""
 
     kernels: NativeKernels
     name: ClassVar[str] = "native"
     uses_masks: ClassVar[bool] = False
 
+    def store(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        _require_cpu(kv_cache)
+        _require_fp32_cpu(k, v)
+        self.kernels.store_kv(kv_cache[0], kv_cache[1], slots, k, v)
+
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _require_fp32_cpu(q, kv_cache)
+        _require_cpu(kv_cache)
+        _require_fp32_cpu(q)
         max_context = int(meta.decode_block_tables.shape[1]) * meta.block_size
         return self.kernels.paged_decode(
             q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, max_context,
@@ -90,7 +103,8 @@ class CPUNativeBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        _require_fp32_cpu(q, k, v, kv_cache)
+        _require_cpu(kv_cache)
+        _require_fp32_cpu(q, k, v)
         kernel = self.kernels.paged_prefill
         # The kernel also beats SDPA's causal path on whole-context chunks (measured on the bench
         # preset's shapes, 16 to 2,500 tokens: 1.2-2x), so it takes those too.
@@ -100,7 +114,7 @@ class CPUNativeBackend:
 
 
 def select_attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The backend for a KV cache of `dtype` on `device`.
+    """The backend for a model computing in `dtype` on `device` (any KV format).
 
     "torch": SDPA. "native": the native kernels, else AttentionBackendUnavailable saying why. "auto":
     native where it can run (CPU, float32, kernels built), else SDPA."""
@@ -122,12 +136,23 @@ def select_attention_backend(choice: str, device: torch.device, dtype: torch.dty
 
 
 def native_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the native kernels cannot serve a KV cache of `dtype` on `device`; None if they can."""
+    """Why the native kernels cannot serve a model computing in `dtype` on `device`; None if they can."""
     if device.type != "cpu":
         return f"the native kernels run on CPU only, and the device is {device}"
     if dtype != torch.float32:
-        return f"the native kernels take float32 only, and the dtype is {dtype}"
+        return f"the native kernels take float32 activations only, and the model's dtype is {dtype}"
     return None
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return from_storage(gather_blocks(cache, block_ids, block_size), dtype)
+
+
+def _require_cpu(kv_cache: torch.Tensor) -> None:
+    """The kernels read the cache through raw pointers in one of the formats they know."""
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in KV_DTYPE_CODES:
+        raise TypeError(f"the native attention kernels take a CPU KV cache of {', '.join(map(str, KV_DTYPE_CODES))}, "
+                        f"not {kv_cache.dtype} on {kv_cache.device}")  # fmt: skip
 
 
 def _require_fp32_cpu(*tensors: torch.Tensor) -> None:

@@ -5,10 +5,12 @@
  * declaration here (and, with -Werror=missing-prototypes, an exported function missing from it).
  * The Python bindings parse this file when they load the library and check their own expectations
  * against it (kvyard/kernels/header.py), so declarations keep to what that parser reads: one
- * prototype per statement, return and parameter types void, int, float, int64_t or int8_t, optionally
+ * prototype per statement, return and parameter types void, int, float, int64_t, int8_t or uint16_t, optionally
  * const-qualified pointers to them, every parameter named. No macros, arrays or attributes here.
  *
- * All tensors are fp32 (indices int64, quantized weights int8), row-major; see each source for layouts.
+ * Activations are fp32 (indices int64, quantized weights int8 or 16-bit), row-major; the KV cache is in one of
+ * the row formats of kv_rows.h, named by kv_dtype (0 fp32, 1 fp16, 2 bf16, 3 int8 with a scale per row).
+ * See each source for layouts.
  */
 #ifndef KVYARD_KERNELS_H
 #define KVYARD_KERNELS_H
@@ -17,7 +19,7 @@
 
 /* paged_attention.c: one query token per sequence against its keys in the paged cache. `workspace`
  * holds num_threads * num_heads * max_context floats. */
-void kvyard_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void kvyard_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_dtype,
                                    const int64_t *block_tables, const int64_t *context_lens, float *out,
                                    float *workspace, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int64_t max_context, float scale,
@@ -25,10 +27,15 @@ void kvyard_paged_decode_attention(const float *q, const float *k_cache, const f
 
 /* prefill_attention.c: causal attention of a prefill chunk, keys read in place. Returns 0 on success,
  * -1 if a thread could not allocate its scratch (out is then incomplete). */
-int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                   int64_t kv_stride, const int64_t *block_table, int block_size, int64_t query_len,
+int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                   int kv_dtype, int64_t kv_stride_bytes, const int64_t *block_table, int block_size, int64_t query_len,
                                    int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale,
                                    float *out, int num_threads);
+
+/* kv_store.c: a step's keys and values written into the paged cache in its row format. */
+void kvyard_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+                     int64_t num_tokens, int num_kv_heads, int head_dim, void *k_cache, void *v_cache, int kv_dtype,
+                     int64_t slot_bytes, int num_threads);
 
 /* small_linear.c: y = x w^T (+ bias) for a few rows of x; bias may be NULL. */
 void kvyard_small_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n,

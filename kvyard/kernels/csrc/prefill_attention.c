@@ -1,5 +1,6 @@
 /*
- * Prefill-chunk attention straight from the paged KV cache, for CPU, fp32.
+ * Prefill-chunk attention straight from the paged KV cache, for CPU: fp32 queries and arithmetic, the cache
+ * in any format of kv_rows.h (rows are widened to fp32 as they are packed into a key tile).
  *
  * A chunk of query_len new tokens sits at positions context_len - query_len .. context_len - 1 and
  * attends causally to all context_len keys. Keys and values are read through the block table where
@@ -8,8 +9,8 @@
  * softmax, so scores never outgrow one tile, and accumulation is fp32 throughout.
  *
  * Layout: q [query_len, num_heads, head_dim] with q_stride floats between tokens (heads contiguous);
- * out [query_len, num_heads, head_dim] contiguous; key j of KV head h is the head_dim floats at
- * k_cache + slot * kv_stride + h * head_dim with slot = block_table[j / block_size] * block_size +
+ * out [query_len, num_heads, head_dim] contiguous; key j of KV head h is the row (kv_rows.h) at byte
+ * k_cache + slot * kv_stride_bytes + h * row_bytes with slot = block_table[j / block_size] * block_size +
  * j % block_size (likewise values). A contiguous K of shape [context_len, Hkv, D] is the special
  * case of one block of context_len slots.
  *
@@ -34,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kv_rows.h"
 #include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -57,8 +59,9 @@
 typedef struct {
     const float *q;
     int64_t q_stride;
-    const float *k_cache, *v_cache;
-    int64_t kv_stride;
+    const uint8_t *k_cache, *v_cache;
+    int64_t kv_stride_bytes, row_bytes;
+    int kv_dtype;
     const int64_t *block_table;
     int block_size;
     int64_t query_len, context_len;
@@ -144,18 +147,13 @@ static void store_output_tile(const Problem *p, int kv_head, const QueryTile *ti
 
 /* ---------------------------------------------------------------- key tiles */
 
-static inline const float *cache_row(const Problem *p, const float *cache, int kv_head, int64_t key) {
+static inline const uint8_t *cache_row(const Problem *p, const uint8_t *cache, int kv_head, int64_t key) {
     const int64_t slot = p->block_table[key / p->block_size] * p->block_size + key % p->block_size;
-    return cache + slot * p->kv_stride + (int64_t)kv_head * p->head_dim;
+    return cache + slot * p->kv_stride_bytes + (int64_t)kv_head * p->row_bytes;
 }
 
-static inline void prefetch_row(const float *row, int head_dim) {
-    for (int i = 0; i < head_dim; i += 16) __builtin_prefetch(row + i);
-}
-
-static inline void copy_row(float *restrict dst, const float *restrict src, int head_dim) {
-#pragma omp simd
-    for (int d = 0; d < head_dim; d++) dst[d] = src[d];
+static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
 }
 
 /* Copies keys first_key .. first_key + count - 1 of one KV head (and their values) into the packed
@@ -169,11 +167,11 @@ static void pack_key_tile(const Problem *p, int kv_head, int64_t first_key, int 
         const int64_t key = first_key + n;
         /* The rows sit in scattered blocks, so the hardware prefetcher loses them at every block edge. */
         if (key + PREFETCH_DISTANCE < end_key) {
-            prefetch_row(cache_row(p, p->k_cache, kv_head, key + PREFETCH_DISTANCE), head_dim);
-            prefetch_row(cache_row(p, p->v_cache, kv_head, key + PREFETCH_DISTANCE), head_dim);
+            prefetch_row(cache_row(p, p->k_cache, kv_head, key + PREFETCH_DISTANCE), p->row_bytes);
+            prefetch_row(cache_row(p, p->v_cache, kv_head, key + PREFETCH_DISTANCE), p->row_bytes);
         }
-        copy_row(w->k_tile + (size_t)n * head_dim, cache_row(p, p->k_cache, kv_head, key), head_dim);
-        copy_row(w->v_tile + (size_t)n * head_dim, cache_row(p, p->v_cache, kv_head, key), head_dim);
+        kv_load_row(cache_row(p, p->k_cache, kv_head, key), p->kv_dtype, head_dim, w->k_tile + (size_t)n * head_dim);
+        kv_load_row(cache_row(p, p->v_cache, kv_head, key), p->kv_dtype, head_dim, w->v_tile + (size_t)n * head_dim);
     }
     const int padded = (count + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const size_t pad_bytes = sizeof(float) * (size_t)head_dim * (size_t)(padded - count);
@@ -384,12 +382,13 @@ static int64_t split_head(int64_t tiles_per_head, int num_kv_heads, int num_thre
 }
 
 /* Returns 0 on success, -1 if a thread could not allocate its scratch (out is then incomplete). */
-int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                   int64_t kv_stride, const int64_t *block_table, int block_size, int64_t query_len,
+int kvyard_paged_prefill_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                   int kv_dtype, int64_t kv_stride_bytes, const int64_t *block_table, int block_size, int64_t query_len,
                                    int64_t context_len, int num_heads, int num_kv_heads, int head_dim, float scale,
                                    float *out, int num_threads) {
     const Problem p = {
-        .q = q, .q_stride = q_stride, .k_cache = k_cache, .v_cache = v_cache, .kv_stride = kv_stride,
+        .q = q, .q_stride = q_stride, .k_cache = k_cache, .v_cache = v_cache, .kv_stride_bytes = kv_stride_bytes,
+        .row_bytes = kv_row_bytes(kv_dtype, head_dim), .kv_dtype = kv_dtype,
         .block_table = block_table, .block_size = block_size, .query_len = query_len, .context_len = context_len,
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .group = num_heads / num_kv_heads, .q_scale = scale * LOG2E, .out = out,

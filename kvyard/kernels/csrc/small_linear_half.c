@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "half_float.h"
 #include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -19,29 +20,6 @@
 
 #define WEIGHT_ROWS_PER_TILE 8
 #define X_ROWS_PER_BLOCK 8
-
-static float half_to_float(uint16_t h, int is_bf16) {
-    uint32_t bits;
-    if (is_bf16) {
-        bits = (uint32_t)h << 16;
-    } else {
-        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-        if (exponent == 0x1f) {
-            bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
-        } else if (exponent != 0) {
-            bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-        } else if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            uint32_t e = 113, m = mantissa;
-            while (!(m & 0x400)) m <<= 1, e--;
-            bits = sign | (e << 23) | ((m & 0x3ff) << 13);
-        }
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 #ifdef HALF_SIMD
 static inline __m256 widen8(const uint16_t *w, int is_bf16) {
