@@ -23,6 +23,8 @@
 #endif
 #define LOG2E 1.4426950408889634f
 
+#define ROW_STEP 4 /* key rows scored, and value rows accumulated, together */
+
 static inline void score_row(const float *q, const float *k, int group, int head_dim, float scale, float *scores,
                              int64_t scores_stride) {
     for (int g = 0; g < group; g++) {
@@ -42,6 +44,69 @@ static inline void accumulate_row(const float *v, const float *probs, int64_t pr
 #pragma omp simd
         for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
     }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The four horizontal sums of a0..a3, in order. */
+static inline __m128 sum_each(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+#endif
+
+/* score_row for `rows` (at most ROW_STEP) key rows k[0..rows): scores[g * scores_stride + r]. With AVX2 four dot
+ * products share each load of q and one reduction, instead of a reduction each. */
+static inline void score_rows(const float *q, const float *const *k, int rows, int group, int head_dim, float scale,
+                              float *scores, int64_t scores_stride) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0) {
+        const float *k0 = k[0], *k1 = k[rows > 1], *k2 = k[rows > 2 ? 2 : 0], *k3 = k[rows > 3 ? 3 : 0];
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + (int64_t)g * head_dim;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                   a3 = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + d), qv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + d), qv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + d), qv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + d), qv, a3);
+            }
+            float dots[ROW_STEP];
+            _mm_storeu_ps(dots, _mm_mul_ps(sum_each(a0, a1, a2, a3), _mm_set1_ps(scale)));
+            for (int r = 0; r < rows; r++) scores[g * scores_stride + r] = dots[r];
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < rows; r++) score_row(q, k[r], group, head_dim, scale, scores + r, scores_stride);
+}
+
+/* accumulate_row for `rows` (at most ROW_STEP) value rows v[0..rows), probs[g * probs_stride + r]. With AVX2 each
+ * output vector is loaded and stored once for all of them. */
+static inline void accumulate_rows(const float *const *v, int rows, const float *probs, int64_t probs_stride,
+                                   int group, int head_dim, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0) {
+        const float *v0 = v[0], *v1 = v[rows > 1], *v2 = v[rows > 2 ? 2 : 0], *v3 = v[rows > 3 ? 3 : 0];
+        for (int g = 0; g < group; g++) {
+            const float *p = probs + g * probs_stride;
+            const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(rows > 1 ? p[1] : 0.0f),
+                         p2 = _mm256_set1_ps(rows > 2 ? p[2] : 0.0f), p3 = _mm256_set1_ps(rows > 3 ? p[3] : 0.0f);
+            float *o = out + (int64_t)g * head_dim;
+            for (int d = 0; d < head_dim; d += 8) {
+                __m256 acc = _mm256_loadu_ps(o + d);
+                acc = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), acc);
+                acc = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), acc);
+                acc = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), acc);
+                acc = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), acc);
+                _mm256_storeu_ps(o + d, acc);
+            }
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < rows; r++) accumulate_row(v[r], probs + r, probs_stride, group, head_dim, out);
 }
 
 /* Blocks sit at random places in the cache, which defeats the hardware prefetcher at every block
@@ -86,10 +151,17 @@ typedef struct {
     float scale;
 } Cache;
 
+/* Pointers to `rows` consecutive rows of one KV head, as fp32: in place for an fp32 cache, else widened into
+ * `buffer` (ROW_STEP rows of head_dim floats). */
+static inline void rows_as_float(const Cache *c, const uint8_t *first, int rows, float *buffer, const float **out) {
+    for (int r = 0; r < rows; r++)
+        out[r] = kv_row_as_float(first + r * c->slot_bytes, c->kv_dtype, c->head_dim, buffer + r * c->head_dim);
+}
+
 /*
  * Query heads of KV heads [first_kv_head, last_kv_head) of one sequence against their keys. Rows are
- * visited block by block (no division in the inner loop), and with every KV head in the range at each
- * row, so a whole range reads the cache as contiguous runs the prefetcher can stream.
+ * visited block by block (no division in the inner loop), ROW_STEP at a time, and with every KV head in the
+ * range at each step, so a whole range reads the cache as contiguous runs the prefetcher can stream.
  * q, out: this sequence's [num_heads, head_dim]; scores: num_heads * context_len floats.
  */
 static void attend(const Cache *c, const float *q, const int64_t *table, int64_t context_len, float *out,
@@ -99,7 +171,8 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
     const int num_heads = (last_kv_head - first_kv_head) * group;
     const int64_t span = (int64_t)(last_kv_head - first_kv_head) * c->row_bytes;
     const int64_t first_row = first_kv_head * c->row_bytes;
-    float row_buffer[head_dim];
+    float buffer[ROW_STEP * head_dim];
+    const float *rows_f[ROW_STEP];
     q += first_kv_head * group_size;
     out += first_kv_head * group_size;
     for (int64_t t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
@@ -107,13 +180,14 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
         const uint8_t *k = c->k_cache + table[b] * block_bytes + first_row;
         const uint8_t *next_k = t0 + block_size < context_len ? c->k_cache + table[b + 1] * block_bytes + first_row
                                                                : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            if (next_k != NULL) prefetch_row(next_k + r * c->slot_bytes, span);
-            for (int h = first_kv_head; h < last_kv_head; h++) {
-                const uint8_t *row = k + r * c->slot_bytes + (h - first_kv_head) * c->row_bytes;
-                score_row(q + (h - first_kv_head) * group_size, kv_row_as_float(row, c->kv_dtype, head_dim, row_buffer),
-                          group, head_dim, c->scale, scores + (h - first_kv_head) * group * context_len + t0 + r,
-                          context_len);
+        for (int64_t r = 0; r < rows; r += ROW_STEP) {
+            const int step = rows - r < ROW_STEP ? (int)(rows - r) : ROW_STEP;
+            if (next_k != NULL)
+                for (int i = 0; i < step; i++) prefetch_row(next_k + (r + i) * c->slot_bytes, span);
+            for (int h = 0; h < last_kv_head - first_kv_head; h++) {
+                rows_as_float(c, k + r * c->slot_bytes + h * c->row_bytes, step, buffer, rows_f);
+                score_rows(q + h * group_size, rows_f, step, group, head_dim, c->scale,
+                           scores + h * group * context_len + t0 + r, context_len);
             }
         }
     }
@@ -124,13 +198,14 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
         const uint8_t *v = c->v_cache + table[b] * block_bytes + first_row;
         const uint8_t *next_v = t0 + block_size < context_len ? c->v_cache + table[b + 1] * block_bytes + first_row
                                                                : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            if (next_v != NULL) prefetch_row(next_v + r * c->slot_bytes, span);
-            for (int h = first_kv_head; h < last_kv_head; h++) {
-                const uint8_t *row = v + r * c->slot_bytes + (h - first_kv_head) * c->row_bytes;
-                accumulate_row(kv_row_as_float(row, c->kv_dtype, head_dim, row_buffer),
-                               scores + (h - first_kv_head) * group * context_len + t0 + r, context_len, group,
-                               head_dim, out + (h - first_kv_head) * group_size);
+        for (int64_t r = 0; r < rows; r += ROW_STEP) {
+            const int step = rows - r < ROW_STEP ? (int)(rows - r) : ROW_STEP;
+            if (next_v != NULL)
+                for (int i = 0; i < step; i++) prefetch_row(next_v + (r + i) * c->slot_bytes, span);
+            for (int h = 0; h < last_kv_head - first_kv_head; h++) {
+                rows_as_float(c, v + r * c->slot_bytes + h * c->row_bytes, step, buffer, rows_f);
+                accumulate_rows(rows_f, step, scores + h * group * context_len + t0 + r, context_len, group, head_dim,
+                                out + h * group_size);
             }
         }
     }
