@@ -41,6 +41,9 @@ RUNNERS = REPO / "benchmarks" / "runners"
 PEERS_DIR = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
 LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
 ALL_ENGINES = ("kvyard", "kvyard-int8", "kvyard-fp16", "kvyard-bf16", "hf", "llamacpp", "vllm")
+# Also accepted: kvyard with its KV cache in another format, "kvyard[-WEIGHTS]+kv-FORMAT" (kvyard+kv-int8,
+# kvyard-int8+kv-fp16, ...), FORMAT one of fp16, bf16, int8.
+KV_FORMATS = ("fp16", "bf16", "int8")
 # Headline metric(s) per scenario; the ratio kvyard/peer is reported for each (higher is better).
 HEADLINE = {
     "batch": ("output_tok_s", "total_tok_s"),
@@ -83,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--engines", default=",".join(ALL_ENGINES), help="comma-separated subset of " + ",".join(ALL_ENGINES)
+        + ", or kvyard[-WEIGHTS]+kv-FORMAT (FORMAT: " + ",".join(KV_FORMATS) + ")"
     )
     p.add_argument("--num-prompts", type=int, default=None, help="prompts in the offline batch (default 64, quick 8)")
     p.add_argument("--quick", action="store_true", help="tiny workload for smoke-testing")
@@ -251,15 +255,27 @@ def ensure_gguf(args: argparse.Namespace, model_dir: Path, outtype: str) -> Path
     return out
 
 
-def kvyard_engine(args: argparse.Namespace, quantization: str = "none") -> Engine:
+def kvyard_engine(args: argparse.Namespace, quantization: str = "none", kv_cache_dtype: str = "auto") -> Engine:
     python = REPO / ".venv" / "bin" / "python"
+    name = "kvyard" if quantization == "none" else f"kvyard-{quantization}"
     return Engine(
-        "kvyard" if quantization == "none" else f"kvyard-{quantization}",
+        name if kv_cache_dtype == "auto" else f"{name}+kv-{kv_cache_dtype}",
         python if python.exists() else Path(sys.executable),
         "kvyard_runner.py",
         {"PYTHONPATH": str(REPO)},
-        {"llm_kwargs": {"quantization": quantization}},
+        {"llm_kwargs": {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}},
     )
+
+
+def kvyard_variant(name: str) -> tuple[str, str] | None:
+    """(weight scheme, KV format) of an engine name kvyard[-WEIGHTS][+kv-FORMAT]; None if it is not one."""
+    base, _, kv = name.partition("+kv-")
+    weights = "none" if base == "kvyard" else base.removeprefix("kvyard-")
+    if not base.startswith("kvyard") or weights not in ("none", "int8", "fp16", "bf16"):
+        return None
+    if "+kv-" in name and kv not in KV_FORMATS:
+        return None
+    return weights, kv or "auto"
 
 
 def llamacpp_engines(args: argparse.Namespace, model_dir: Path) -> list[Engine]:
@@ -296,10 +312,9 @@ def vllm_engine(args: argparse.Namespace) -> Engine:
 def build_engines(args: argparse.Namespace, model_dir: Path) -> list[Engine]:
     engines: list[Engine] = []
     for name in args.engines.split(","):
-        if name == "kvyard":
-            engines.append(kvyard_engine(args))
-        elif name in ("kvyard-int8", "kvyard-fp16", "kvyard-bf16"):
-            engines.append(kvyard_engine(args, name.removeprefix("kvyard-")))
+        variant = kvyard_variant(name)
+        if variant is not None:
+            engines.append(kvyard_engine(args, *variant))
         elif name == "hf":
             engines.append(
                 Engine(

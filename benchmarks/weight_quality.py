@@ -75,29 +75,38 @@ def llamacpp_gguf(work_dir: Path, model_dir: Path, outtype: str) -> Path | str:
         return str(error)
 
 
-def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
-    python = PEERS / "llamacpp" / "bin" / "python"
-    gguf = llamacpp_gguf(args.work_dir, model_dir, outtype)
-    if isinstance(gguf, str):
-        return gguf
-    out = args.work_dir / f"llamacpp-logits-{outtype}.npy"
-    command = [str(python), str(RUNNERS / "llamacpp_logits.py"), "--gguf", str(gguf), "--prompts",
-               str(prompts_file), "--out", str(out), "--threads", str(os.cpu_count() or 1)]  # fmt: skip
+def run_llamacpp_logits(gguf: Path, prompts_file: Path, out: Path, *options: str) -> np.ndarray | str:
+    """runners/llamacpp_logits.py on `gguf` (with its `options`) in the llama.cpp venv: the logits, or why not."""
+    command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_logits.py"), "--gguf", str(gguf),
+               "--prompts", str(prompts_file), "--out", str(out), "--threads", str(os.cpu_count() or 1),
+               *options]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return f"llama.cpp logits failed: {result.stderr[-500:]}"
     return np.load(out)
 
 
-def main() -> int:
-    args = parse_args()
-    model_dir = cached_model(args.work_dir)
+def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, prompts_file: Path) -> np.ndarray | str:
+    gguf = llamacpp_gguf(args.work_dir, model_dir, outtype)
+    if isinstance(gguf, str):
+        return gguf
+    return run_llamacpp_logits(gguf, prompts_file, args.work_dir / f"llamacpp-logits-{outtype}.npy")
+
+
+def reference_logits(model_dir: Path, num_prompts: int, prompt_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Seeded prompts of random token ids, and the fp32 model's logits at every position (transformers)."""
     reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = reference_model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist()
-               for _ in range(args.prompts)]  # fmt: skip
-    reference = hf_logits(reference_model, prompts)
+    prompts = [torch.randint(3, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(num_prompts)]
+    return prompts, hf_logits(reference_model, prompts)
+
+
+def main() -> int:
+    args = parse_args()
+    model_dir = cached_model(args.work_dir)
+    prompts, reference = reference_logits(model_dir, args.prompts, args.prompt_tokens)
+    vocab = reference.shape[-1]
     results: dict[str, Any] = {}
     for scheme, name in (("int8", "kvyard int8 (group 32)"), ("fp16", "kvyard fp16"), ("bf16", "kvyard bf16")):
         results[name] = compare(reference, hf_logits(converted_reference(model_dir, scheme), prompts))

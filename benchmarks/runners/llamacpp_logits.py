@@ -4,7 +4,12 @@ Runs in the llamacpp peer venv: reads prompts (JSON list of token-id lists), eva
 batch with logits requested at every position, and writes a float32 array [sum of prompt lengths, vocab] with
 numpy's .npy format.
 
-    python llamacpp_logits.py --gguf MODEL.gguf --prompts prompts.json --out logits.npy --threads 2
+    python llamacpp_logits.py --gguf MODEL.gguf --prompts prompts.json --out logits.npy --threads 2 \
+        [--kv-type f16] [--flash-attn auto]
+
+--kv-type sets the KV cache's type for keys and values (f32, f16 or q8_0; default: llama.cpp's, f16);
+--flash-attn on, off or auto (llama.cpp's default). A quantized V cache needs it on; on CPU it also rounds to
+fp16 inside attention, so an f32 cache is only f32 with it off.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import json
 import llama_cpp as lc
 import numpy as np
 
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -22,6 +30,8 @@ def main() -> int:
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-type", choices=KV_TYPES, default=None)
+    parser.add_argument("--flash-attn", choices=FLASH_ATTN, default="auto")
     args = parser.parse_args()
     with open(args.prompts) as file:
         prompts: list[list[int]] = json.load(file)
@@ -32,6 +42,9 @@ def main() -> int:
     params = lc.llama_context_default_params()
     params.n_ctx = params.n_batch = params.n_ubatch = longest
     params.n_threads = params.n_threads_batch = args.threads
+    if args.kv_type is not None:
+        params.type_k = params.type_v = KV_TYPES[args.kv_type]
+    params.flash_attn_type = FLASH_ATTN[args.flash_attn]
     ctx = lc.llama_init_from_model(model, params)
     batch = lc.llama_batch_init(longest, 0, 1)
     rows = []
