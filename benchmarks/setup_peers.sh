@@ -54,7 +54,9 @@ setup_llamacpp() {
   "$pip" install "$TORCH_PIN" && "$pip" install "$TORCH_PIN" transformers numpy sentencepiece requests gguf || return 1
   # CPU build, native ISA (AVX2 here); compiles llama.cpp from source (~15 min on 2 cores).
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="${LLAMA_CPP_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
-    "$pip" install --no-cache-dir -v "$PEERS_DIR/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+    "$pip" install --no-cache-dir -v "$PEERS_DIR/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" || return 1
+  # The OpenAI server (`python -m llama_cpp.server`, for time_to_ready.py): the package's [server] extra.
+  "$pip" install fastapi uvicorn sse-starlette starlette-context pydantic-settings
 }
 
 setup_vllm() {
