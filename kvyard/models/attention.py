@@ -194,6 +194,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache; returns [T, Hq, D]."""
     meta.backend.store(kv_cache, meta.slot_mapping, k, v)
+    if not meta.prefills:  # a decode step: no output buffer to assemble
+        return meta.backend.decode(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
