@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels.build import KernelsUnavailable
-from kvyard.kernels.ops import KV_DTYPE_CODES, NativeKernels, load_native_kernels
+from kvyard.kernels.ops import NativeKernels, load_native_kernels
 from kvyard.models import ATTENTION_BACKENDS
 from kvyard.models.attention import AttentionBackend, AttentionMetadata, PrefillSpan, gather_blocks
 from kvyard.models.kv_format import from_storage, store_rows
@@ -80,12 +80,10 @@ class CPUNativeBackend:
     uses_masks: ClassVar[bool] = False
 
     def store(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        _require_cpu(kv_cache)
-        _require_fp32_cpu(k, v)
+        _require_fp32_cpu(k, v)  # the kernels check the cache themselves
         self.kernels.store_kv(kv_cache[0], kv_cache[1], slots, k, v)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _require_cpu(kv_cache)
         _require_fp32_cpu(q)
         max_context = int(meta.decode_block_tables.shape[1]) * meta.block_size
         return self.kernels.paged_decode(
@@ -103,7 +101,6 @@ class CPUNativeBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        _require_cpu(kv_cache)
         _require_fp32_cpu(q, k, v)
         kernel = self.kernels.paged_prefill
         # The kernel also beats SDPA's causal path on whole-context chunks (measured on the bench
@@ -146,13 +143,6 @@ def native_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str |
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
     return from_storage(gather_blocks(cache, block_ids, block_size), dtype)
-
-
-def _require_cpu(kv_cache: torch.Tensor) -> None:
-    """The kernels read the cache through raw pointers in one of the formats they know."""
-    if kv_cache.device.type != "cpu" or kv_cache.dtype not in KV_DTYPE_CODES:
-        raise TypeError(f"the native attention kernels take a CPU KV cache of {', '.join(map(str, KV_DTYPE_CODES))}, "
-                        f"not {kv_cache.dtype} on {kv_cache.device}")  # fmt: skip
 
 
 def _require_fp32_cpu(*tensors: torch.Tensor) -> None:
