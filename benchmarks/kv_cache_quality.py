@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from offline_throughput import LLAMA_CPP_VERSION
-from weight_quality import compare, llamacpp_gguf, reference_logits, run_llamacpp_logits
+from weight_quality import compare, llamacpp_gguf, reference_logits, run_llamacpp_logits, write_results
 
 from kvyard.engine.model_runner import PagedModel
 from kvyard.models.loader import load_model
@@ -99,11 +97,8 @@ def main() -> int:
         "kvyard": "int8 KV: a scale per token and KV head; every position attends to keys as stored",
         "llama_cpp": f"llama-cpp-python {LLAMA_CPP_VERSION}, its f32 GGUF conversion, KV type and flash attention "
         "as named (auto: llama.cpp's default, which turns it on here)",
-        "kvyard_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=REPO).stdout.strip(),
-    }  # fmt: skip
-    args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    }
+    write_results(args.out, conditions, results)
     return 0
 
 

@@ -102,6 +102,14 @@ def reference_logits(model_dir: Path, num_prompts: int, prompt_tokens: int) -> t
     return prompts, hf_logits(reference_model, prompts)
 
 
+def write_results(out: Path, conditions: dict[str, Any], results: dict[str, Any]) -> None:
+    """The JSON a quality script writes: its conditions (with kvyard's commit) and results."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    conditions = {**conditions, "kvyard_commit": commit.stdout.strip()}
+    out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main() -> int:
     args = parse_args()
     model_dir = cached_model(args.work_dir)
@@ -122,11 +130,8 @@ def main() -> int:
         "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 reference (transformers)",
         "prompts": f"{args.prompts} prompts of {args.prompt_tokens} random token ids, every position",
         "llama_cpp": f"llama-cpp-python {LLAMA_CPP_VERSION}, its own GGUF conversions, default f16 KV cache",
-        "kvyard_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=REPO).stdout.strip(),
-    }  # fmt: skip
-    args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    }
+    write_results(args.out, conditions, results)
     return 0
 
 
