@@ -6,6 +6,7 @@ import math
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -82,6 +83,7 @@ class PagedModel:
         backend = self.attention_backend
         self.kernels = backend.kernels if isinstance(backend, CPUNativeBackend) else None
         self.uses_cpu_fast_paths = model.use_cpu_fast_paths(self.kernels)
+        self.argmax: Argmax = self.kernels.elementwise.argmax if self.kernels is not None else torch_argmax
 
     def run(
         self,
@@ -100,20 +102,12 @@ class PagedModel:
 
 
 class ModelRunner(PagedModel):
-    def __init__(
-        self,
-        model: CausalLM,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        attention_backend: str = "auto",
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        super().__init__(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
-        kernels = self.kernels
-        self.argmax: Argmax = kernels.elementwise.argmax if kernels is not None else torch_argmax
-        self._generators: dict[str, torch.Generator] = {}  # per-request seeded generators
+    """The engine's PagedModel: samples a token for every request a step completes."""
+
+    @cached_property
+    def _generators(self) -> dict[str, torch.Generator]:
+        """Per-request seeded generators, by request id."""
+        return {}
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
