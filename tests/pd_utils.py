@@ -63,14 +63,17 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> httpx.Response | ht
 
 
 @dataclass
-class CorruptingRelay:
-    """A TCP relay to `target_port` that flips one byte of what the target sends, `flip_at` bytes into each
-    connection's answer (a damaged link, or a bad NIC, between two replicas)."""
+class Relay:
+    """A TCP relay to `target_port` between two replicas. `flip_at`: flip one byte that many bytes into each
+    connection's answer (a damaged link, or a bad NIC). `hold_at`: forward that many bytes of each answer, then
+    nothing more (`holding` is set): what is still on its way when the target dies is lost with it."""
 
     target_port: int
-    flip_at: int
+    flip_at: int | None = None
+    hold_at: int | None = None
     port: int = 0
     flipped: int = 0
+    holding: threading.Event = field(default_factory=threading.Event)
     _listener: socket.socket = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,19 +94,21 @@ class CorruptingRelay:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, self.flip_at), daemon=True).start()
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the target is gone: so is the connection
+                client.close()
+                continue
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, flip_at: int | None) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, is_answer: bool) -> None:
         offset = 0
         try:
             while data := source.recv(65536):
-                if flip_at is not None and offset <= flip_at < offset + len(data):
-                    damaged = bytearray(data)
-                    damaged[flip_at - offset] ^= 0xFF
-                    data = bytes(damaged)
-                    self.flipped += 1
+                if is_answer:
+                    data = self._damaged(data, offset)
+                    data = self._held(data, offset)
                 offset += len(data)
                 sink.sendall(data)
         except OSError:
@@ -112,3 +117,17 @@ class CorruptingRelay:
             for end in (source, sink):
                 with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
+
+    def _damaged(self, data: bytes, offset: int) -> bytes:
+        if self.flip_at is None or not offset <= self.flip_at < offset + len(data):
+            return data
+        damaged = bytearray(data)
+        damaged[self.flip_at - offset] ^= 0xFF
+        self.flipped += 1
+        return bytes(damaged)
+
+    def _held(self, data: bytes, offset: int) -> bytes:
+        if self.hold_at is None or offset + len(data) <= self.hold_at:
+            return data
+        self.holding.set()
+        return data[: max(self.hold_at - offset, 0)]

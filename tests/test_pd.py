@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_utils import PD_HEADERS, CorruptingRelay, decode_body, pd_request, prefill_body
+from pd_utils import PD_HEADERS, Relay, decode_body, pd_request, prefill_body
 from server_utils import ADMIN, ServerProcess, start_server
 
 BLOCK_SIZE = 16
@@ -127,7 +127,7 @@ def test_the_prefill_side_releases_its_blocks(pair: tuple[ServerProcess, ServerP
 
 def test_a_corrupt_block_is_recomputed(pair: tuple[ServerProcess, ServerProcess]) -> None:
     prefill, decode = pair
-    relay = CorruptingRelay(prefill.port, flip_at=2000)  # inside the first block, past the HTTP head
+    relay = Relay(prefill.port, flip_at=2000)  # inside the first block, past the HTTP head
     try:
         body = body_of(make_prompt(7))
         before = metrics(decode)
@@ -167,26 +167,30 @@ def test_a_prefill_replica_killed_mid_transfer_falls_back(
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     model = model_dirs["llama"]
-    # One prompt token per step at most: the prefill takes long enough to be killed halfway.
-    prefill = start_server(model, tmp_path, "--max-num-batched-tokens", "16", "--kv-tier", "none")
+    prefill = start_server(model, tmp_path, "--kv-tier", "none")
     decode = start_server(model, tmp_path, "--kv-tier", "none")
+    # The decode replica pulls through a relay that passes the first few blocks (8 KiB each for the tiny
+    # Llama) and holds the rest, so the kill always lands mid-transfer however fast the prefill is.
+    relay = Relay(prefill.port, hold_at=5 * 8192)
     try:
         body = body_of(make_prompt(9, 1500))
         reference = tokens_of(unified(decode, body))
+        before = metrics(decode)
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(pd_request, prefill.url, decode.url, body)
-            deadline = time.monotonic() + 60
-            while metrics(decode).get("kvyard_kv_transfer_pulls_total", 0) == 0 and time.monotonic() < deadline:
-                if metrics(prefill)["kvyard_kv_transfer_exported_blocks_total"] >= 10:
-                    break
-                time.sleep(0.02)
+            running = pool.submit(pd_request, prefill.url, decode.url, body, source=relay.url)
+            assert relay.holding.wait(60)
             prefill.process.send_signal(signal.SIGKILL)
             result = running.result()
         assert result.decode.status_code == 200, result.decode.text
         assert tokens_of(result.decode.json()) == reference
-        fallbacks = {k: v for k, v in metrics(decode).items() if k.startswith("kvyard_kv_transfer_fallbacks_total")}
+        after = metrics(decode)
+        fallbacks = {k: v for k, v in after.items() if k.startswith("kvyard_kv_transfer_fallbacks_total")}
         assert fallbacks == {'kvyard_kv_transfer_fallbacks_total{reason="connection_lost"}': 1.0}, fallbacks
+        pulled_key = "kvyard_kv_transfer_pulled_blocks_total"
+        pulled = after[pulled_key] - before.get(pulled_key, 0)
+        assert 1 <= pulled < (1500 - 1) // BLOCK_SIZE
     finally:
+        relay.close()
         prefill.stop()
         decode.stop()
 
