@@ -1,0 +1,1 @@
+"""Fleets on Ray: placement, discovery, scaling (`kvyard deploy`)."""
