@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"engine", "api", "kvcache", "net", "settings", ""},
     "router": {"api", "kvcache", "net", "settings", ""},
     "bench": {"api", "net", ""},
+    "deploy": {"api", "paths"},  # runs `kvyard serve` / `kvyard route` as processes and talks to them over HTTP
     "testing": {"server", "sim", "engine", "api", "kvcache", "models", "net", "paths", "settings"},
 }
 

@@ -1,4 +1,4 @@
-"""`kvyard` command line: create-model, convert, generate, serve, sim, route, bench.
+"""`kvyard` command line: create-model, convert, generate, serve, sim, route, deploy, bench.
 
 Building the parser imports only settings and light modules, so `--help` and argument errors answer at
 once; each command imports what it runs (torch, for the engine) when it runs.
@@ -19,6 +19,7 @@ COMMANDS = {
     "serve": "kvyard.cli.serve",
     "sim": "kvyard.cli.sim",
     "route": "kvyard.cli.route",
+    "deploy": "kvyard.cli.deploy",
     "bench": "kvyard.bench.cli",
 }
 
