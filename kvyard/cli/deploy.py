@@ -38,6 +38,8 @@ def add_parser(commands: Any) -> None:
                          "repeatable")  # fmt: skip
     actions.add_argument("--down", action="store_true", help="stop the fleet's routers and replicas")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="deploy and --scale: give up waiting after "
+                        "this long, leaving the fleet as it is (default: 900)")  # fmt: skip
     parser.set_defaults(handler=run)
 
 
@@ -73,18 +75,18 @@ def run(args: argparse.Namespace) -> int:
         controller = None
     if deploying:
         assert spec is not None
-        return _deploy(spec, controller, args.json)
+        return _deploy(spec, controller, args.json, args.timeout_s)
     if controller is None:
         return fail(f"no fleet named {name!r} on this Ray cluster", 1)
     if args.status:
         status: Any = ray.get(controller.status.remote())
         return _print_status(status, args.json)
     if args.scale:
-        return _scale(controller, scales, args.json)
+        return _scale(controller, scales, args.json, args.timeout_s)
     return _down(controller, namespace)
 
 
-def _deploy(spec: Any, controller: Any, as_json: bool) -> int:
+def _deploy(spec: Any, controller: Any, as_json: bool, timeout_s: float) -> int:
     from kvyard.deploy.controller import ControllerActor, FleetSecrets
 
     if controller is None:
@@ -96,14 +98,14 @@ def _deploy(spec: Any, controller: Any, as_json: bool) -> int:
         _say(f"fleet {spec.name}: starting {_summary(spec)}")
     else:
         _say(f"fleet {spec.name} is already deployed: starting what it lacks (options change only after --down)")
-    return _wait_and_report(controller, controller.apply.remote(), as_json)
+    return _wait_and_report(controller, controller.apply.remote(), as_json, timeout_s)
 
 
-def _scale(controller: Any, scales: list[tuple[str, int]], as_json: bool) -> int:
+def _scale(controller: Any, scales: list[tuple[str, int]], as_json: bool, timeout_s: float) -> int:
     code = 0
     for role, count in scales:
         _say(f"scaling {role} to {count} (replicas that leave are drained first)")
-        code = _wait_and_report(controller, controller.scale.remote(role, count), as_json)
+        code = _wait_and_report(controller, controller.scale.remote(role, count), as_json, timeout_s)
         if code:
             break
     return code
@@ -126,26 +128,49 @@ def _down(controller: Any, namespace: str) -> int:
     return 0
 
 
-def _wait_and_report(controller: Any, call: Any, as_json: bool) -> int:
-    """Wait for `call` (apply or scale), saying how many processes are up meanwhile; print the status."""
+def _wait_and_report(controller: Any, call: Any, as_json: bool, timeout_s: float) -> int:
+    """Wait for `call` (apply or scale), saying how many processes are up and what Ray cannot place; print the
+    status."""
     import ray
 
-    started, last = time.monotonic(), ""
-    while True:
-        ready, _ = ray.wait([call], timeout=2.0)
-        if ready:
-            break
-        status = ray.get(controller.status.remote())
-        members = status["members"]
+    started = time.monotonic()
+    last_line, last_change, last_hint = "", started, started - 60
+    while not ray.wait([call], timeout=2.0)[0]:
+        now = time.monotonic()
+        if now - started > timeout_s:
+            return fail(f"not ready after {timeout_s:g} s; the fleet keeps starting as it is: see --status, or "
+                        "--down", 1)  # fmt: skip
+        members = ray.get(controller.status.remote())["members"]
         line = f"{sum(m['reachable'] for m in members)}/{len(members)} processes ready"
-        if line != last:
-            _say(f"{line} ({time.monotonic() - started:.0f} s)")
-            last = line
+        if line != last_line:
+            _say(f"{line} ({now - started:.0f} s)")
+            last_line, last_change = line, now
+        elif now - last_change > 15 and now - last_hint > 60:
+            _say(_placement_hint([m for m in members if not m["reachable"] and not m.get("url")]))
+            last_hint = now
     try:
         status = ray.get(call)
     except ray.exceptions.RayTaskError as error:
         return fail(str(error.cause if getattr(error, "cause", None) else error), 1)
     return _print_status(status, as_json)
+
+
+def _placement_hint(waiting: list[dict[str, Any]]) -> str:
+    """What the processes that never started ask for, beside what the cluster has free."""
+    import ray
+
+    if not waiting:
+        return "still waiting for processes to answer (see their logs under /tmp/kvyard-deploy/ on their nodes)"
+    asks = "; ".join(f"{m['name']} needs {_resources(m['needs']) or 'nothing'}" for m in waiting)
+    free, total = ray.available_resources(), ray.cluster_resources()
+    have = ", ".join(f"{key} {free.get(key, 0):g} of {total[key]:g}" for key in sorted(total)
+                     if key in ("CPU", "GPU") or key in {k for m in waiting for k in m["needs"]})  # fmt: skip
+    return (f"waiting for Ray to place them: {asks}. Free in the cluster: {have}. Lower num_cpus/num_gpus in the "
+            "spec, add nodes, or --down")
+
+
+def _resources(needs: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:g}" for key, value in needs.items())
 
 
 def _print_status(status: dict[str, Any], as_json: bool) -> int:
@@ -157,7 +182,8 @@ def _print_status(status: dict[str, Any], as_json: bool) -> int:
               router.items()}  # fmt: skip
     for member in status["members"]:
         state = routed.get(member.get("url"), {}).get("state", "-") if member["role"] != "router" else "-"
-        health = "ready" if member["reachable"] else ("failed" if member["error"] else "restarting")
+        health = "ready" if member["reachable"] else "failed" if member["error"] else (
+            "restarting" if member.get("url") else "starting")
         print(f"  {member['name']:<22} {health:<10} {member.get('url', '-'):<28} router view: {state:<9} "
               f"node {member.get('node_ip', '-')}")  # fmt: skip
         if member["error"]:

@@ -62,6 +62,7 @@ class Member:
     reachable: bool = False  # answered the last info() in time
     draining: bool = False
     error: str | None = None  # why it is gone for good (its constructor failed)
+    needs: dict[str, float] = field(default_factory=dict)  # the Ray resources it asked for (unknown when adopted)
 
     @property
     def url(self) -> str | None:
@@ -70,7 +71,7 @@ class Member:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "reachable": self.reachable, "draining": self.draining,
-                "error": self.error, **self.info}  # fmt: skip
+                "error": self.error, "needs": self.needs, **self.info}  # fmt: skip
 
 
 class FleetController:
@@ -215,10 +216,11 @@ class FleetController:
         with self._lock:
             self._members.pop(member.name, None)
         self.reconcile()  # removes it from every router
-        try:
-            ray.get(member.handle.stop.remote(30.0), timeout=60)
-        except ray.exceptions.RayError as error:
-            _LOG.info("stopping %s: %s", member.name, error)
+        if member.url is not None:  # it ran: let its server finish what it serves (one never placed: just go)
+            try:
+                ray.get(member.handle.stop.remote(30.0), timeout=60)
+            except ray.exceptions.RayError as error:
+                _LOG.info("stopping %s: %s", member.name, error)
         ray.kill(member.handle, no_restart=True)
 
     def _busy(self, member: Member) -> bool:
@@ -291,7 +293,8 @@ class FleetController:
             max_concurrency=4, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
             resources=placement.resources or None, scheduling_strategy="SPREAD" if placement.spread else "DEFAULT",
         ).remote(process)
-        member = Member(process.name, role, index, handle)
+        needs = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
+        member = Member(process.name, role, index, handle, needs={k: v for k, v in needs.items() if v})
         self._members[member.name] = member
         return member
 

@@ -44,7 +44,7 @@ class RouterSpec:
     host: str = "127.0.0.1"
     port: int = 8000  # router i listens on port + i
     policy: str = "cache_aware"
-    placement: Placement = field(default_factory=lambda: Placement(num_cpus=0.5))
+    placement: Placement = field(default_factory=lambda: Placement(num_cpus=0.0))  # reserve none: mostly waits
     options: tuple[str, ...] = ()  # more `kvyard route` options
 
 
