@@ -57,6 +57,7 @@ class Router:
     planner: PDPlanner
     in_flight: int = 0
     _prefill_legs: set[asyncio.Task[None]] = field(default_factory=set)
+    _candidates: tuple[list[Replica], str | None, list[Replica]] | None = None  # (routable, model, candidates)
 
     @classmethod
     def create(cls, config: RouterConfig) -> Router:
@@ -69,9 +70,9 @@ class Router:
         keys = KeySet.from_settings(config.access.api_keys, config.access.api_keys_file)
         admin_key = AdminKey.from_settings(config.access.admin_key)
         limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
-        shared = registry.shared_stores
-        return cls(config, metrics, session, registry, make_policy(config, shared), tokenizer, forwarder, keys,
-                   admin_key, limiter, PDPlanner.create(config, shared))  # fmt: skip
+        shared, holders = registry.shared_stores, registry.holders
+        return cls(config, metrics, session, registry, make_policy(config, shared, holders), tokenizer, forwarder,
+                   keys, admin_key, limiter, PDPlanner.create(config, shared, holders))  # fmt: skip
 
     async def close(self) -> None:
         await self.registry.close()
@@ -112,11 +113,17 @@ class Router:
             _LOG.error("cannot read the API-key file, keeping the current keys: %s", error)
 
     def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
-        return [
-            replica
-            for replica in self.registry.routable()
-            if replica.url not in exclude and (model is None or not replica.model_ids or model in replica.model_ids)
-        ]
+        """Healthy replicas serving `model`, less `exclude` (one list object per state of the fleet and model, so
+        a policy can keep lookups over it)."""
+        routable = self.registry.routable()
+        cached = self._candidates
+        if not exclude and cached is not None and cached[0] is routable and cached[1] == model:
+            return cached[2]
+        chosen = [replica for replica in routable if replica.url not in exclude and
+                  (model is None or not replica.model_ids or model in replica.model_ids)]  # fmt: skip
+        if not exclude:
+            self._candidates = (routable, model, chosen)
+        return chosen
 
     async def route(self, request: HttpRequest, responder: Responder, kind: str, path: str) -> None:
         caller = self.keys.authenticate(request.headers) or bearer_token(request.headers) or request.peer

@@ -18,6 +18,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.router.holders import KeyHolders
 
 
 @dataclass(slots=True)
@@ -28,6 +31,9 @@ class CacheIndex:
     seq: int = 0
     routed: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     local: set[bytes] = field(default_factory=set)
+    # The fleet-wide inverted index this one keeps current, and who it names as the holder (its replica).
+    holders: KeyHolders | None = None
+    owner: Any = None
 
     @property
     def has_events(self) -> bool:
@@ -41,39 +47,49 @@ class CacheIndex:
             return False
         if self.exact is not None and now - stamp > self.routed_ttl_s:
             del self.routed[key]
+            self._release(key)
             return False
         return True
 
     def note_routed(self, keys: Iterable[bytes], now: float | None = None) -> None:
         """Record keys of a prompt routed here; `now=math.inf` keeps them until noted again with a time."""
         stamp = time.monotonic() if now is None else now
-        routed = self.routed
+        routed, holders = self.routed, self.holders
         for key in keys:
             routed[key] = stamp
             routed.move_to_end(key)
+            if holders is not None:
+                holders.add(key, self.owner)
         while len(routed) > self.routed_capacity:
-            routed.popitem(last=False)
+            self._release(routed.popitem(last=False)[0])
 
     # ------------------------------------------------------------------ the replica's own account
 
     def reset(self, keys: Iterable[bytes], seq: int, local_keys: Iterable[bytes] = ()) -> None:
         """Replace everything by a snapshot: stale entries (a restart, lost events) disappear here."""
+        self._release_all()
         self.exact = set(keys)
         self.local = set(local_keys)
         self.seq = seq
         self.routed.clear()
+        self._hold(self.exact)
+        self._hold(self.local)
 
     def apply(self, seq: int, kind: str, keys: Iterable[bytes], medium: str = "device") -> None:
         """One event about the device cache or the local tiers (shared events go to the store's index)."""
         assert self.exact is not None, "apply() before reset()"
         target = self.local if medium == "local" else self.exact
         if kind == "stored":
+            keys = list(keys)
             target.update(keys)
+            self._hold(keys)
         elif kind == "removed":
             keys = list(keys)
             target.difference_update(keys)
             if medium == "device":
                 self._forget_computed(keys)
+            for key in keys:
+                self._release(key)
         self.seq = seq
 
     def _forget_computed(self, keys: list[bytes]) -> None:
@@ -87,6 +103,7 @@ class CacheIndex:
 
     def clear(self) -> None:
         """Nothing is known any more (the replica may be restarting); the sequence number is kept."""
+        self._release_all()
         if self.exact is not None:
             self.exact.clear()
         self.routed.clear()
@@ -94,9 +111,33 @@ class CacheIndex:
 
     def forget_events(self) -> None:
         """The replica stopped publishing (or is gone): keep nothing we can no longer keep current."""
+        self._release_all()
         self.exact = None
         self.routed.clear()
         self.local.clear()
+
+    def holds_anywhere(self, key: bytes) -> bool:
+        """In the device cache, the own tiers or the routed entries (expired ones included)."""
+        return (self.exact is not None and key in self.exact) or key in self.routed or key in self.local
+
+    def _hold(self, keys: Iterable[bytes]) -> None:
+        holders = self.holders
+        if holders is not None:
+            for key in keys:
+                holders.add(key, self.owner)
+
+    def _release(self, key: bytes) -> None:
+        """`key` left one of the sources: the fleet index forgets this holder once it is in none."""
+        if self.holders is not None and not self.holds_anywhere(key):
+            self.holders.discard(key, self.owner)
+
+    def _release_all(self) -> None:
+        holders = self.holders
+        if holders is None:
+            return
+        for source in (self.exact or (), self.routed, self.local):
+            for key in source:
+                holders.discard(key, self.owner)
 
     @property
     def num_blocks(self) -> int:

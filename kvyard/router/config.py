@@ -68,6 +68,8 @@ class RouterConfig:
     max_sessions: int = 1 << 16  # sessions whose last replica is remembered (least recently seen forgotten)
     approx_block_size: int = 16  # block size of the learned index of replicas without KV events
     approx_index_blocks: int = 1 << 17
+    # cache_aware scores every candidate up to this many; beyond, a shortlist (policies.CacheAware._shortlist).
+    full_scan_replicas: int = 64
     tokenize_cache_entries: int = 8192
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from kvyard.api.errors import APIError
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
+from kvyard.router.holders import KeyHolders
 from kvyard.router.policies import CacheAware, Decision, RouteRequest
 from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStores
@@ -54,11 +55,13 @@ class PDPlanner:
     prefill_policy: CacheAware
 
     @classmethod
-    def create(cls, config: RouterConfig, shared_stores: SharedStores | None = None) -> PDPlanner:
+    def create(
+        cls, config: RouterConfig, shared_stores: SharedStores | None = None, holders: KeyHolders | None = None
+    ) -> PDPlanner:
         shared_stores = shared_stores if shared_stores is not None else SharedStores()
         remote = dataclasses.replace(config, running_request_cost=config.pd_decode_request_cost)
-        return cls(config, CacheAware(config, shared_stores), CacheAware(remote, shared_stores),
-                   CacheAware(config, shared_stores))  # fmt: skip
+        return cls(config, CacheAware(config, shared_stores, holders), CacheAware(remote, shared_stores, holders),
+                   CacheAware(config, shared_stores, holders))  # fmt: skip
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
         decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates

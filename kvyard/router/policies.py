@@ -8,18 +8,23 @@ import itertools
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvyard.api.auth import tenant_salt
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
+from kvyard.router.holders import KeyHolders
 from kvyard.router.keys import PromptKeys
 from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStores
 
 RING_POINTS_PER_REPLICA = 64
+DEEPEST_HOLDERS = 4  # large fleets: replicas scored among those holding the prompt's longest cached prefix
+FIRST_BLOCK_HOLDERS = 2  # ... among those holding only its first block (a shared system prompt)
+RANDOM_SAMPLE = 4  # ... drawn from the whole fleet, for load (power of d choices)
+RATES_TTL_S = 1.0  # large fleets: the fleet's median rates are computed at most this often
 UncachedCost = Callable[[int, int], float]  # (prompt tokens a replica lacks, tokens it holds) -> cost
 
 
@@ -148,6 +153,9 @@ class CacheAware:
 
     config: RouterConfig
     shared_stores: SharedStores = field(default_factory=SharedStores)
+    holders: KeyHolders | None = None  # the fleet's key -> replicas index (large fleets score a shortlist)
+    rng: random.Random = field(default_factory=random.Random)
+    _fleet: _FleetView | None = None  # lookups over the last large candidate list
     _decisions: itertools.count[int] = field(default_factory=itertools.count)
     _last_chosen: dict[str, int] = field(default_factory=dict)  # url -> number of the decision that last chose it
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
@@ -161,16 +169,21 @@ class CacheAware:
         cost_of = uncached_cost or self.prefill_cost
         tokens = request.token_ids
         now = time.monotonic()
-        rates = self.fleet_rates(candidates)
-        s_per_token = rates.s_per_token
         keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
+        home_url = self._last_replica.get(request.session_key) if request.session_key else None
+        if len(candidates) > self.config.full_scan_replicas:
+            fleet = self._fleet_view(candidates, now)
+            rates = fleet.rates
+            candidates = self._shortlist(request, fleet, keys_by_root, home_url)
+        else:
+            rates = self.fleet_rates(candidates)
+        s_per_token = rates.s_per_token
         options: list[tuple[Replica, CachedSplit | None, float]] = []  # (replica, predicted split, prefill cost)
         for replica in candidates:
             split = self._cached_split(request, replica, keys_by_root, now, rates) if tokens else None
             cached = split.total if split is not None else 0
             options.append((replica, split, cost_of(len(tokens) - cached, cached) if tokens else 0.0))
         cheapest = min(cost for _, _, cost in options)
-        home_url = self._last_replica.get(request.session_key) if request.session_key else None
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, bool, int, int, int] | None = None
         chosen: Decision | None = None
@@ -197,6 +210,44 @@ class CacheAware:
         if tokens:
             chosen.keys = keys_by_root[self._root(request, chosen.replica)].all()
         return chosen
+
+    def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
+        fleet = self._fleet
+        if fleet is None or fleet.candidates is not candidates or now - fleet.made_at > RATES_TTL_S:
+            fleet = self._fleet = _FleetView(candidates, set(candidates), {r.url: r for r in candidates},
+                                             self.fleet_rates(candidates), now)  # fmt: skip
+        return fleet
+
+    def _shortlist(
+        self, request: RouteRequest, fleet: _FleetView, keys_by_root: dict[tuple[bytes, int], PromptKeys],
+        home_url: str | None,
+    ) -> list[Replica]:  # fmt: skip
+        """The replicas a large fleet's decision scores: a few of those holding the prompt's longest cached prefix
+        (the fleet's key -> holders index walks the prompt's keys once), a couple holding its first block, the
+        session's last replica, and a random sample of the fleet for load. Whoever holds the most of the prompt is
+        among them; an idle replica very likely is (power of d choices)."""
+        picked: dict[int, Replica] = {}
+        for replica in self.rng.sample(fleet.candidates, min(RANDOM_SAMPLE, len(fleet.candidates))):
+            picked[id(replica)] = replica
+        home = fleet.by_url.get(home_url) if home_url is not None else None
+        if home is not None:
+            picked[id(home)] = home
+        prompt_keys = self._prompt_keys(request, fleet.candidates[0], keys_by_root)
+        if self.holders is not None and prompt_keys is not None and request.token_ids:
+            first: Collection[Replica] = ()
+            deepest: Collection[Replica] = ()
+            for block in range((len(request.token_ids) - 1) // prompt_keys.block_size):
+                owners = self.holders.of(prompt_keys.key(block))
+                if not owners:
+                    break
+                first = first or owners
+                deepest = owners
+            for group, count in ((deepest, DEEPEST_HOLDERS), (first, FIRST_BLOCK_HOLDERS)):
+                sample = group if len(group) <= count else self.rng.sample(tuple(group), count)
+                for replica in sample:
+                    if replica in fleet.allowed:
+                        picked[id(replica)] = replica
+        return list(picked.values())
 
     def predicted_cached_tokens(self, request: RouteRequest, replica: Replica) -> int | None:
         """Prompt tokens `replica` holds, as `choose` predicts them (no decision is recorded)."""
@@ -292,6 +343,17 @@ class CacheAware:
         return prompt_keys
 
 
+@dataclass(slots=True)
+class _FleetView:
+    """Lookups over one large candidate list (the registry's, the same object until a replica changes state)."""
+
+    candidates: list[Replica]
+    allowed: set[Replica]
+    by_url: dict[str, Replica]
+    rates: TierRates
+    made_at: float
+
+
 @dataclass(frozen=True, slots=True)
 class TierRates:
     """What time is worth in one decision: seconds per prefill token, and the fleet's load seconds per block by
@@ -337,11 +399,13 @@ def _median(values: list[float]) -> float:
     return reported[len(reported) // 2] if reported else 0.0
 
 
-def make_policy(config: RouterConfig, shared_stores: SharedStores | None = None) -> Policy:
+def make_policy(
+    config: RouterConfig, shared_stores: SharedStores | None = None, holders: KeyHolders | None = None
+) -> Policy:
     if config.policy == "round_robin":
         return RoundRobin()
     if config.policy == "least_load":
         return LeastLoad()
     if config.policy == "session":
         return SessionAffinity()
-    return CacheAware(config, shared_stores if shared_stores is not None else SharedStores())
+    return CacheAware(config, shared_stores if shared_stores is not None else SharedStores(), holders)

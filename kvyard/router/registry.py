@@ -16,6 +16,7 @@ from kvyard.api.auth import ADMIN_KEY_HEADER, REPLICA_ADMIN_KEY_ENV, REPLICA_API
 from kvyard.api.load import LoadReport
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
+from kvyard.router.holders import KeyHolders
 from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.replica import ModelCard, Replica, State
@@ -49,6 +50,8 @@ class Registry:
     upstream: UpstreamAuth = field(default_factory=lambda: UpstreamAuth({}, {}))
     replicas: dict[str, Replica] = field(default_factory=dict)
     shared_stores: SharedStores = field(default_factory=SharedStores)
+    holders: KeyHolders = field(default_factory=KeyHolders)  # every replica's index, inverted
+    _routable: list[Replica] | None = None  # healthy replicas, kept until a state changes
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
     def add(self, url: str, role: str | None = None) -> Replica:
@@ -60,11 +63,13 @@ class Registry:
             replica = self.replicas[url]
             if replica.state is State.DRAINING:
                 replica.state = State.HEALTHY
+                self._refresh_gauge()
             replica.configured_role = role or replica.configured_role
             return replica
-        index = CacheIndex(routed_capacity=self.config.approx_index_blocks)
+        index = CacheIndex(routed_capacity=self.config.approx_index_blocks, holders=self.holders)
         replica = Replica(url, configured_role=role, index=index, connect_timeout_s=self.config.connect_timeout_s,
                           api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers)  # fmt: skip
+        index.owner = replica
         self.replicas[url] = replica
         self._tasks[url] = [
             asyncio.create_task(self._health_loop(replica), name=f"health {url}"),
@@ -88,6 +93,7 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         replica.http.close()
+        replica.index.forget_events()  # out of the fleet's key -> holders index
         self._refresh_gauge()
         return replica
 
@@ -96,7 +102,10 @@ class Registry:
             await self.remove(url)
 
     def routable(self) -> list[Replica]:
-        return [replica for replica in self.replicas.values() if replica.state is State.HEALTHY]
+        """The healthy replicas (the same list until one changes state: do not change it)."""
+        if self._routable is None:
+            self._routable = [replica for replica in self.replicas.values() if replica.state is State.HEALTHY]
+        return self._routable
 
     def report_failure(self, replica: Replica, reason: str) -> None:
         """A request could not reach the replica: eject it at once; health checks bring it back."""
@@ -129,6 +138,8 @@ class Registry:
             self._refresh_gauge()
 
     def _refresh_gauge(self) -> None:
+        """Every change of state comes through here."""
+        self._routable = None
         self.metrics.healthy.set(len(self.routable()))
 
     async def _health_loop(self, replica: Replica) -> None:
@@ -138,6 +149,7 @@ class Registry:
                 if not replica.model_ids:
                     replica.model_cards = await self._model_cards(replica, timeout)
                     replica.model_ids = tuple(card.id for card in replica.model_cards)
+                    self._refresh_gauge()  # the models it serves decide which requests it is a candidate for
                 replica.load = await self._load(replica, timeout)
                 replica.first_bytes_since_load = 0
                 replica.consecutive_failures = 0

@@ -38,7 +38,7 @@ class ModelCard:
                    number("max_model_len"))  # fmt: skip
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: replicas are keys of the fleet's key -> holders index
 class Replica:
     url: str
     state: State = State.HEALTHY
