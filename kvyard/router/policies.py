@@ -24,6 +24,8 @@ RING_POINTS_PER_REPLICA = 64
 DEEPEST_HOLDERS = 4  # large fleets: replicas scored among those holding the prompt's longest cached prefix
 FIRST_BLOCK_HOLDERS = 2  # ... among those holding only its first block (a shared system prompt)
 RANDOM_SAMPLE = 4  # ... drawn from the whole fleet, for load (power of d choices)
+SMALL_GROUP = 64  # holder groups up to this size are sampled directly, larger ones by draws from the fleet
+MAX_DRAWS = 64  # draws from the fleet for one sample of a large holder group
 RATES_TTL_S = 1.0  # large fleets: the fleet's median rates are computed at most this often
 UncachedCost = Callable[[int, int], float]  # (prompt tokens a replica lacks, tokens it holds) -> cost
 
@@ -169,7 +171,7 @@ class CacheAware:
         cost_of = uncached_cost or self.prefill_cost
         tokens = request.token_ids
         now = time.monotonic()
-        keys_by_root: dict[tuple[bytes, int], PromptKeys] = {}
+        keys_by_root: dict[Any, PromptKeys] = {}
         home_url = self._last_replica.get(request.session_key) if request.session_key else None
         if len(candidates) > self.config.full_scan_replicas:
             fleet = self._fleet_view(candidates, now)
@@ -219,7 +221,7 @@ class CacheAware:
         return fleet
 
     def _shortlist(
-        self, request: RouteRequest, fleet: _FleetView, keys_by_root: dict[tuple[bytes, int], PromptKeys],
+        self, request: RouteRequest, fleet: _FleetView, keys_by_root: dict[Any, PromptKeys],
         home_url: str | None,
     ) -> list[Replica]:  # fmt: skip
         """The replicas a large fleet's decision scores: a few of those holding the prompt's longest cached prefix
@@ -242,12 +244,31 @@ class CacheAware:
                     break
                 first = first or owners
                 deepest = owners
-            for group, count in ((deepest, DEEPEST_HOLDERS), (first, FIRST_BLOCK_HOLDERS)):
-                sample = group if len(group) <= count else self.rng.sample(tuple(group), count)
-                for replica in sample:
+            # Holders of a deeper key hold the first one too: when as many hold both, they are the same replicas.
+            groups = [(deepest, DEEPEST_HOLDERS)]
+            if len(first) > len(deepest):
+                groups.append((first, FIRST_BLOCK_HOLDERS))
+            for group, count in groups:
+                for replica in self._sample_of(group, count, fleet):
                     if replica in fleet.allowed:
                         picked[id(replica)] = replica
         return list(picked.values())
+
+    def _sample_of(self, group: Collection[Replica], count: int, fleet: _FleetView) -> Collection[Replica]:
+        """Up to `count` random members of `group`, in time that does not grow with the group: a large group (a
+        prefix most replicas hold) is sampled by drawing replicas from the fleet and keeping its members."""
+        if len(group) <= count:
+            return group
+        if len(group) <= SMALL_GROUP:
+            return self.rng.sample(tuple(group), count)
+        members: dict[int, Replica] = {}
+        for _ in range(MAX_DRAWS):
+            replica = fleet.candidates[self.rng.randrange(len(fleet.candidates))]
+            if replica in group:
+                members[id(replica)] = replica
+                if len(members) == count:
+                    break
+        return members.values()
 
     def predicted_cached_tokens(self, request: RouteRequest, replica: Replica) -> int | None:
         """Prompt tokens `replica` holds, as `choose` predicts them (no decision is recorded)."""
@@ -276,7 +297,7 @@ class CacheAware:
         return num_new + self.config.attention_pair_cost * pairs
 
     def _cached_split(
-        self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys], now: float,
+        self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys], now: float,
         rates: TierRates,
     ) -> CachedSplit | None:  # fmt: skip
         """Prompt tokens the replica holds, by source, as the engine finds them: the device cache's prefix, then
@@ -287,15 +308,20 @@ class CacheAware:
         if prompt_keys is None:
             return None
         max_blocks = (len(request.token_ids or ()) - 1) // prompt_keys.block_size  # the last token is computed
+        keys = prompt_keys.all()
         index = replica.index
+        exact, routed, in_tiers = index.exact, index.routed, index.local
         device = local = shared = 0
-        while device < max_blocks and index.holds(prompt_keys.key(device), now):
+        while device < max_blocks:  # index.holds(), inlined: a hit in the exact index is the common case
+            key = keys[device]
+            if not ((exact is not None and key in exact) or (key in routed and index.holds(key, now))):
+                break
             device += 1
-        while device + local < max_blocks and prompt_keys.key(device + local) in index.local:
+        while device + local < max_blocks and keys[device + local] in in_tiers:
             local += 1
         store = self.shared_stores.get(replica.shared_store_id) if replica.load.shared_tier_available else None
         if store is not None:
-            while device + local + shared < max_blocks and store.holds(prompt_keys.key(device + local + shared), now):
+            while device + local + shared < max_blocks and store.holds(keys[device + local + shared], now):
                 shared += 1
         local, shared = rates.loadable(replica, local, shared)
         size = prompt_keys.block_size
@@ -332,14 +358,21 @@ class CacheAware:
         return root, namespace.block_size
 
     def _prompt_keys(
-        self, request: RouteRequest, replica: Replica, keys_by_root: dict[tuple[bytes, int], PromptKeys]
+        self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys]
     ) -> PromptKeys | None:
-        root = self._root(request, replica)
+        """The prompt's keys in the replica's namespace, computed once per decision and namespace (`keys_by_root`
+        lives for one decision, so the namespace object's identity can stand for its root meanwhile)."""
         if request.token_ids is None:
             return None
-        prompt_keys = keys_by_root.get(root)
+        same_namespace = (id(replica.namespace), replica.salt_key) if replica.namespace is not None else None
+        prompt_keys = keys_by_root.get(same_namespace)
         if prompt_keys is None:
-            prompt_keys = keys_by_root[root] = PromptKeys.of(root[0], root[1], request.token_ids)
+            root = self._root(request, replica)
+            prompt_keys = keys_by_root.get(root)
+            if prompt_keys is None:
+                prompt_keys = keys_by_root[root] = PromptKeys.of(root[0], root[1], request.token_ids)
+            if same_namespace is not None:
+                keys_by_root[same_namespace] = prompt_keys
         return prompt_keys
 
 
