@@ -134,7 +134,7 @@ class FleetController:
             self._members.clear()
         stopped = []
         for group in ([m for m in members if m.role == "router"], [m for m in members if m.role != "router"]):
-            refs = [member.handle.stop.remote(grace_s) for member in group]
+            refs = [member.handle.stop.remote(grace_s) for member in group if member.url]  # not the never-placed
             ray.wait(refs, num_returns=len(refs), timeout=grace_s + 10)
             for member in group:
                 ray.kill(member.handle, no_restart=True)
