@@ -12,7 +12,9 @@ from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
 from kvyard.router.holders import KeyHolders
 from kvyard.router.keys import PromptKeys
+from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import DEEPEST_HOLDERS, FIRST_BLOCK_HOLDERS, RANDOM_SAMPLE, CacheAware, RouteRequest
+from kvyard.router.registry import Registry
 from kvyard.router.replica import Replica
 
 
@@ -123,3 +125,13 @@ def test_a_small_fleet_is_scored_in_full() -> None:
     for _ in range(20):  # a full scan always finds the one idle replica; a sample of 4 rarely would
         prompt = [rng.randrange(3, 30000) for _ in range(64)]
         assert policy.choose(RouteRequest("completion", {"model": "m"}, None, prompt, None), replicas).replica is idle
+
+
+def test_health_checks_of_a_large_fleet_are_spread_out() -> None:
+    registry = Registry(RouterConfig(), RouterMetrics(), session=None)  # type: ignore[arg-type]  # never called
+    registry.replicas = {f"http://10.0.0.{i}:8000": Replica(f"http://10.0.0.{i}:8000") for i in range(1000)}
+    intervals = [registry._health_interval_s() for _ in range(100)]
+    assert all(3.75 <= interval <= 6.25 for interval in intervals)  # 1,000 / 200 checks per second, +-25%
+    assert len(set(intervals)) > 50
+    registry.replicas = dict(list(registry.replicas.items())[:100])
+    assert registry._health_interval_s() == RouterConfig().health_interval_s

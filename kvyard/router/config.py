@@ -18,6 +18,9 @@ class RouterConfig:
 
     policy: str = setting("cache_aware", choices=POLICIES, help="how a replica is chosen")
     health_interval_s: float = setting(0.5, help="seconds between health checks of each replica")
+    max_health_checks_per_s: float = setting(200.0, help="health checks of all replicas together per second at "
+                                             "most: a large fleet's are spread out (1,000 replicas: each every "
+                                             "5 s); a failed request still ejects a replica at once")  # fmt: skip
     health_timeout_s: float = setting(2.0, help="a health check slower than this fails")
     eject_after_failures: int = setting(2, help="failed health checks in a row before a replica is ejected")
     connect_timeout_s: float = setting(3.0, help="longest wait to connect to a replica")

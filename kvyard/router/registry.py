@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -159,7 +160,14 @@ class Registry:
                 _LOG.debug("health check of %s failed: %s", replica.url, error)
                 if replica.consecutive_failures >= self.config.eject_after_failures:
                     self._eject(replica, "health_check")
-            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.sleep(self._health_interval_s())
+
+    def _health_interval_s(self) -> float:
+        """Each replica's interval: the configured one, longer when the whole fleet's checks would exceed the cap
+        (spread by a random share, so replicas added together are not checked together)."""
+        config = self.config
+        interval = max(config.health_interval_s, len(self.replicas) / max(config.max_health_checks_per_s, 1e-3))
+        return interval if interval == config.health_interval_s else interval * random.uniform(0.75, 1.25)
 
     async def _model_cards(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[ModelCard, ...]:
         url, headers = f"{replica.url}/v1/models", replica.api_headers
