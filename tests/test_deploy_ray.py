@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,6 +70,7 @@ def ray_cluster() -> Iterator[RayCluster]:
                 node.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _own_ports() -> list[str]:
