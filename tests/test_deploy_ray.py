@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from router_utils import wait_for
 from server_utils import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -134,24 +135,16 @@ def complete(router_url: str, prompt: str, max_tokens: int = 24) -> httpx.Respon
     return httpx.post(f"{router_url}/v1/completions", json=body, timeout=120)
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
-def routed_replicas(router_url: str) -> list[str]:
+def routed_replicas(router_url: str) -> int:
     """Healthy replicas as the router's own metrics count them (no admin key needed)."""
     try:
         text = httpx.get(f"{router_url}/metrics", timeout=10).text
     except httpx.HTTPError:  # a router restarting
-        return []
+        return 0
     for line in text.splitlines():
         if line.startswith("kvyard_router_healthy_replicas "):
-            return ["?"] * int(float(line.split()[1]))
-    return []
+            return int(float(line.split()[1]))
+    return 0
 
 
 class Load:
@@ -213,8 +206,8 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     time.sleep(2)
     victim = replicas[0]
     os.kill(victim["actor_pid"], signal.SIGKILL)
-    wait_until(lambda: _restarted(ray_cluster.status("t-unified"), victim), 180, "the killed replica to restart")
-    wait_until(lambda: len(routed_replicas(router)) == 2, 60, "the router to route to both replicas")
+    wait_for(lambda: _restarted(ray_cluster.status("t-unified"), victim), 180, "the killed replica to restart")
+    wait_for(lambda: (routed_replicas(router)) == 2, 60, "the router to route to both replicas")
     time.sleep(2)
     load.stop()
     assert load.errors == [] and set(load.statuses) == {200}, (load.errors, set(load.statuses))
@@ -225,7 +218,7 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     # Scale up: the router uses the new replica at once; scale down under load: drained, nothing lost.
     up = ray_cluster.deploy(str(spec), "--scale", "unified=3")
     assert up.returncode == 0, up.stderr
-    assert len(routed_replicas(router)) == 3
+    assert (routed_replicas(router)) == 3
     load = Load(router)
     time.sleep(1)
     down = ray_cluster.deploy(str(spec), "--scale", "unified=1")
@@ -240,7 +233,7 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     before = ray_cluster.status("t-unified")
     stopped = ray_cluster.deploy(str(spec), "--down")
     assert stopped.returncode == 0, stopped.stderr
-    wait_until(lambda: not processes_alive(before), 30, "the fleet's processes to exit")
+    wait_for(lambda: not processes_alive(before), 30, "the fleet's processes to exit")
     gone = ray_cluster.deploy("--name", "t-unified", "--status", timeout=60)
     assert gone.returncode == 1 and "no fleet named 't-unified'" in gone.stderr
 
@@ -266,7 +259,7 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
         load.stop()
         assert load.errors == [] and set(load.statuses) == {200}, (load.errors, set(load.statuses))
         # Ray restarts the killed router on its port; the controller gives it the fleet's replicas again.
-        wait_until(lambda: len(routed_replicas(first["url"])) == 1, 120, "the restarted router's replica list")
+        wait_for(lambda: (routed_replicas(first["url"])) == 1, 120, "the restarted router's replica list")
         assert complete(first["url"], "after the restart").status_code == 200
     finally:
         assert ray_cluster.deploy(str(spec), "--down").returncode == 0
