@@ -207,7 +207,7 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     victim = replicas[0]
     os.kill(victim["actor_pid"], signal.SIGKILL)
     wait_for(lambda: _restarted(ray_cluster.status("t-unified"), victim), 180, "the killed replica to restart")
-    wait_for(lambda: (routed_replicas(router)) == 2, 60, "the router to route to both replicas")
+    wait_for(lambda: routed_replicas(router) == 2, 60, "the router to route to both replicas")
     time.sleep(2)
     load.stop()
     assert load.errors == [] and set(load.statuses) == {200}, (load.errors, set(load.statuses))
@@ -218,7 +218,7 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     # Scale up: the router uses the new replica at once; scale down under load: drained, nothing lost.
     up = ray_cluster.deploy(str(spec), "--scale", "unified=3")
     assert up.returncode == 0, up.stderr
-    assert (routed_replicas(router)) == 3
+    assert routed_replicas(router) == 3
     load = Load(router)
     time.sleep(1)
     down = ray_cluster.deploy(str(spec), "--scale", "unified=1")
@@ -259,7 +259,7 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
         load.stop()
         assert load.errors == [] and set(load.statuses) == {200}, (load.errors, set(load.statuses))
         # Ray restarts the killed router on its port; the controller gives it the fleet's replicas again.
-        wait_for(lambda: (routed_replicas(first["url"])) == 1, 120, "the restarted router's replica list")
+        wait_for(lambda: routed_replicas(first["url"]) == 1, 120, "the restarted router's replica list")
         assert complete(first["url"], "after the restart").status_code == 200
     finally:
         assert ray_cluster.deploy(str(spec), "--down").returncode == 0
