@@ -156,6 +156,7 @@ def measure(num_replicas: int, args: argparse.Namespace) -> dict[str, Any]:
         "decision_us_mean": round(sum(latencies) / len(latencies) / 1000, 1),
         "mean_predicted_cached_tokens": round(found / args.decisions, 1),
         "decision_us_p50_each_round": [round(item[0] / 1000, 1) for item in rounds],
+        "decision_us_p99_each_round": [round(item[1][int(len(item[1]) * 0.99)] / 1000, 1) for item in rounds],
     }
     print(json.dumps(result), file=sys.stderr, flush=True)
     del fleet, policy, rounds

@@ -8,8 +8,10 @@ namespace, so equal keys mean interchangeable blocks in every process on every m
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -43,8 +45,13 @@ class KeyNamespace:
         return hashlib.sha256(b"kvyard-namespace\x00" + canonical).digest()[:KEY_BYTES]
 
 
+_NATIVE_UINT32_LE = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
     """The canonical byte encoding of token ids inside a block key: little-endian uint32."""
+    if _NATIVE_UINT32_LE and isinstance(token_ids, list | tuple):
+        return array.array("I", token_ids).tobytes()  # a few times faster than numpy on a list of ints
     return np.asarray(token_ids, dtype="<u4").tobytes()
 
 

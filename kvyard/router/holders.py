@@ -8,7 +8,7 @@ it changes (`CacheIndex`); a key with one holder costs one dict entry (the repli
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,26 @@ class KeyHolders:
 
     def of(self, key: bytes) -> Collection[Any]:
         """The holders of `key` (do not change the collection)."""
-        current = self._holders.get(key)
-        if current is None:
-            return _NONE
-        return current if type(current) is set else (current,)
+        return _as_collection(self._holders.get(key))
+
+    def along(self, keys: Sequence[bytes]) -> tuple[Collection[Any], Collection[Any]]:
+        """Holders of the first of a prompt's chained `keys`, and of the last one held anywhere (walking them
+        until a key nobody holds)."""
+        holders, first, deepest = self._holders, None, None
+        for key in keys:
+            current = holders.get(key)
+            if current is None:
+                break
+            if first is None:
+                first = current
+            deepest = current
+        return _as_collection(first), _as_collection(deepest)
 
     def __len__(self) -> int:
         return len(self._holders)
+
+
+def _as_collection(current: Any) -> Collection[Any]:
+    if current is None:
+        return _NONE
+    return current if type(current) is set else (current,)

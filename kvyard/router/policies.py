@@ -180,37 +180,44 @@ class CacheAware:
         else:
             rates = self.fleet_rates(candidates)
         s_per_token = rates.s_per_token
-        options: list[tuple[Replica, CachedSplit | None, float]] = []  # (replica, predicted split, prefill cost)
+        config = self.config
+        options: list[tuple[Replica, tuple[int, int, int] | None, float]] = []  # (replica, tokens held, cost)
         for replica in candidates:
-            split = self._cached_split(request, replica, keys_by_root, now, rates) if tokens else None
-            cached = split.total if split is not None else 0
-            options.append((replica, split, cost_of(len(tokens) - cached, cached) if tokens else 0.0))
+            if tokens:
+                held = self._tokens_held(request, replica, keys_by_root, now, rates)
+                cached = held[0] + held[1] + held[2] if held is not None else 0
+                options.append((replica, held, cost_of(len(tokens) - cached, cached)))
+            else:
+                options.append((replica, None, 0.0))
         cheapest = min(cost for _, _, cost in options)
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, bool, int, int, int] | None = None
-        chosen: Decision | None = None
-        for replica, split, cost in options:
+        best_option = options[0]
+        best_load_s = 0.0
+        for option in options:
+            replica, held, cost = option
             # Loads from the tiers are paid once, by this request; computing is paid again by everyone queued
             # behind it, and a moved session's recomputed history is what its home would have saved.
-            extra = self.config.recompute_weight * (cost - cheapest)
+            extra = config.recompute_weight * (cost - cheapest)
             if home_cost is not None and replica.url != home_url:
-                extra += self.config.session_recompute_weight * max(0.0, cost - home_cost)
-            load_s = rates.load_seconds(replica, split)
+                extra += config.session_recompute_weight * max(0.0, cost - home_cost)
+            load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
             seconds = (self._queue_cost(replica) + cost + extra) * s_per_token + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
-            last_chosen = self._last_chosen.get(replica.url, -1)
-            predicted = split.total if split is not None else None
-            rank = (seconds, replica.url != home_url, -(predicted or 0), replica.in_flight, last_chosen)
+            rank = (seconds, replica.url != home_url, -_tokens_of(held), replica.in_flight,
+                    self._last_chosen.get(replica.url, -1))  # fmt: skip
             if best is None or rank < best:
-                best, chosen = rank, Decision(replica, predicted, split, cost, load_s)
-        assert chosen is not None
-        self._last_chosen[chosen.replica.url] = next(self._decisions)
+                best, best_option, best_load_s = rank, option, load_s
+        replica, held, cost = best_option
+        split = _split_of(held)
+        chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s)
+        self._last_chosen[replica.url] = next(self._decisions)
         if request.session_key:
-            self._remember_session(request.session_key, chosen.replica.url)
+            self._remember_session(request.session_key, replica.url)
         if tokens:
-            chosen.keys = keys_by_root[self._root(request, chosen.replica)].all()
+            chosen.keys = keys_by_root[self._root(request, replica)].all()
         return chosen
 
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
@@ -229,21 +236,17 @@ class CacheAware:
         session's last replica, and a random sample of the fleet for load. Whoever holds the most of the prompt is
         among them; an idle replica very likely is (power of d choices)."""
         picked: dict[int, Replica] = {}
-        for replica in self.rng.sample(fleet.candidates, min(RANDOM_SAMPLE, len(fleet.candidates))):
+        everyone, draw = fleet.candidates, self.rng.random
+        for _ in range(RANDOM_SAMPLE):  # with replacement: the fleet is large
+            replica = everyone[int(draw() * len(everyone))]
             picked[id(replica)] = replica
         home = fleet.by_url.get(home_url) if home_url is not None else None
         if home is not None:
             picked[id(home)] = home
-        prompt_keys = self._prompt_keys(request, fleet.candidates[0], keys_by_root)
+        prompt_keys = self._prompt_keys(request, everyone[0], keys_by_root)
         if self.holders is not None and prompt_keys is not None and request.token_ids:
-            first: Collection[Replica] = ()
-            deepest: Collection[Replica] = ()
-            for block in range((len(request.token_ids) - 1) // prompt_keys.block_size):
-                owners = self.holders.of(prompt_keys.key(block))
-                if not owners:
-                    break
-                first = first or owners
-                deepest = owners
+            max_blocks = (len(request.token_ids) - 1) // prompt_keys.block_size
+            first, deepest = self.holders.along(prompt_keys.all()[:max_blocks])
             # Holders of a deeper key hold the first one too: when as many hold both, they are the same replicas.
             groups = [(deepest, DEEPEST_HOLDERS)]
             if len(first) > len(deepest):
@@ -262,8 +265,9 @@ class CacheAware:
         if len(group) <= SMALL_GROUP:
             return self.rng.sample(tuple(group), count)
         members: dict[int, Replica] = {}
+        everyone, draw = fleet.candidates, self.rng.random
         for _ in range(MAX_DRAWS):
-            replica = fleet.candidates[self.rng.randrange(len(fleet.candidates))]
+            replica = everyone[int(draw() * len(everyone))]
             if replica in group:
                 members[id(replica)] = replica
                 if len(members) == count:
@@ -300,6 +304,12 @@ class CacheAware:
         self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys], now: float,
         rates: TierRates,
     ) -> CachedSplit | None:  # fmt: skip
+        return _split_of(self._tokens_held(request, replica, keys_by_root, now, rates))
+
+    def _tokens_held(
+        self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys], now: float,
+        rates: TierRates,
+    ) -> tuple[int, int, int] | None:  # fmt: skip
         """Prompt tokens the replica holds, by source, as the engine finds them: the device cache's prefix, then
         (one load) what its own tiers continue it with, then what the shared store does, as far as its loader gets
         before the deadline once the loads routed there ahead of this one are done. None when the prompt has no
@@ -312,20 +322,26 @@ class CacheAware:
         index = replica.index
         exact, routed, in_tiers = index.exact, index.routed, index.local
         device = local = shared = 0
-        while device < max_blocks:  # index.holds(), inlined: a hit in the exact index is the common case
-            key = keys[device]
-            if not ((exact is not None and key in exact) or (key in routed and index.holds(key, now))):
-                break
-            device += 1
-        while device + local < max_blocks and keys[device + local] in in_tiers:
-            local += 1
+        if exact is not None and not routed:  # the common case of a replica with events: one set to look in
+            while device < max_blocks and keys[device] in exact:
+                device += 1
+        else:
+            while device < max_blocks:  # index.holds(), inlined
+                key = keys[device]
+                if not ((exact is not None and key in exact) or (key in routed and index.holds(key, now))):
+                    break
+                device += 1
+        if in_tiers:
+            while device + local < max_blocks and keys[device + local] in in_tiers:
+                local += 1
         store = self.shared_stores.get(replica.shared_store_id) if replica.load.shared_tier_available else None
         if store is not None:
             while device + local + shared < max_blocks and store.holds(keys[device + local + shared], now):
                 shared += 1
-        local, shared = rates.loadable(replica, local, shared)
+        if local or shared:
+            local, shared = rates.loadable(replica, local, shared)
         size = prompt_keys.block_size
-        return CachedSplit(device * size, local * size, shared * size)
+        return device * size, local * size, shared * size
 
     def queue_cost(self, replica: Replica) -> float:
         """The work ahead of a new request on `replica`, in prefill-token equivalents."""
@@ -418,13 +434,21 @@ class TierRates:
             return in_time, 0
         return local, min(shared, int((budget - local * local_s) / shared_s))
 
-    def load_seconds(self, replica: Replica, split: CachedSplit | None) -> float:
-        """Time to load the blocks `split` finds in the replica's lower tiers."""
-        if split is None or not (split.local or split.shared):
-            return 0.0
+    def load_seconds(self, replica: Replica, local_tokens: int, shared_tokens: int) -> float:
+        """Time to load that many tokens' blocks from the replica's own tiers and from the shared store."""
         block_size = replica.namespace.block_size if replica.namespace is not None else 1
         local_s, shared_s = self.per_block(replica)
-        return (split.local * local_s + split.shared * shared_s) / block_size
+        return (local_tokens * local_s + shared_tokens * shared_s) / block_size
+
+
+
+
+def _tokens_of(held: tuple[int, int, int] | None) -> int:
+    return held[0] + held[1] + held[2] if held is not None else 0
+
+
+def _split_of(held: tuple[int, int, int] | None) -> CachedSplit | None:
+    return CachedSplit(*held) if held is not None else None
 
 
 def _median(values: list[float]) -> float:
