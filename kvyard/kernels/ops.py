@@ -274,6 +274,156 @@ class ElementwiseKernels:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeLayerWeights:
+    """One linear layer's weights as `kvyard_decode_layer` takes them: a kind (WEIGHT_KINDS), the weight [n, k]
+    in that format, its int8 group scales, its bias."""
+
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+WEIGHT_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayerKernel:
+    """A whole decoder layer of a decode step (one query token per sequence) in one native call: the kernels the
+    layer's modules call one by one, called from C in the same order on the same data, so the output is
+    bit-identical and the step is spared a dozen Python-level calls a layer.
+
+    `layer_args` turns a layer's shapes and weights into the call's fixed arguments once (pointers: the caller
+    keeps the tensors alive and in place); `__call__` runs it for one step."""
+
+    PROTOTYPES: ClassVar[str] = """
+        int64_t kvyard_decode_layer_scratch_floats(int64_t m, int hidden_size, int num_heads, int num_kv_heads,
+            int head_dim, int intermediate_size, int64_t max_context, int num_threads);
+        void kvyard_decode_layer(const float *x, float *residual, float *out, int64_t m, const int64_t *positions,
+            void *k_cache, void *v_cache, int kv_dtype, int64_t slot_bytes, const int64_t *slots,
+            const int64_t *block_tables, const int64_t *context_lens, int block_size, int max_blocks,
+            int64_t max_context, float *scratch, int hidden_size, int intermediate_size, int num_heads,
+            int num_kv_heads, int head_dim, float eps, const float *input_norm, const float *post_norm,
+            const float *q_norm, const float *k_norm, int qkv_kind, const void *qkv_w, const float *qkv_scales,
+            const float *qkv_bias, int o_kind, const void *o_w, const float *o_scales, int gate_up_kind,
+            const void *gate_up_w, const float *gate_up_scales, int down_kind, const void *down_w,
+            const float *down_scales, const float *cos_table, const float *sin_table, float scale, int num_threads);
+    """
+
+    scratch_floats_function: Callable[..., Any]
+    function: Callable[..., Any]
+    num_threads: int
+
+    def layer_args(
+        self, shape: tuple[int, int, int, int, int], eps: float, norms: tuple[torch.Tensor, ...],
+        qk_norms: tuple[torch.Tensor, torch.Tensor] | None, linears: tuple[DecodeLayerWeights, ...],
+        rotary_tables: tuple[torch.Tensor, torch.Tensor], scale: float,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        """shape: (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim); norms: the input and
+        post-attention norm weights; qk_norms: Qwen3's per-head query and key norm weights; linears: qkv, o,
+        gate_up, down (only qkv may have a bias); rotary_tables: cos, sin [max_positions, head_dim / 2]."""
+        hidden, inter, num_heads, num_kv_heads, head_dim = shape
+        qkv_size = (num_heads + 2 * num_kv_heads) * head_dim
+        expected = ((qkv_size, hidden), (hidden, num_heads * head_dim), (2 * inter, hidden), (hidden, inter))
+        for linear, (rows, columns) in zip(linears, expected, strict=True):
+            _check_linear(linear, rows, columns)
+        if any(linear.bias is not None for linear in linears[1:]):
+            raise ValueError("only the qkv projection may have a bias in a fused decode layer")
+        tables = [*norms, *(qk_norms or ()), *rotary_tables]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tables):
+            raise TypeError("norm weights and rotary tables must be contiguous float32 CPU tensors")
+        qkv, o, gate_up, down = linears
+        q_norm, k_norm = (_ptr(qk_norms[0]), _ptr(qk_norms[1])) if qk_norms is not None else (None, None)
+        return (
+            hidden, inter, num_heads, num_kv_heads, head_dim, eps, _ptr(norms[0]), _ptr(norms[1]), q_norm, k_norm,
+            *_weight_args(qkv), _optional_ptr(qkv.bias), *_weight_args(o), *_weight_args(gate_up),
+            *_weight_args(down), _ptr(rotary_tables[0]), _ptr(rotary_tables[1]), scale, self.num_threads,
+        )  # fmt: skip
+
+    def scratch(self, rows: int, shape: tuple[int, int, int, int, int], max_context: int) -> torch.Tensor:
+        """The scratch buffer one step's layers share."""
+        hidden, inter, num_heads, num_kv_heads, head_dim = shape
+        floats = self.scratch_floats_function(rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context,
+                                              self.num_threads)  # fmt: skip
+        return torch.empty(floats)
+
+    def __call__(
+        self, x: torch.Tensor | None, residual: torch.Tensor, out: torch.Tensor, step: DecodeStepArgs,
+        kv_cache: torch.Tensor, layer_args: tuple[Any, ...],
+    ) -> None:  # fmt: skip
+        """residual += x (x None: the first layer); out = the layer's MLP output ([m, hidden]; may be x).
+        kv_cache: [2, num_slots, Hkv, row], checked by `DecodeStepArgs.check_cache`."""
+        k_cache = kv_cache.data_ptr()
+        v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size()
+        self.function(
+            None if x is None else _ptr(x), _ptr(residual), _ptr(out), step.rows, step.positions, k_cache, v_cache,
+            *step.rest, *layer_args,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStepArgs:
+    """What every layer of one decode step passes to `kvyard_decode_layer`, checked once: the step's positions,
+    cache slots, block tables and context lengths, and the scratch buffer. Holds the tensors so the pointers stay
+    valid while the step runs."""
+
+    rows: int
+    positions: int
+    rest: tuple[Any, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(
+        cls, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+        block_size: int, kv_cache: torch.Tensor, scratch: torch.Tensor,
+    ) -> DecodeStepArgs:  # fmt: skip
+        rows = positions.shape[0]
+        for name, tensor, shape in (("positions", positions, (rows,)), ("slots", slots, (rows,)),
+                                    ("context_lens", context_lens, (rows,)),
+                                    ("block_tables", block_tables, (rows, block_tables.shape[-1]))):  # fmt: skip
+            if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tuple(tensor.shape) != shape:
+                raise ValueError(f"{name} must be a contiguous int64 tensor of shape {shape}, got "
+                                 f"{tensor.dtype} {tuple(tensor.shape)}")  # fmt: skip
+        max_blocks = block_tables.shape[1]
+        rest = (KV_DTYPE_CODES[kv_cache.dtype], kv_cache.stride(1) * kv_cache.element_size(), _ptr(slots),
+                _ptr(block_tables), _ptr(context_lens), block_size, max_blocks, max_blocks * block_size,
+                _ptr(scratch))  # fmt: skip
+        return cls(rows, _ptr(positions), rest, (positions, slots, block_tables, context_lens, scratch))
+
+    @staticmethod
+    def check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
+        """A layer's cache [2, num_slots, Hkv, row] as the kernel walks it: K and V halves alike, contiguous."""
+        if kv_cache.dim() != 4 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            raise ValueError(f"a fused decode layer needs a contiguous [2, slots, heads, row] cache, got "
+                             f"{tuple(kv_cache.shape)}")  # fmt: skip
+        _check_cache(kv_cache[0], kv_cache[1], head_dim)
+
+
+def _check_linear(linear: DecodeLayerWeights, rows: int, columns: int) -> None:
+    weight = linear.weight
+    if WEIGHT_KINDS.get(weight.dtype) != linear.kind or tuple(weight.shape) != (rows, columns):
+        raise ValueError(f"a weight of kind {linear.kind} and shape {(rows, columns)} was expected, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    if not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError("fused decode weights must be contiguous CPU tensors")
+    if linear.kind == WEIGHT_KINDS[torch.int8]:
+        scales = linear.scales
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (rows, columns // 32):
+            raise ValueError(f"int8 weights [{rows}, {columns}] need float32 scales [{rows}, {columns // 32}]")
+    bias = linear.bias
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (rows,) or not bias.is_contiguous()):
+        raise ValueError(f"a bias must be a contiguous float32 tensor [{rows}]")
+
+
+def _weight_args(linear: DecodeLayerWeights) -> tuple[int, int, int | None]:
+    return linear.kind, _ptr(linear.weight), _optional_ptr(linear.scales)
+
+
+def _optional_ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
 class NativeKernels:
     paged_decode: PagedDecodeKernel
     paged_prefill: PagedPrefillKernel
@@ -282,6 +432,7 @@ class NativeKernels:
     small_linear_int8: SmallLinearInt8Kernel
     small_linear_half: SmallLinearHalfKernel
     store_kv: StoreKVKernel
+    decode_layer: DecodeLayerKernel
 
 
 def load_native_kernels() -> NativeKernels:
@@ -302,7 +453,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
     wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel,
-                SmallLinearHalfKernel, StoreKVKernel)  # fmt: skip
+                SmallLinearHalfKernel, StoreKVKernel, DecodeLayerKernel)  # fmt: skip
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -318,6 +469,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
         SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
         SmallLinearHalfKernel(functions["kvyard_small_linear_half"], threads),
         StoreKVKernel(functions["kvyard_store_kv"], threads),
+        DecodeLayerKernel(functions["kvyard_decode_layer_scratch_floats"], functions["kvyard_decode_layer"], threads),
     )
 
 

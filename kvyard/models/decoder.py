@@ -13,6 +13,7 @@ from torch import nn
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
+from kvyard.models.fused_decode import FusedDecode
 from kvyard.models.layers import GatedMLP, Linear, NativeElementwise, RMSNorm, RotaryEmbedding, fits_in_memory
 from kvyard.models.quantization import HalfLinear, Int8Linear
 
@@ -100,6 +101,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.model = DecoderBody(config, self.rotary)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.fused_decode: FusedDecode | None = None  # set by use_cpu_fast_paths
 
     def forward(
         self,
@@ -111,8 +113,12 @@ class CausalLM(nn.Module):
         """Returns the final hidden states [num_tokens, hidden_size]."""
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        fused = self.fused_decode
+        if fused is not None and fused.applies(meta, hidden):
+            hidden, residual = fused(positions, hidden, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return self.model.norm.add_and_norm(hidden, residual)[0] if residual is not None else self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,9 +129,10 @@ class CausalLM(nn.Module):
 
         Linears go through oneDNN, their weights packed into its layout when that copy fits in half of
         the memory available now; given `kernels`, few-row linears and the fused norm, rotary and SiLU
-        work go through them too (None: PyTorch ops only). The ModelRunner calls this once, after the
-        weights are loaded (packing copies them) and before the first forward; a later call replaces
-        what an earlier one chose."""
+        work go through them too, and a decode step of few rows runs each layer in one native call (None:
+        PyTorch ops only). The ModelRunner calls this once, after the
+        weights are loaded (packing copies them, the fused decode path keeps their addresses: weights are not
+        replaced afterwards) and before the first forward; a later call replaces what an earlier one chose."""
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
@@ -141,4 +148,5 @@ class CausalLM(nn.Module):
                 module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None)
             if isinstance(module, HalfLinear):
                 module.use_native_kernel(kernels.small_linear_half if kernels is not None else None)
+        self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
         return True
