@@ -1,9 +1,11 @@
-"""A decode step's layers in one native call each (kvyard.models.fused_decode) compute exactly what the layers'
-modules compute: the same hidden states and the same KV-cache bytes, bit for bit, for every architecture, weight
-format and KV-cache format; steps it cannot compute go through the modules."""
+"""The layers of a step of few rows in one native call each (kvyard.models.fused_decode) compute exactly what the
+layers' modules compute: the same hidden states and the same KV-cache bytes, bit for bit, for every architecture,
+weight format and KV-cache format, on decode steps and on steps with short chunks (a speculative verification, a
+short prompt); steps it cannot compute go through the modules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from kvyard.models.decoder import CausalLM, DecoderLayer
 from kvyard.models.loader import load_model
 from kvyard.models.quantization import quantize_model
 
+Step = Callable[[PagedModel, list[int], int], torch.Tensor]
 BLOCK_SIZE = 4
 BLOCKS_PER_SEQ = 16
 CPU = torch.device("cpu")
@@ -48,6 +51,17 @@ def _decode(paged: PagedModel, prompt_lens: list[int], seed: int) -> torch.Tenso
     return paged.run(ids, list(prompt_lens), tables, [n + 1 for n in prompt_lens], [1] * len(prompt_lens))
 
 
+def _mixed(paged: PagedModel, prompt_lens: list[int], seed: int) -> torch.Tensor:
+    """Two decodes, a 3-token chunk over the third sequence's cached prompt (as a speculative verification is),
+    and a fourth sequence's whole 4-token prompt."""
+    first, second, third = prompt_lens
+    ids = torch.randint(0, paged.model.config.vocab_size, (2 + 3 + 4,),
+                        generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
+    positions = [first, second, *range(third, third + 3), *range(4)]
+    tables = [_table(seq) for seq in range(4)]
+    return paged.run(ids, positions, tables, [first + 1, second + 1, third + 3, 4], [1, 1, 3, 4])
+
+
 def _modules_only(monkeypatch: pytest.MonkeyPatch, model: CausalLM) -> None:
     monkeypatch.setattr(model, "fused_decode", None)
 
@@ -59,17 +73,19 @@ def _forbid_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DecoderLayer, "forward", refuse)
 
 
-def _compare_one_step(paged: PagedModel, prompt_lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def _compare_one_step(
+    paged: PagedModel, prompt_lens: list[int], monkeypatch: pytest.MonkeyPatch, step: Step = _decode
+) -> None:
     before = [cache.clone() for cache in paged.kv_caches]
     with monkeypatch.context() as patch:
         _forbid_modules(patch)
-        fused = _decode(paged, prompt_lens, seed=5)
+        fused = step(paged, prompt_lens, 5)
     fused_caches = [cache.clone() for cache in paged.kv_caches]
     for cache, saved in zip(paged.kv_caches, before):
         cache.copy_(saved)
     with monkeypatch.context() as patch:
         _modules_only(patch, paged.model)
-        reference = _decode(paged, prompt_lens, seed=5)
+        reference = step(paged, prompt_lens, 5)
     assert torch.equal(fused, reference)
     for ours, theirs in zip(fused_caches, paged.kv_caches):
         assert torch.equal(ours, theirs)
@@ -87,6 +103,19 @@ def test_fused_layers_equal_the_modules_bit_for_bit(
     _prefill(paged, prompt_lens)
     _compare_one_step(paged, prompt_lens, monkeypatch)
     _compare_one_step(paged, prompt_lens[:1], monkeypatch)  # a single stream
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("scheme", "kv_cache_dtype"), [("none", "auto"), ("int8", "int8")])
+def test_fused_layers_equal_the_modules_on_steps_with_chunks(
+    model_dirs: dict[str, Path], native_kernels: NativeKernels, arch: str, scheme: str, kv_cache_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # An int8 cache rounds what it stores, so there even the whole-prompt chunk reads its keys from the cache.
+    prompt_lens = [6, 13, 21]
+    paged = _paged_model(model_dirs[arch], scheme, kv_cache_dtype, 4)
+    _prefill(paged, prompt_lens)
+    _compare_one_step(paged, prompt_lens, monkeypatch, _mixed)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16", "int8"])

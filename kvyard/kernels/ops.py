@@ -289,9 +289,9 @@ WEIGHT_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2, torch.bfloat1
 
 @dataclass(frozen=True, slots=True)
 class DecodeLayerKernel:
-    """A whole decoder layer of a decode step (one query token per sequence) in one native call: the kernels the
-    layer's modules call one by one, called from C in the same order on the same data, so the output is
-    bit-identical and the step is spared a dozen Python-level calls a layer.
+    """A whole decoder layer of a step of few rows (decodes, then short chunks such as a speculative verification)
+    in one native call: the kernels the layer's modules call one by one, called from C in the same order on the
+    same data, so the output is bit-identical and the step is spared a dozen Python-level calls a layer.
 
     `layer_args` turns a layer's shapes and weights into the call's fixed arguments once (pointers: the caller
     keeps the tensors alive and in place); `__call__` runs it for one step."""
@@ -299,11 +299,12 @@ class DecodeLayerKernel:
     PROTOTYPES: ClassVar[str] = """
         int64_t kvyard_decode_layer_scratch_floats(int64_t m, int hidden_size, int num_heads, int num_kv_heads,
             int head_dim, int intermediate_size, int64_t max_context, int num_threads);
-        void kvyard_decode_layer(const float *x, float *residual, float *out, int64_t m, const int64_t *positions,
-            void *k_cache, void *v_cache, int kv_dtype, int64_t slot_bytes, const int64_t *slots,
+        int kvyard_decode_layer(const float *x, float *residual, float *out, int64_t m, const int64_t *positions,
+            void *k_cache, void *v_cache, int kv_dtype, int64_t slot_bytes, const int64_t *slots, int num_decodes,
             const int64_t *block_tables, const int64_t *context_lens, int block_size, int max_blocks,
-            int64_t max_context, float *scratch, int hidden_size, int intermediate_size, int num_heads,
-            int num_kv_heads, int head_dim, float eps, const float *input_norm, const float *post_norm,
+            int64_t max_context, int num_chunks, const int64_t *chunks, const int64_t *chunk_tables, float *scratch,
+            int hidden_size, int intermediate_size, int num_heads, int num_kv_heads, int head_dim, float eps,
+            const float *input_norm, const float *post_norm,
             const float *q_norm, const float *k_norm, int qkv_kind, const void *qkv_w, const float *qkv_scales,
             const float *qkv_bias, int o_kind, const void *o_w, const float *o_scales, int gate_up_kind,
             const void *gate_up_w, const float *gate_up_scales, int down_kind, const void *down_w,
@@ -355,10 +356,12 @@ class DecodeLayerKernel:
         kv_cache: [2, num_slots, Hkv, row], checked by `DecodeStepArgs.check_cache`."""
         k_cache = kv_cache.data_ptr()
         v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size()
-        self.function(
+        status = self.function(
             None if x is None else _ptr(x), _ptr(residual), _ptr(out), step.rows, step.positions, k_cache, v_cache,
             *step.rest, *layer_args,
         )  # fmt: skip
+        if status != 0:
+            raise MemoryError("prefill attention kernel could not allocate its scratch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,20 +378,27 @@ class DecodeStepArgs:
     @classmethod
     def of(
         cls, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-        block_size: int, kv_cache: torch.Tensor, scratch: torch.Tensor,
+        chunks: torch.Tensor, chunk_tables: torch.Tensor, block_size: int, kv_cache: torch.Tensor,
+        scratch: torch.Tensor,
     ) -> DecodeStepArgs:  # fmt: skip
-        rows = positions.shape[0]
+        """block_tables, context_lens: the decodes' ([num_decodes, max_blocks], [num_decodes]); chunks: [num_chunks,
+        4] (first row, rows, context length, offset of its table in chunk_tables or -1), rows after the decodes."""
+        rows, num_decodes, num_chunks = positions.shape[0], context_lens.shape[0], chunks.shape[0]
+        max_blocks = block_tables.shape[-1]
         for name, tensor, shape in (("positions", positions, (rows,)), ("slots", slots, (rows,)),
-                                    ("context_lens", context_lens, (rows,)),
-                                    ("block_tables", block_tables, (rows, block_tables.shape[-1]))):  # fmt: skip
+                                    ("context_lens", context_lens, (num_decodes,)),
+                                    ("block_tables", block_tables, (num_decodes, max_blocks)),
+                                    ("chunks", chunks, (num_chunks, 4)),
+                                    ("chunk_tables", chunk_tables, (chunk_tables.shape[0],))):  # fmt: skip
             if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tuple(tensor.shape) != shape:
                 raise ValueError(f"{name} must be a contiguous int64 tensor of shape {shape}, got "
                                  f"{tensor.dtype} {tuple(tensor.shape)}")  # fmt: skip
-        max_blocks = block_tables.shape[1]
-        rest = (KV_DTYPE_CODES[kv_cache.dtype], kv_cache.stride(1) * kv_cache.element_size(), _ptr(slots),
-                _ptr(block_tables), _ptr(context_lens), block_size, max_blocks, max_blocks * block_size,
-                _ptr(scratch))  # fmt: skip
-        return cls(rows, _ptr(positions), rest, (positions, slots, block_tables, context_lens, scratch))
+        _check_chunks(chunks.tolist(), num_decodes, rows, chunk_tables.shape[0], block_size)
+        rest = (KV_DTYPE_CODES[kv_cache.dtype], kv_cache.stride(1) * kv_cache.element_size(), _ptr(slots), num_decodes,
+                _ptr(block_tables), _ptr(context_lens), block_size, max_blocks, max_blocks * block_size, num_chunks,
+                _ptr(chunks), _ptr(chunk_tables), _ptr(scratch))  # fmt: skip
+        tensors = (positions, slots, block_tables, context_lens, chunks, chunk_tables, scratch)
+        return cls(rows, _ptr(positions), rest, tensors)
 
     @staticmethod
     def check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
@@ -397,6 +407,22 @@ class DecodeStepArgs:
             raise ValueError(f"a fused decode layer needs a contiguous [2, slots, heads, row] cache, got "
                              f"{tuple(kv_cache.shape)}")  # fmt: skip
         _check_cache(kv_cache[0], kv_cache[1], head_dim)
+
+
+def _check_chunks(
+    chunks: list[list[int]], num_decodes: int, rows: int, num_table_entries: int, block_size: int
+) -> None:
+    """The chunks tile the rows after the decodes, in order, and each table covers its context."""
+    next_row = num_decodes
+    for start, length, context, table in chunks:
+        blocks = -(-context // block_size)
+        covered = table + blocks <= num_table_entries if table >= 0 else context == length
+        if start != next_row or length < 1 or context < length or not covered:
+            raise ValueError(f"chunk (first row {start}, {length} rows, context {context}, table at {table}) does not "
+                             f"follow row {next_row} or its table of {num_table_entries} entries")  # fmt: skip
+        next_row += length
+    if next_row != rows:
+        raise ValueError(f"the decodes and chunks cover {next_row} rows of {rows}")
 
 
 def _check_linear(linear: DecodeLayerWeights, rows: int, columns: int) -> None:

@@ -1,10 +1,11 @@
-"""A decode step's decoder layers, one native call each (`kvyard_decode_layer`).
+"""The decoder layers of a step of few rows, one native call each (`kvyard_decode_layer`).
 
 A decode step of one or a few sequences on CPU spends as long calling its kernels from Python (a dozen per
 layer: norms, projections, rotary, the KV store, attention, the MLP) as in the kernels themselves. For a step
-that only decodes, with few enough rows that every projection takes its native small-rows kernel, the whole
-layer runs in C instead: the same kernels in the same order, so the hidden states are bit-identical to the
-modules' (tests/test_fused_decode.py holds that for every architecture, weight format and KV format).
+with few enough rows that every projection takes its native small-rows kernel (a decode step of a small batch,
+a speculative verification, a short prefill chunk), the whole layer runs in C instead: the same kernels in the
+same order, so the hidden states are bit-identical to the modules' (tests/test_fused_decode.py holds that for
+every architecture, weight format and KV format).
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ class FusedDecode:
 
     def applies(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
         rows = hidden.shape[0]
-        return (not meta.prefills and meta.num_decode_tokens == rows and 0 < rows <= self.max_rows
-                and meta.backend.name == "native" and hidden.dtype == torch.float32)  # fmt: skip
+        return 0 < rows <= self.max_rows and meta.backend.name == "native" and hidden.dtype == torch.float32
 
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -63,8 +63,9 @@ class FusedDecode:
         rows = hidden.shape[0]
         tables = meta.decode_block_tables
         scratch = self.kernel.scratch(rows, self.shape, tables.shape[1] * meta.block_size)
-        step = DecodeStepArgs.of(positions, meta.slot_mapping, tables, meta.decode_context_lens, meta.block_size,
-                                 kv_caches[0], scratch)  # fmt: skip
+        chunks, chunk_tables = _chunks(meta)
+        step = DecodeStepArgs.of(positions, meta.slot_mapping, tables, meta.decode_context_lens, chunks, chunk_tables,
+                                 meta.block_size, kv_caches[0], scratch)  # fmt: skip
         residual = hidden.contiguous()  # the embeddings become the residual stream, updated in place
         out = torch.empty_like(residual)
         x: torch.Tensor | None = None
@@ -72,6 +73,23 @@ class FusedDecode:
             self.kernel(x, residual, out, step, cache, args)
             x = out
         return out, residual
+
+
+def _chunks(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's prefill chunks as the kernel reads them: [num_chunks, 4] (first row, rows, context length, offset
+    of the chunk's block table in the second tensor or -1 for a chunk that is its whole context), and the tables."""
+    rows: list[list[int]] = []
+    tables: list[torch.Tensor] = []
+    offset = 0
+    for span in meta.prefills:
+        table = -1
+        if span.block_table is not None:
+            table = offset
+            tables.append(span.block_table)
+            offset += span.block_table.shape[0]
+        rows.append([span.query_start, span.query_len, span.context_len, table])
+    chunk_tables = torch.cat(tables) if tables else torch.zeros(0, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), 4), chunk_tables
 
 
 def _layer_args(

@@ -58,15 +58,17 @@ void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num
 void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim);
 void kvyard_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
-/* decode_layer.c: one decoder layer of a decode step (m rows, one token per sequence) in one call, computing
- * exactly what the layer's kernels compute called one by one; weight kinds 0 fp32, 1 int8, 2 fp16, 3 bf16.
- * `scratch` holds kvyard_decode_layer_scratch_floats(...) floats. */
+/* decode_layer.c: one decoder layer of a step of m rows (decodes first, then short chunks) in one call,
+ * computing exactly what the layer's kernels compute called one by one; weight kinds 0 fp32, 1 int8, 2 fp16,
+ * 3 bf16. `scratch` holds kvyard_decode_layer_scratch_floats(...) floats. Returns 0, or -1 if a chunk's
+ * attention could not allocate its scratch. */
 int64_t kvyard_decode_layer_scratch_floats(int64_t m, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                                            int intermediate_size, int64_t max_context, int num_threads);
-void kvyard_decode_layer(const float *x, float *residual, float *out, int64_t m, const int64_t *positions,
-                         void *k_cache, void *v_cache, int kv_dtype, int64_t slot_bytes, const int64_t *slots,
-                         const int64_t *block_tables, const int64_t *context_lens, int block_size, int max_blocks,
-                         int64_t max_context, float *scratch, int hidden_size, int intermediate_size, int num_heads,
+int kvyard_decode_layer(const float *x, float *residual, float *out, int64_t m, const int64_t *positions,
+                        void *k_cache, void *v_cache, int kv_dtype, int64_t slot_bytes, const int64_t *slots,
+                        int num_decodes, const int64_t *block_tables, const int64_t *context_lens, int block_size,
+                        int max_blocks, int64_t max_context, int num_chunks, const int64_t *chunks,
+                        const int64_t *chunk_tables, float *scratch, int hidden_size, int intermediate_size, int num_heads,
                          int num_kv_heads, int head_dim, float eps, const float *input_norm, const float *post_norm,
                          const float *q_norm, const float *k_norm, int qkv_kind, const void *qkv_w,
                          const float *qkv_scales, const float *qkv_bias, int o_kind, const void *o_w,
