@@ -26,7 +26,7 @@ from torch import nn
 from kvyard.models import PACKAGE_SCHEMES
 from kvyard.models.config import load_model_config
 from kvyard.models.decoder import CausalLM
-from kvyard.models.loader import load_model, model_digest
+from kvyard.models.loader import load_model, materialize, model_digest
 from kvyard.models.quantization import GROUP_SIZE, quantize_model, scheme_suffix
 
 PACKAGE_FILE = "kvyard_package.json"
@@ -125,7 +125,7 @@ def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):
         model = CausalLM(config, max_positions).to(dtype)
         quantize_model(model, info.weights, empty=True)  # after the dtype: converted tensors keep theirs
-    model = model.to_empty(device=device)
+    materialize(model, device)
     _load_tensors(model, tensors_path, config.tie_word_embeddings)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)
