@@ -3,6 +3,7 @@ hold, and `cache_aware` over hundreds of replicas scores a shortlist that still 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections import Counter
@@ -135,3 +136,26 @@ def test_health_checks_of_a_large_fleet_are_spread_out() -> None:
     assert len(set(intervals)) > 50
     registry.replicas = dict(list(registry.replicas.items())[:100])
     assert registry._health_interval_s() == RouterConfig().health_interval_s
+
+
+def test_a_replica_being_removed_leaves_the_routable_list_at_once() -> None:
+    async def scenario() -> None:
+        registry = Registry(RouterConfig(), RouterMetrics(), session=None)  # type: ignore[arg-type]  # never called
+        stays, goes = Replica("http://10.0.0.1:8000"), Replica("http://10.0.0.2:8000")
+        registry.replicas = {stays.url: stays, goes.url: goes}
+        assert registry.routable() == [stays, goes]
+        seen_meanwhile: list[list[Replica]] = []
+
+        async def slow_to_stop() -> None:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                seen_meanwhile.append(registry.routable())  # decisions made while remove() awaits its tasks
+                raise
+
+        registry._tasks[goes.url] = [asyncio.create_task(slow_to_stop())]
+        await asyncio.sleep(0)
+        await registry.remove(goes.url)
+        assert seen_meanwhile == [[stays]] and registry.routable() == [stays]
+
+    asyncio.run(scenario())

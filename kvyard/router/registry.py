@@ -89,6 +89,7 @@ class Registry:
         replica = self._get(url)
         replica.state = State.DRAINING
         del self.replicas[replica.url]
+        self._refresh_gauge()  # before awaiting: no decision meanwhile may pick it from the cached routable list
         for task in self._tasks.pop(replica.url, []):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
