@@ -41,6 +41,12 @@ class RayCluster:
         return subprocess.run([sys.executable, "-m", "kvyard", "deploy", *args, "--address", self.address],
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
+    def kill_actor(self, name: str, namespace: str) -> None:
+        """Kill a named actor's process as a crash would (Ray may restart it)."""
+        code = (f"import ray; ray.init(address={self.address!r}, logging_level=40, log_to_driver=False); "
+                f"ray.kill(ray.get_actor({name!r}, namespace={namespace!r}), no_restart=False)")  # fmt: skip
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
     def status(self, name: str) -> dict[str, Any]:
         result = self.deploy("--name", name, "--status", "--json", timeout=60)
         assert result.returncode == 0, result.stderr
@@ -229,6 +235,16 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     assert [m["name"] for m in members(status, "unified")] == ["replica-unified-0"]
     assert len(status["routers"][router]) == 1
 
+    # The controller's process dies: Ray restarts it, it adopts the running actors (the scaled count, not the
+    # spec's) and keeps the router current; nothing it owns was restarted.
+    ray_cluster.kill_actor("controller", "kvyard-t-unified")
+    wait_for(lambda: _answers_status(ray_cluster, "t-unified"), 120, "the restarted controller to answer")
+    restarted = ray_cluster.status("t-unified")
+    assert restarted["desired"] == {"unified": 1, "prefill": 0, "decode": 0, "router": 1}, restarted["desired"]
+    assert [(m["name"], m["actor_pid"]) for m in restarted["members"]] == [
+        (m["name"], m["actor_pid"]) for m in status["members"]]  # fmt: skip
+    assert complete(router, "after the controller restarted").status_code == 200
+
     # Down: every process of the fleet is gone.
     before = ray_cluster.status("t-unified")
     stopped = ray_cluster.deploy(str(spec), "--down")
@@ -236,6 +252,10 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     wait_for(lambda: not processes_alive(before), 30, "the fleet's processes to exit")
     gone = ray_cluster.deploy("--name", "t-unified", "--status", timeout=60)
     assert gone.returncode == 1 and "no fleet named 't-unified'" in gone.stderr
+
+
+def _answers_status(cluster: RayCluster, name: str) -> bool:
+    return cluster.deploy("--name", name, "--status", "--json", timeout=60).returncode == 0
 
 
 def _restarted(status: dict[str, Any], victim: dict[str, Any]) -> bool:

@@ -30,6 +30,9 @@ def test_defaults_fill_what_the_spec_leaves_out() -> None:
     assert spec.router.replicas == 1 and spec.router.policy == "cache_aware" and spec.router.host == "127.0.0.1"
     assert spec.kv_tier.redis_url is None
     assert spec.with_replicas("unified", 5).roles["unified"].replicas == 5
+    assert spec.with_routers(3).router.replicas == 3 and spec.with_routers(3).router.policy == "cache_aware"
+    with pytest.raises(SpecError, match=r"router\.replicas"):
+        spec.with_routers(0)
 
 
 @pytest.mark.parametrize(("document", "field"), [

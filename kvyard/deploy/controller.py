@@ -323,6 +323,9 @@ class FleetController:
         if any(adopted.values()):
             for role, count in adopted.items():
                 self.spec = self.spec.with_replicas(role, count)
+        routers = [member.index for member in self._members.values() if member.role == "router"]
+        if routers:  # the count the earlier life ran, so a later `apply` neither drops nor adds routers
+            self.spec = self.spec.with_routers(max(routers) + 1)
         if self._members:
             _LOG.warning("adopted %d actors of an earlier controller", len(self._members))
 

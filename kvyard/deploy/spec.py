@@ -76,6 +76,11 @@ class FleetSpec:
         roles = {**self.roles, role: dataclasses.replace(self.roles[role], replicas=count)}
         return dataclasses.replace(self, roles=roles)
 
+    def with_routers(self, count: int) -> FleetSpec:
+        if count < 1:
+            raise SpecError(f"router.replicas must be 1 or more, got {count}")
+        return dataclasses.replace(self, router=dataclasses.replace(self.router, replicas=count))
+
 
 def load_spec(path: str | Path) -> FleetSpec:
     try:
