@@ -68,6 +68,21 @@ async def healthy_replicas(session: aiohttp.ClientSession, router: str) -> int:
     return 0
 
 
+async def counts_by_reason(session: aiohttp.ClientSession, router: str) -> dict[str, float]:
+    """Index resyncs and ejections so far, by reason (`resyncs:gap`, `ejections:health_check`, ...)."""
+    async with session.get(f"{router}/metrics") as response:
+        lines = (await response.text()).splitlines()
+    counts: dict[str, float] = {}
+    for prefix, name in (("kvyard_router_index_resyncs_total{", "resyncs"),
+                         ("kvyard_router_ejections_total{", "ejections")):  # fmt: skip
+        for line in lines:
+            if line.startswith(prefix):
+                reason = line.split('reason="')[1].split('"')[0]
+                key = f"{name}:{reason}"
+                counts[key] = counts.get(key, 0.0) + float(line.split()[-1])
+    return counts
+
+
 async def decision_times(session: aiohttp.ClientSession, router: str) -> dict[str, float]:
     async with session.get(f"{router}/metrics") as response:
         lines = (await response.text()).splitlines()
@@ -117,17 +132,22 @@ async def drive(args: argparse.Namespace, router: str, router_pid: int, num_repl
                 await response.read()
                 failures += response.status != 200
 
+        counts_before = await counts_by_reason(session, router)
         load_cpu, load_started = cpu_seconds(router_pid), time.monotonic()
         await asyncio.gather(*(one(i) for i in range(args.requests)))
         wall = time.monotonic() - load_started
         load_cpu = cpu_seconds(router_pid) - load_cpu
         decisions = await decision_times(session, router)
+        counts_after = await counts_by_reason(session, router)
+        during_load = {key: count - counts_before.get(key, 0.0) for key, count in counts_after.items()
+                       if count > counts_before.get(key, 0.0)}  # fmt: skip
     return {"replicas": num_replicas, "replicas_with_kv_events": synced, "seconds_until_all_healthy": round(ready_s, 1),
             "router_idle_cpu_per_s": round(idle_rate, 3),
             "router_idle_cpu_ms_per_replica_per_s": round(idle_rate / num_replicas * 1e3, 3),
             "requests": args.requests, "failed": failures, "requests_per_s": round(args.requests / wall, 1),
             "router_cpu_ms_per_request": round((load_cpu - idle_rate * wall) / args.requests * 1e3, 3),
-            "router_cpu_ms_per_request_with_idle": round(load_cpu / args.requests * 1e3, 3), **decisions}  # fmt: skip
+            "router_cpu_ms_per_request_with_idle": round(load_cpu / args.requests * 1e3, 3), **decisions,
+            "resyncs_and_ejections_during_load": during_load}  # fmt: skip
 
 
 def measure(num_replicas: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -58,6 +58,7 @@ class Router:
     in_flight: int = 0
     _prefill_legs: set[asyncio.Task[None]] = field(default_factory=set)
     _candidates: tuple[list[Replica], str | None, list[Replica]] | None = None  # (routable, model, candidates)
+    _has_prefill: tuple[list[Replica], bool] | None = None  # (candidates, whether a prefill replica is among them)
 
     @classmethod
     def create(cls, config: RouterConfig) -> Router:
@@ -200,7 +201,12 @@ class Router:
 
     def _disaggregated(self, candidates: list[Replica]) -> bool:
         """Prefill replicas are among the candidates, and the router holds the admin key PD legs need."""
-        return bool(self.registry.upstream.pd_headers) and any(r.role == PREFILL for r in candidates)
+        if not self.registry.upstream.pd_headers:
+            return False
+        # Once per candidate list, not per request: the registry makes a new list when a role changes.
+        if self._has_prefill is None or self._has_prefill[0] is not candidates:
+            self._has_prefill = (candidates, any(r.role == PREFILL for r in candidates))
+        return self._has_prefill[1]
 
     def _plan_pd(
         self, kind: str, path: str, body: dict[str, Any], route_request: RouteRequest, candidates: list[Replica]

@@ -152,7 +152,10 @@ class Registry:
                     replica.model_cards = await self._model_cards(replica, timeout)
                     replica.model_ids = tuple(card.id for card in replica.model_cards)
                     self._refresh_gauge()  # the models it serves decide which requests it is a candidate for
+                role = replica.role
                 replica.load = await self._load(replica, timeout)
+                if replica.role != role:
+                    self._refresh_gauge()  # lists of candidates carry roles (prefill/decode disaggregation)
                 replica.first_bytes_since_load = 0
                 replica.consecutive_failures = 0
                 self._readmit(replica)
