@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,15 @@ from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
 from kvyard.models.quantization import quantize_model, scheme_suffix
+from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
 
-GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # tokenizer.json read as it is
+_LOG = logging.getLogger(__name__)
 
 
 class LLMEngine(EngineCore):
-    tokenizer: Any  # a Hugging Face tokenizer (encode, chat template), or None without tokenizer files
+    tokenizer: Any  # a PlainTokenizer or a Hugging Face tokenizer (encode, chat template); None without tokenizer files
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine_config = config
@@ -171,7 +173,11 @@ def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
 def _load_tokenizer(model_dir: str) -> Any:
     if not any((Path(model_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    if _tokenizer_class(model_dir) in GENERIC_TOKENIZERS and (Path(model_dir) / "tokenizer.json").is_file():
+    loaded = PlainTokenizer.load(model_dir)
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer
+    _LOG.info("tokenizer loads through transformers: %s", loaded.reason)
+    if _tokenizer_class(model_dir) in GENERIC_TOKENIZER_CLASSES and (Path(model_dir) / "tokenizer.json").is_file():
         # The class AutoTokenizer would pick, without the model config and modeling imports it loads first
         # (about 2 s of start-up).
         from transformers import PreTrainedTokenizerFast

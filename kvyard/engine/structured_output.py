@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvyard.api.errors import InputError
+from kvyard.models.tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:  # torch and llguidance load with the first constrained request; the core imports neither
     import torch
@@ -90,13 +91,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         import llguidance
-        import llguidance.hf
         import torch
 
         self._llguidance = llguidance
         self._torch = torch
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.tokenizer = _grammar_tokenizer(llguidance, tokenizer, vocab_size)
         self.executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._bit_positions = torch.arange(32, dtype=torch.int32)
@@ -169,3 +169,13 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$-#&~")
 def _literal(text: str) -> str:
     """`text` as a regular expression matching exactly it (meta characters escaped, nothing else)."""
     return "".join("\\" + char if char in _REGEX_META else char for char in text)
+
+
+def _grammar_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of the vocabulary, built from the tokenizer.json pipeline either kind of tokenizer holds."""
+    if isinstance(tokenizer, PlainTokenizer):
+        return llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size,
+                                      eos_token=tokenizer.eos_token_id)  # fmt: skip
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)

@@ -1,4 +1,4 @@
-"""A Hugging Face tokenizer as the replica API's `Vocabulary`."""
+"""A checkpoint's tokenizer (a PlainTokenizer, or one transformers loaded) as the replica API's `Vocabulary`."""
 
 from __future__ import annotations
 
