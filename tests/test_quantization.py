@@ -75,6 +75,10 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
     many = torch.randn(Int8Linear.max_small_rows + 8, 96)  # past the kernel's rows: the dequantized matmul
     expected = F.linear(many, dequantize_int8(layer.qweight, layer.scales), layer.bias)
     assert torch.allclose(layer(many), expected, atol=1e-6)
+    if torch.backends.mkldnn.is_available():  # the same matmul through oneDNN, as CPU fast paths run it
+        layer.use_native_kernel(native_kernels.small_linear_int8, onednn=True)
+        assert torch.allclose(layer(many), expected, atol=1e-5)
+        assert torch.allclose(layer(x), plain, atol=1e-5)
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (9, 19, 64), (17, 130, 40),
@@ -106,7 +110,8 @@ def test_a_converted_model_equals_hugging_face_on_the_round_tripped_weights(
     model_dirs: dict[str, Path], arch: str, scheme: str
 ) -> None:
     reference = _round_tripped_reference(model_dirs[arch], scheme)
-    prompts = [torch.randint(3, 900, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
+    # 100 tokens: past the native kernels' rows, the widened weights' matmul (oneDNN's where PyTorch has it)
+    prompts = [torch.randint(3, 900, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 100)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
     with LLM(str(model_dirs[arch]), quantization=scheme) as llm:
         converted = HalfLinear if scheme != "int8" else Int8Linear

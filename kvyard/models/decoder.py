@@ -145,8 +145,8 @@ class CausalLM(nn.Module):
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
             if isinstance(module, Int8Linear):
-                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None)
+                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn)
             if isinstance(module, HalfLinear):
-                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None)
+                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None, onednn)
         self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
         return True

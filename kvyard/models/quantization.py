@@ -52,9 +52,12 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights: few rows (decode) through the native int8 kernel, which reads the int8
-    weights directly; more rows (prefill, large batches) dequantize the weight for one fp32 matmul."""
+    weights directly; more rows (prefill, large batches) dequantize the weight for one fp32 matmul, through
+    oneDNN where PyTorch has it (as fp32 `Linear`: on AMD CPUs MKL's matmul was 2.1-2.2x slower at 512-2048 rows)."""
 
-    max_small_rows = 64  # the kernel beats dequantizing for one matmul up to about 64 rows (bench shapes, AVX2)
+    # Up to 64 rows the kernel beats dequantizing for one matmul, MKL's or oneDNN's, once the dequantization of
+    # every weight (lm_head too) is counted: a step's worth is 4 bytes written per weight.
+    max_small_rows = 64
     qweight: torch.Tensor  # int8 [out_features, in_features], a buffer
     scales: torch.Tensor  # fp32 [out_features, in_features / 32], a buffer
 
@@ -65,6 +68,7 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.kernel: SmallLinearInt8Kernel | None = None
+        self.onednn = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -75,15 +79,18 @@ class Int8Linear(nn.Module):
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.qweight, self.scales, self.bias)
         weight = dequantize_int8(self.qweight, self.scales).to(x.dtype)
-        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return widened_linear(x, weight, self.bias, self.onednn)
 
-    def use_native_kernel(self, kernel: SmallLinearInt8Kernel | None) -> None:
+    def use_native_kernel(self, kernel: SmallLinearInt8Kernel | None, onednn: bool = False) -> None:
+        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`."""
         self.kernel = kernel
+        self.onednn = onednn
 
 
 class HalfLinear(nn.Module):
     """A linear layer with fp16 or bf16 weights: few rows through the native kernel, which widens them in
-    registers; more rows (prefill, large batches) widen the whole weight for one fp32 matmul."""
+    registers; more rows (prefill, large batches) widen the whole weight for one fp32 matmul (oneDNN's, as
+    Int8Linear)."""
 
     max_small_rows = 64
     weight16: torch.Tensor  # float16 or bfloat16 [out_features, in_features], a buffer
@@ -94,6 +101,7 @@ class HalfLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self.in_features, self.out_features = weight16.shape[1], weight16.shape[0]
         self.kernel: SmallLinearHalfKernel | None = None
+        self.onednn = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> HalfLinear:
@@ -102,10 +110,19 @@ class HalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.weight16, self.bias)
-        return F.linear(x, self.weight16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return widened_linear(x, self.weight16.to(x.dtype), self.bias, self.onednn)
 
-    def use_native_kernel(self, kernel: SmallLinearHalfKernel | None) -> None:
+    def use_native_kernel(self, kernel: SmallLinearHalfKernel | None, onednn: bool = False) -> None:
+        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`."""
         self.kernel = kernel
+        self.onednn = onednn
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x W^T + b for a weight just widened to x's dtype; oneDNN only for fp32 (where `use_native_kernel` set it)."""
+    if onednn and x.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 def quantize_model(model: nn.Module, scheme: str, *, empty: bool = False) -> int:
