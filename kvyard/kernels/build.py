@@ -1,8 +1,8 @@
 """Compile the kernel sources into one shared library, once per machine, cached under kvyard's cache root.
 
-The library is built with -march=native (the vector paths need AVX2/FMA, and the cache key covers the
-CPU's feature flags); where the compiler rejects that, with portable flags, whose plain C paths compute
-the same thing more slowly.
+The library is built with -march=native (the vector paths need AVX2/FMA, the int8 matmul has an AVX-512
+one, and the cache key covers the CPU's feature flags); where the compiler rejects that, with portable
+flags, whose plain C paths compute the same thing more slowly.
 """
 
 from __future__ import annotations
