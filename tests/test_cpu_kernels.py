@@ -26,10 +26,12 @@ def small_linear(native_kernels: NativeKernels) -> SmallLinearKernel:
     return native_kernels.small_linear
 
 
-# Shapes cover whole 4-row tiles with k % 8 == 0 (vector path), ragged tiles, and odd k (scalar path),
-# both below and above the size where the kernel goes multi-threaded.
+# Shapes cover whole 4-row tiles with k % 16 == 0 (AVX-512 or AVX2 path), k % 16 == 8 (AVX2), ragged tiles, and
+# odd k (scalar path), both below and above the size where the kernel goes multi-threaded; rows: one, the AVX2
+# path's block of 3 and the AVX-512 path's of 6, and remainders of them.
 @pytest.mark.parametrize("rows", [1, 2, 7, 15])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1024, 512), (514, 256), (7, 5), (3000, 100)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1024, 512), (514, 256), (7, 5), (3000, 100),
+                                                           (64, 264)])  # fmt: skip
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_matches_torch(
     small_linear: SmallLinearKernel, rows: int, out_features: int, in_features: int, with_bias: bool
