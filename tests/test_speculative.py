@@ -10,15 +10,7 @@ import pytest
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.request import Request
-from kvyard.engine.speculative import (
-    GATE_EXPLORE_EVERY,
-    GATE_EXPLORE_STEPS,
-    GATE_MIN_SAMPLES,
-    NgramProposer,
-    SpeculationGate,
-    SpeculativeConfig,
-    accept_greedy,
-)
+from kvyard.engine.speculative import NgramProposer, SpeculativeConfig, accept_greedy
 from kvyard.testing.oracle_proposer import OracleProposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -218,37 +210,6 @@ def test_the_measured_verify_cost_grows_with_the_batch() -> None:
     assert one is not None and eight is not None
     assert abs(one - 0.001 / 0.011) < 1e-6 and abs(eight - 0.008 / 0.018) < 1e-6
     assert StepCost().verify_token_cost(1) is None  # nothing measured yet: the configured figure is used
-
-
-def run_gate(gate: SpeculationGate, rates: dict[tuple[int, bool], float], steps: int) -> dict[int, list[bool]]:
-    """`steps` decode steps at each batch size of `rates` (tokens per second of each kind of step)."""
-    decisions: dict[int, list[bool]] = {n: [] for n, _ in rates}
-    for _ in range(steps):
-        for n in decisions:
-            speculate = gate.allows(n)
-            decisions[n].append(speculate)
-            gate.record(n, speculate, n, n / rates[(n, speculate)])
-    return decisions
-
-
-def test_the_gate_speculates_only_at_batch_sizes_where_the_measured_rate_is_higher() -> None:
-    gate = SpeculationGate()
-    rates = {(1, True): 300.0, (1, False): 200.0, (8, True): 600.0, (8, False): 900.0}
-    decisions = run_gate(gate, rates, 640)
-    assert gate.speculates(1) is True and gate.speculates(8) is False
-    assert gate.speculates(6) is False and gate.speculates(2) is None  # 5-8 share their rates; 2 was never measured
-    # Past the first measurements the other kind only runs to be measured again: 3 steps in every 64.
-    budget = 640 // GATE_EXPLORE_EVERY * GATE_EXPLORE_STEPS
-    assert 0 < sum(decisions[8][2 * GATE_MIN_SAMPLES :]) <= budget
-    assert 0 < decisions[1][2 * GATE_MIN_SAMPLES :].count(False) <= budget
-
-
-def test_the_gate_follows_rates_that_change() -> None:
-    gate = SpeculationGate()
-    run_gate(gate, {(4, True): 500.0, (4, False): 400.0}, 200)
-    assert gate.speculates(4) is True
-    run_gate(gate, {(4, True): 300.0, (4, False): 400.0}, 400)  # e.g. the guesses stopped being right
-    assert gate.speculates(4) is False
 
 
 def test_speculating_requests_get_the_logprobs_of_plain_decoding(llama_dir: Path) -> None:

@@ -31,7 +31,6 @@ from kvyard.engine.speculative import (
     MAX_PROBE_INTERVAL,
     PROBE_EVERY,
     Proposer,
-    SpeculationGate,
     SpeculativeConfig,
     StepCost,
     can_speculate,
@@ -205,8 +204,6 @@ class EngineCore:
         self.num_spec_proposed = self.num_spec_accepted = self.num_spec_verifications = 0
         self._spec_acceptance = INITIAL_ACCEPTANCE  # over all requests: where a new request's estimate starts
         self._step_cost = StepCost()
-        self.spec_gate = SpeculationGate()
-        self._gated_batch: tuple[int, bool] | None = None  # this step's (decoding sequences, speculated) when gated
         self._prefill_cost = RecentCost(weight=0.1)
         self._tier_costs: dict[str, RecentCost] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
@@ -323,11 +320,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that produced tokens."""
-        proposing_s = 0.0
         if self.proposer is not None:
-            proposing_started = time.perf_counter()
             self._propose(self.proposer)
-            proposing_s = time.perf_counter() - proposing_started
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
             idle_wait = IDLE_LOAD_WAIT_S if self.kv_manager.load_wait_s else 0.0
@@ -338,7 +332,6 @@ class EngineCore:
         started = time.perf_counter()
         sampled = self.runner.execute(scheduled)
         self._measure_step(scheduled, time.perf_counter() - started)
-        self._record_gated_step(scheduled, len(sampled), proposing_s, time.perf_counter() - started)
         by_request: dict[str, list[SampledToken]] = {}
         for token in sampled:
             by_request.setdefault(token.request.request_id, []).append(token)
@@ -364,12 +357,6 @@ class EngineCore:
 
         for request in self.scheduler.running:
             request.spec_token_ids = []
-        self._gated_batch = None
-        if eligible and self.config.speculative.adaptive:
-            speculate = self.spec_gate.allows(len(eligible))
-            self._gated_batch = (len(eligible), speculate)
-            if not speculate:
-                return
         rooms = [min(self._num_to_propose(request, wanted, token_cost),
                      self.limits.max_model_len - request.num_tokens - 1,
                      request.sampling_params.max_tokens - request.num_output_tokens - 1)
@@ -378,19 +365,6 @@ class EngineCore:
             return
         for request, room, proposed in zip(eligible, rooms, proposer.propose(eligible, rooms)):
             request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[: max(room, 0)]))
-
-    def _record_gated_step(self, scheduled: Sequence[ScheduledRequest], num_emitted: int, proposing_s: float,
-                           wall_s: float) -> None:  # fmt: skip
-        """Tell the gate what a pure decode step of the batch it decided on emitted, and in what time."""
-        if self._gated_batch is None:
-            return
-        num_sequences, _ = self._gated_batch
-        if len(scheduled) != num_sequences or any(item.num_new_tokens - len(item.spec_token_ids) != 1
-                                                  for item in scheduled):  # fmt: skip
-            return  # a prefill chunk or a preempted request: not the step the gate decided on
-        seconds = getattr(self.runner, "last_step_seconds", wall_s) + proposing_s
-        speculated = any(item.spec_token_ids for item in scheduled)
-        self.spec_gate.record(num_sequences, speculated, num_emitted, seconds)
 
     def _proposal_cost(self, proposer: Proposer, num_sequences: int) -> float:
         """What one more proposed token per sequence adds to a step, as a fraction of a decode step of
@@ -436,7 +410,8 @@ class EngineCore:
         seconds = getattr(self.runner, "last_step_seconds", wall_s)
         if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
             self._prefill_cost.observe(seconds, num_tokens)
-        if self.proposer is not None:
+        decoding_only = all(item.num_new_tokens - len(item.spec_token_ids) == 1 for item in scheduled)
+        if self.proposer is not None and decoding_only:  # the fit predicts decode and verify steps
             self._step_cost.observe(num_tokens, seconds)
 
     def housekeeping(self, now: float | None = None) -> None:

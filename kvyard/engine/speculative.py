@@ -17,12 +17,6 @@ cost is taken, 0 when none beats plain decoding; a request at 0 still proposes o
 steps, so it notices when guessing starts to pay, and waits twice as long after each probe that did not change
 that (up to `MAX_PROBE_INTERVAL`): a probe of a model proposer costs a pass of it.
 
-The cost model predicts; `SpeculationGate` checks the prediction against the clock. Per batch size (running
-decoding sequences, in powers of two) it keeps the emitted tokens per second of decode steps that speculated
-(the proposer's time included) and of steps that did not, and lets the engine speculate only where that pays,
-measuring the other side again now and then. A step's time is not linear in its tokens (kernels change at 16
-and 64 rows), so a linear cost fit can keep a batch speculating at a loss; the measured rates cannot.
-
 Proposers: `ngram` (here; prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
 last n tokens, for n from `ngram_max` down to `ngram_min`), and `draft` / `self-int8` (`draft_proposer`: a smaller
 model, or the target's own weights in int8 or fp16, run greedily on its own paged KV cache). A proposer that costs time
@@ -42,11 +36,6 @@ METHODS = ("ngram", "draft", "self-int8", "self-fp16")
 MODEL_METHODS = ("draft", "self-int8", "self-fp16")  # proposers that run a model, built by the engine that has one
 PROBE_EVERY = 8  # steps before the first single-token probe of a request whose speculation stopped paying
 MAX_PROBE_INTERVAL = 64  # the longest wait between probes
-GATE_MIN_SAMPLES = 3  # steps of each kind a batch size needs before its rates decide
-GATE_EXPLORE_EVERY = 64  # decode steps of a batch size before the kind not in use is measured again
-GATE_MAX_EXPLORE_EVERY = 1024  # the wait doubles while re-measurements confirm the choice, up to this
-GATE_EXPLORE_STEPS = 4  # steps each re-measurement takes (a switch to speculating: its first is not counted)
-GATE_RATE_WEIGHT = 0.2  # how far one step moves its kind's rate
 INITIAL_ACCEPTANCE = 0.5  # the first request's acceptance estimate; later ones start at the engine's recent one
 ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptance estimate
 
@@ -233,76 +222,3 @@ def can_speculate(request: Request) -> bool:
     return (params.speculate and request.num_tokens - request.num_computed_tokens == 1
             and not request.banned_token_ids() and request.kv_transfer is None
             and request.grammar is None)  # fmt: skip
-
-
-@dataclass(slots=True)
-class _GateBucket:
-    """Measured decode rates (tokens per second) of one batch size, with and without speculation."""
-
-    rates: dict[bool, float] = field(default_factory=dict)  # speculated -> rate
-    samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    explore_every: int = GATE_EXPLORE_EVERY
-    until_explore: int = GATE_EXPLORE_EVERY
-    exploring: int = 0  # steps left of the current re-measurement of the kind not chosen
-    chosen: bool | None = None  # what the rates chose when the last re-measurement began
-    last_kind: bool | None = None  # the kind of the last step recorded
-
-    def choice(self) -> bool:
-        for speculated in (True, False):  # measure both first, speculating first
-            if self.samples[speculated] < GATE_MIN_SAMPLES:
-                return speculated
-        best = self.rates[True] >= self.rates[False]
-        if self.exploring:
-            self.exploring -= 1
-            return not best
-        self.until_explore -= 1
-        if self.until_explore > 0:
-            return best
-        # Each re-measurement that leaves the choice as it was doubles the wait for the next: switching to
-        # speculation costs the proposer a pass over every token it missed.
-        self.explore_every = (min(2 * self.explore_every, GATE_MAX_EXPLORE_EVERY) if best == self.chosen
-                              else GATE_EXPLORE_EVERY)  # fmt: skip
-        self.until_explore, self.chosen = self.explore_every, best
-        self.exploring = GATE_EXPLORE_STEPS - 1
-        return not best
-
-    def record(self, speculated: bool, rate: float) -> None:
-        catching_up = speculated and self.last_kind is False  # the proposer's pass over the tokens it missed
-        self.last_kind = speculated
-        if catching_up and self.samples[True] >= GATE_MIN_SAMPLES:
-            return  # a cost of switching, not of speculating: the waits between re-measurements bound it
-        old = self.rates.get(speculated)
-        self.rates[speculated] = rate if old is None else old + GATE_RATE_WEIGHT * (rate - old)
-        self.samples[speculated] += 1
-
-
-@dataclass(slots=True)
-class SpeculationGate:
-    """Whether a decode step at this batch size speculates, from the measured token rates of both kinds of step
-    (see the module's docstring). `allows` decides a step; `record` gives it the step's outcome."""
-
-    buckets: dict[int, _GateBucket] = field(default_factory=dict)
-
-    def allows(self, num_sequences: int) -> bool:
-        return self._bucket(num_sequences).choice()
-
-    def record(self, num_sequences: int, speculated: bool, num_emitted: int, seconds: float) -> None:
-        """One pure decode step of `num_sequences` that emitted `num_emitted` tokens in `seconds` (proposing
-        included)."""
-        if seconds > 0 and num_emitted > 0:
-            self._bucket(num_sequences).record(speculated, num_emitted / seconds)
-
-    def speculates(self, num_sequences: int) -> bool | None:
-        """What the measured rates choose at this batch size, None until both are measured."""
-        bucket = self.buckets.get(_batch_bucket(num_sequences))
-        if bucket is None or min(bucket.samples.values()) < GATE_MIN_SAMPLES:
-            return None
-        return bucket.rates[True] >= bucket.rates[False]
-
-    def _bucket(self, num_sequences: int) -> _GateBucket:
-        return self.buckets.setdefault(_batch_bucket(num_sequences), _GateBucket())
-
-
-def _batch_bucket(num_sequences: int) -> int:
-    """1, 2, 3-4, 5-8, 9-16, ...: batch sizes whose steps cost about the same per sequence share their rates."""
-    return 1 << max(num_sequences - 1, 0).bit_length()
