@@ -6,6 +6,9 @@
  * sequential stream, widened to fp32 in registers (F16C for fp16, a 16-bit shift for bf16) once per block of up
  * to 8 rows of x, and threads take tiles of 8 weight rows.
  *
+ * With AVX-512 (and k a multiple of 16), 16 weights are widened at a time, and from 16 rows of x on two weight rows
+ * go together so each x vector loaded feeds two FMAs, as in small_linear_int8.c.
+ *
  * Layout: x [m, k] fp32, w [n, k] 16-bit, bias [n] or NULL, y [m, n]; `is_bf16` picks the 16-bit format.
  */
 #include <stdint.h>
@@ -20,6 +23,60 @@
 
 #define WEIGHT_ROWS_PER_TILE 8
 #define X_ROWS_PER_BLOCK 8
+
+#if defined(__AVX512F__)
+#define WEIGHT_ROWS_PER_PASS 2
+#define PAIRED_FROM_ROWS 16
+
+static inline __m512 widen16(const uint16_t *w, int is_bf16) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)w);
+    if (is_bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return _mm512_cvtph_ps(raw);
+}
+
+/* `wrows` consecutive weight rows against `rows` rows of x (k a multiple of 16); out[r * out_stride + w].
+ * Always inlined with constant `wrows` and `rows`. */
+static inline __attribute__((always_inline)) void dot_rows512(const float *x, int64_t k, const uint16_t *w,
+                                                              int is_bf16, float *out, int64_t out_stride,
+                                                              const int wrows, const int rows) {
+    __m512 acc[WEIGHT_ROWS_PER_PASS][X_ROWS_PER_BLOCK];
+    for (int v = 0; v < wrows; v++)
+        for (int r = 0; r < rows; r++) acc[v][r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512 wv[WEIGHT_ROWS_PER_PASS];
+        for (int v = 0; v < wrows; v++) wv[v] = widen16(w + v * k + i, is_bf16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * k + i);
+            for (int v = 0; v < wrows; v++) acc[v][r] = _mm512_fmadd_ps(xv, wv[v], acc[v][r]);
+        }
+    }
+    for (int v = 0; v < wrows; v++)
+        for (int r = 0; r < rows; r++) out[r * out_stride + v] = _mm512_reduce_add_ps(acc[v][r]);
+}
+
+#define DOT_ROWS512_FOR(WROWS)                                                   \
+    switch (rows) {                                                              \
+    case 1: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 1); break;              \
+    case 2: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 2); break;              \
+    case 3: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 3); break;              \
+    case 4: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 4); break;              \
+    case 5: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 5); break;              \
+    case 6: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 6); break;              \
+    case 7: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 7); break;              \
+    default: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 8); break;             \
+    }
+
+/* Weight rows from w (at most `left`: 1 asks for one) against `rows` rows of x; returns how many it took. */
+static int64_t dot_block512(const float *x, int64_t k, const uint16_t *w, int is_bf16, float *out, int64_t n,
+                            int64_t rows, int64_t left) {
+    if (left >= WEIGHT_ROWS_PER_PASS) {
+        DOT_ROWS512_FOR(2)
+        return WEIGHT_ROWS_PER_PASS;
+    }
+    DOT_ROWS512_FOR(1)
+    return 1;
+}
+#endif
 
 #ifdef HALF_SIMD
 static inline __m256 widen8(const uint16_t *w, int is_bf16) {
@@ -70,11 +127,20 @@ static void tile(const float *x, const uint16_t *w, const float *bias, float *y,
     const int64_t end = first_row + WEIGHT_ROWS_PER_TILE < n ? first_row + WEIGHT_ROWS_PER_TILE : n;
     for (int64_t r0 = 0; r0 < m; r0 += X_ROWS_PER_BLOCK) {
         const int64_t rows = m - r0 < X_ROWS_PER_BLOCK ? m - r0 : X_ROWS_PER_BLOCK;
-        for (int64_t j = first_row; j < end; j++) {
-            dot_block(x + r0 * k, k, w + j * k, is_bf16, y + r0 * n + j, n, rows);
-            if (bias)
-                for (int64_t r = 0; r < rows; r++) y[(r0 + r) * n + j] += bias[j];
+#if defined(__AVX512F__)
+        if (k % 16 == 0) {
+            for (int64_t j = first_row; j < end;)
+                j += dot_block512(x + r0 * k, k, w + j * k, is_bf16, y + r0 * n + j, n, rows,
+                                  m >= PAIRED_FROM_ROWS ? end - j : 1);
+        } else
+#endif
+        {
+            for (int64_t j = first_row; j < end; j++)
+                dot_block(x + r0 * k, k, w + j * k, is_bf16, y + r0 * n + j, n, rows);
         }
+        if (bias)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = first_row; j < end; j++) y[(r0 + r) * n + j] += bias[j];
     }
 }
 
