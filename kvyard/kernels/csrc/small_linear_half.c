@@ -15,6 +15,7 @@
 #include <string.h>
 #include "half_float.h"
 #include "kvyard_kernels.h"
+#include "row_dispatch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #include "vec_math.h"
@@ -54,26 +55,17 @@ static inline __attribute__((always_inline)) void dot_rows512(const float *x, in
         for (int r = 0; r < rows; r++) out[r * out_stride + v] = _mm512_reduce_add_ps(acc[v][r]);
 }
 
-#define DOT_ROWS512_FOR(WROWS)                                                   \
-    switch (rows) {                                                              \
-    case 1: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 1); break;              \
-    case 2: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 2); break;              \
-    case 3: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 3); break;              \
-    case 4: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 4); break;              \
-    case 5: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 5); break;              \
-    case 6: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 6); break;              \
-    case 7: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 7); break;              \
-    default: dot_rows512(x, k, w, is_bf16, out, n, WROWS, 8); break;             \
-    }
+#define DOT_PAIR(R) dot_rows512(x, k, w, is_bf16, out, n, WEIGHT_ROWS_PER_PASS, R)
+#define DOT_ONE(R) dot_rows512(x, k, w, is_bf16, out, n, 1, R)
 
 /* Weight rows from w (at most `left`: 1 asks for one) against `rows` rows of x; returns how many it took. */
 static int64_t dot_block512(const float *x, int64_t k, const uint16_t *w, int is_bf16, float *out, int64_t n,
                             int64_t rows, int64_t left) {
     if (left >= WEIGHT_ROWS_PER_PASS) {
-        DOT_ROWS512_FOR(2)
+        FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_PAIR)
         return WEIGHT_ROWS_PER_PASS;
     }
-    DOT_ROWS512_FOR(1)
+    FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_ONE)
     return 1;
 }
 #endif
@@ -103,16 +95,9 @@ static void dot_block(const float *x, int64_t k, const uint16_t *w, int is_bf16,
                       int64_t rows) {
 #ifdef HALF_SIMD
     if (k % 8 == 0) {
-        switch (rows) {
-        case 1: dot_row(x, k, w, is_bf16, out, n, 1); return;
-        case 2: dot_row(x, k, w, is_bf16, out, n, 2); return;
-        case 3: dot_row(x, k, w, is_bf16, out, n, 3); return;
-        case 4: dot_row(x, k, w, is_bf16, out, n, 4); return;
-        case 5: dot_row(x, k, w, is_bf16, out, n, 5); return;
-        case 6: dot_row(x, k, w, is_bf16, out, n, 6); return;
-        case 7: dot_row(x, k, w, is_bf16, out, n, 7); return;
-        default: dot_row(x, k, w, is_bf16, out, n, 8); return;
-        }
+#define DOT_ROW(R) dot_row(x, k, w, is_bf16, out, n, R)
+        FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_ROW)
+        return;
     }
 #endif
     for (int64_t r = 0; r < rows; r++) {

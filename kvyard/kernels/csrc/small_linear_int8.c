@@ -23,6 +23,7 @@
  */
 #include <stdint.h>
 #include "kvyard_kernels.h"
+#include "row_dispatch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "vec_math.h"
@@ -67,26 +68,17 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
         for (int r = 0; r < rows; r++) out[r * out_stride + w] = _mm512_reduce_add_ps(acc[w][r]);
 }
 
-#define DOT_ROWS_FOR(WROWS)                                                  \
-    switch (rows) {                                                          \
-    case 1: dot_rows(x, k, q, scales, out, n, WROWS, 1); break;              \
-    case 2: dot_rows(x, k, q, scales, out, n, WROWS, 2); break;              \
-    case 3: dot_rows(x, k, q, scales, out, n, WROWS, 3); break;              \
-    case 4: dot_rows(x, k, q, scales, out, n, WROWS, 4); break;              \
-    case 5: dot_rows(x, k, q, scales, out, n, WROWS, 5); break;              \
-    case 6: dot_rows(x, k, q, scales, out, n, WROWS, 6); break;              \
-    case 7: dot_rows(x, k, q, scales, out, n, WROWS, 7); break;              \
-    default: dot_rows(x, k, q, scales, out, n, WROWS, 8); break;             \
-    }
+#define DOT_PAIR(R) dot_rows(x, k, q, scales, out, n, WEIGHT_ROWS_PER_PASS, R)
+#define DOT_ONE(R) dot_rows(x, k, q, scales, out, n, 1, R)
 
 /* Weight rows from q (at most `left`: 1 asks for one) against `rows` rows of x; returns how many it took. */
 static int64_t dot_block(const float *x, int64_t k, const int8_t *q, const float *scales, float *out, int64_t n,
                          int64_t rows, int64_t left) {
     if (left >= WEIGHT_ROWS_PER_PASS) {
-        DOT_ROWS_FOR(2)
+        FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_PAIR)
         return WEIGHT_ROWS_PER_PASS;
     }
-    DOT_ROWS_FOR(1)
+    FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_ONE)
     return 1;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -121,16 +113,8 @@ static inline __attribute__((always_inline)) void dot_row(const float *x, int64_
 static int64_t dot_block(const float *x, int64_t k, const int8_t *q, const float *scales, float *out, int64_t n,
                          int64_t rows, int64_t left) {
     (void)left;
-    switch (rows) {
-    case 1: dot_row(x, k, q, scales, out, n, 1); break;
-    case 2: dot_row(x, k, q, scales, out, n, 2); break;
-    case 3: dot_row(x, k, q, scales, out, n, 3); break;
-    case 4: dot_row(x, k, q, scales, out, n, 4); break;
-    case 5: dot_row(x, k, q, scales, out, n, 5); break;
-    case 6: dot_row(x, k, q, scales, out, n, 6); break;
-    case 7: dot_row(x, k, q, scales, out, n, 7); break;
-    default: dot_row(x, k, q, scales, out, n, 8); break;
-    }
+#define DOT_ROW(R) dot_row(x, k, q, scales, out, n, R)
+    FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_ROW)
     return 1;
 }
 #else
