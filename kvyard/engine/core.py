@@ -410,9 +410,9 @@ class EngineCore:
         seconds = getattr(self.runner, "last_step_seconds", wall_s)
         if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
             self._prefill_cost.observe(seconds, num_tokens)
-        decoding_only = all(item.num_new_tokens - len(item.spec_token_ids) == 1 for item in scheduled)
-        if self.proposer is not None and decoding_only:  # the fit predicts decode and verify steps
-            self._step_cost.observe(num_tokens, seconds)
+        if self.proposer is not None and all(item.num_new_tokens - len(item.spec_token_ids) == 1
+                                             for item in scheduled):  # fmt: skip
+            self._step_cost.observe(num_tokens, seconds)  # the fit predicts decode and verify steps only
 
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks

@@ -61,7 +61,7 @@ class PlainTokenizer:
         reason = _why_not_plain(root, config, tokenizer_json, model_config)
         if reason:
             return Loaded(None, reason)
-        backend = Tokenizer.from_str(json.dumps(tokenizer_json))
+        backend = Tokenizer.from_file(str(root / "tokenizer.json"))
         special = {name: _token_content(config[name]) for name in NAMED_SPECIAL_TOKENS if config.get(name) is not None}
         return Loaded(cls(backend, special, _chat_template(root, config)), "")
 
