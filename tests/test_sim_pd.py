@@ -3,6 +3,7 @@ moves blocks over HTTP as real replicas do, charges the modeled transfer time, a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +20,7 @@ import pytest
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster, pd_roles
 from tests.pd_utils import pd_request
-from tests.router_utils import start_router, wait_for
+from tests.router_utils import labelled_metric, start_router, wait_for
 from tests.server_utils import ServerProcess, metric_value
 
 BLOCK_SIZE = 4
@@ -110,6 +112,30 @@ def test_pulls_are_charged_the_modeled_bytes_of_the_blocks(fleet: tuple[list[str
         seconds = metric_value(text, "kvyard_sim_transfer_model_seconds_total")
         bytes_seconds = blocks * CONFIG.kv_bytes_per_block / (CONFIG.transfer_gb_per_s * 1e9)
         assert seconds == pytest.approx(pulls * CONFIG.transfer_latency_s + bytes_seconds)
+
+
+def test_a_burst_of_disaggregated_requests_spreads_over_the_prefill_pool(tmp_path: Path) -> None:
+    """Prefill legs decided in one burst see each other's queued work, as unified requests do: otherwise every
+    request of the burst scores the replica that holds a hot prefix as idle and queues behind the others there."""
+    with SimCluster([CONFIG] * 4, roles=pd_roles(4, 3)) as sim:
+        router = start_router(tmp_path, sim.urls, "--disaggregation", "always")
+        try:
+            hot = prompt(7, 320)
+            complete(router.url, {"prompt": [*hot, 1]})  # one prefill replica now holds the hot prefix
+            # Each request still has 96 tokens of its own: together far more than the hot prefix once more.
+            burst = [{"prompt": hot + prompt(100 + i, 96), "max_tokens": 2} for i in range(24)]
+
+            async def send_all() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    return await asyncio.gather(*(client.post(f"{router.url}/v1/completions",
+                                                              json={"ignore_eos": True, **body}) for body in burst))
+
+            assert all(response.status_code == 200 for response in asyncio.run(send_all()))
+            legs = [labelled_metric(metrics(url), "kvyard_requests_total") for url in sim.urls[:3]]
+            # Decided blind to each other, 20-25 of the 25 went to the hot replica; seen, 11, 7 and 7.
+            assert sum(legs) == 25 and max(legs) <= 15 and min(legs) >= 4, f"prefill legs per prefill replica: {legs}"
+        finally:
+            router.stop()
 
 
 def test_a_decode_sim_serves_others_while_a_pull_is_held_back() -> None:

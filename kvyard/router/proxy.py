@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import orjson
 
@@ -169,10 +169,14 @@ class Forwarder:
         responder.send(stored.status, stored.body, stored.headers, stored.content_type)
         return None
 
-    async def prefill(self, decision: Decision, path: str, body: bytes) -> None:
+    def prefill(self, decision: Decision, path: str, body: bytes) -> Coroutine[Any, Any, None]:
         """The prefill leg of a disaggregated request: its answer (one token) is not the client's, but the
         replica's queue, cache index and health are accounted as for any request. A failure only counts: the
-        decode replica, finding nothing to pull, computes the prompt itself."""
+        decode replica, finding nothing to pull, computes the prompt itself.
+
+        The leg is accounted on the replica now, when it is decided, and sent when the returned coroutine runs
+        (the caller makes it a task): the next request of a burst, decided before that task first runs, must
+        see this leg's prefill queued, or a whole burst lands on whichever replica looked idle."""
         replica = decision.replica
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
@@ -181,6 +185,10 @@ class Forwarder:
         if decision.keys:
             replica.index.note_routed(decision.keys, math.inf)
         self.metrics.replica(replica.url).routed.inc()
+        return self._send_prefill(decision, path, body)
+
+    async def _send_prefill(self, decision: Decision, path: str, body: bytes) -> None:
+        replica = decision.replica
         outcome = "ok"
         try:
             headers = {"Content-Type": "application/json", **replica.api_headers, **(decision.headers or {})}
