@@ -162,6 +162,16 @@ def test_transfer_seconds_is_latency_plus_bytes_over_bandwidth() -> None:
         SimConfig(transfer_gb_per_s=0)
 
 
+def test_a_streamed_transfer_leaves_the_last_chunk_or_what_the_link_could_not_move() -> None:
+    config = SimConfig(block_size=16, kv_bytes_per_token=16384, transfer_gb_per_s=1.25, transfer_latency_s=0.001)
+    chunk_blocks = config.scheduler.max_num_batched_tokens // 16
+    assert config.streamed_transfer_seconds(10, 5.0) == config.transfer_seconds(10)  # all of it one chunk
+    assert config.streamed_transfer_seconds(1000, 100.0) == config.transfer_seconds(chunk_blocks)  # link kept up
+    whole = config.transfer_seconds(1000)
+    assert config.streamed_transfer_seconds(1000, 0.0) == whole  # opened as the prefill ended: nothing overlapped
+    assert config.streamed_transfer_seconds(1000, 0.1) == pytest.approx(whole - 0.1)  # the link fell behind
+
+
 def test_kvyard_sim_rejects_more_prefill_replicas_than_replicas() -> None:
     result = subprocess.run([sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", "2",
                              "--prefill-replicas", "3"], capture_output=True, text=True, timeout=60)  # fmt: skip

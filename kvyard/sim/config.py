@@ -101,9 +101,16 @@ class SimConfig:
 
     def transfer_seconds(self, num_blocks: int) -> float:
         """Simulated seconds to move `num_blocks` blocks from a prefill replica: latency plus bytes over
-        bandwidth, none of it overlapped with the prefill that computed them (an upper bound for a transfer
-        streamed while prefill runs)."""
+        bandwidth."""
         return self.transfer_latency_s + num_blocks * self.kv_bytes_per_block / (self.transfer_gb_per_s * 1e9)
+
+    def streamed_transfer_seconds(self, num_blocks: int, open_s: float) -> float:
+        """Simulated seconds a pull of `num_blocks` still takes once its last block is computed, when blocks
+        stream while the prefill runs, as kvyard's pulls do (`open_s`: how long the pull was open by then). The
+        link moves each chunk's blocks as the chunk completes, so at least the last chunk's blocks are left to
+        move; and no link moves the whole faster than its bandwidth, counted from when the pull opened."""
+        chunk_blocks = -(-self.scheduler.max_num_batched_tokens // self.block_size)
+        return max(self.transfer_seconds(num_blocks) - open_s, self.transfer_seconds(min(num_blocks, chunk_blocks)))
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(self.limits, self.scheduler, record_kv_events=True,

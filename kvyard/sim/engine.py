@@ -308,8 +308,9 @@ class _SimCollector(Collector):
         modeled = self.engine.modeled_transfers()
         yield CounterMetricFamily("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have "
                                   "moved in the simulated model", value=modeled.bytes)  # fmt: skip
-        yield CounterMetricFamily("kvyard_sim_transfer_model_seconds", "Simulated seconds charged for pulls "
-                                  "(latency plus bytes over bandwidth)", value=modeled.seconds)  # fmt: skip
+        yield CounterMetricFamily("kvyard_sim_transfer_model_seconds", "Simulated seconds pulls were held "
+                                  "back after their last block arrived (what a streamed transfer would still take)",
+                                  value=modeled.seconds)  # fmt: skip
         yield from self._tier_loads()
 
     def _tier_loads(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -3,16 +3,17 @@ the time the simulated model's KV would take to move.
 
 A simulated replica has no KV, so its blocks are `STAND_IN_FORMAT` payloads of a few bytes; they still travel over
 HTTP in kvyard's block codec (namespace root, key, CRC), are verified and registered exactly as a real replica's.
-The pull itself is the engine's own `KVPullLink`; `ModeledPuller` only holds back each finished pull until the
-modeled transfer time (`SimConfig.transfer_seconds` of the blocks it brought, times `time_scale`) has passed, so the
-request is admitted when the model's KV would have arrived had it started moving only when the pull ended (no
-overlap with the prefill: an upper bound for kvyard's streamed transfers). Nothing here blocks the event loop: the
-delay runs on a timer thread.
+The pull itself is the engine's own `KVPullLink`, which receives blocks as the prefill replica computes them;
+`ModeledPuller` holds back each finished pull for what the model's transfer would still take then
+(`SimConfig.streamed_transfer_seconds`: at least the last chunk's blocks, and never faster than the link's
+bandwidth from when the pull opened), times `time_scale`. Nothing here blocks the event loop: the delay runs on a
+timer thread.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ class ModeledTransfers:
     """What the pulls would have cost in the simulated model."""
 
     bytes: int = 0
-    seconds: float = 0.0  # simulated
+    seconds: float = 0.0  # simulated, held back after the pulls ended (streamed_transfer_seconds)
 
 
 class ModeledPuller:
@@ -68,7 +69,8 @@ class ModeledPuller:
             if modeled is not None:
                 return modeled
             modeled = self._held[pulled] = Future()
-        pulled.add_done_callback(lambda done: self._hold_back(done, modeled))
+        opened = time.monotonic()
+        pulled.add_done_callback(lambda done: self._hold_back(done, modeled, opened))
         return modeled
 
     def pulling(self, handle: TransferHandle) -> bool:
@@ -87,7 +89,7 @@ class ModeledPuller:
         with self._lock:
             return ModeledTransfers(self._modeled.bytes, self._modeled.seconds)
 
-    def _hold_back(self, pulled: Future[Sequence[DecodedBlock]], modeled: Future[Sequence[Any]]) -> None:
+    def _hold_back(self, pulled: Future[Sequence[DecodedBlock]], modeled: Future[Sequence[Any]], opened: float) -> None:
         with self._lock:
             self._held.pop(pulled, None)
         if pulled.cancelled():  # the link was closed: the replica is stopping
@@ -98,7 +100,8 @@ class ModeledPuller:
             modeled.set_exception(error)
             return
         blocks = pulled.result()
-        seconds = self.config.transfer_seconds(len(blocks))
+        open_s = (time.monotonic() - opened) / self.config.time_scale
+        seconds = self.config.streamed_transfer_seconds(len(blocks), open_s)
         with self._lock:
             self._modeled.bytes += len(blocks) * self.config.kv_bytes_per_block
             self._modeled.seconds += seconds
