@@ -22,9 +22,11 @@ and TPOT <= `--tpot-slo-s` (a request of one token has no TPOT to miss); the bou
 attainment is the fraction of requests that meet it. **Goodput**, DistServe's way, is the highest arrival rate at
 which attainment stays >= `--attainment` (90 %), interpolated between the loads run; the rate of requests meeting
 the SLO at each load is reported too. Transfer bytes per request are the decode sims' modeled KV bytes
-(`kvyard_sim_transfer_model_bytes_total`) over the completed requests; each pull is charged latency + bytes /
-bandwidth of simulated time. A run that has not finished `--drain-s` wall seconds after its last arrival is cut:
-its unfinished requests count as failed.
+(`kvyard_sim_transfer_model_bytes_total`) over the completed requests; blocks stream while the prefill runs, and
+a pull is held back after its last block for what the modeled link would still need (latency plus the last
+chunk's bytes over bandwidth, or more when the link could not keep up: `SimConfig.streamed_transfer_seconds`).
+A run that has not finished `--drain-s` wall seconds after its last arrival is cut: its unfinished requests count
+as failed.
 
     .venv/bin/python benchmarks/pd_fleet.py                 # full size: benchmarks/results/pd_fleet.{json,png}
     .venv/bin/python benchmarks/pd_fleet.py --smoke         # about 3 minutes: benchmarks/results/pd_fleet_smoke.*
@@ -61,6 +63,7 @@ from routing import (
     service_seconds,
 )
 
+from kvyard.router.config import RouterConfig
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
 from kvyard.sim.roofline import ROOFLINE_PRESETS, roofline_preset
@@ -135,6 +138,8 @@ def start_router(args: argparse.Namespace, fleet: Fleet, workers: list[str], log
     if fleet.disaggregation is not None:
         command += ["--disaggregation", fleet.disaggregation, "--pd-local-prefill-tokens",
                     str(args.pd_local_prefill_tokens)]  # fmt: skip
+        if args.pd_decode_prefill_budget is not None:
+            command += ["--pd-decode-prefill-budget", str(args.pd_decode_prefill_budget)]
     for url in workers:
         command += ["--replica", url]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -430,6 +435,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pd-local-prefill-tokens", type=int, default=512, help="router: conditional mode "
                         "prefills on the decode replica when at most this many tokens are left to compute "
                         "(default: 512, the router's own)")  # fmt: skip
+    parser.add_argument("--pd-decode-prefill-budget", type=int, default=None, help="router: conditional mode "
+                        "lets a decode replica that runs decodes prefill a prompt when the prefill pool would start "
+                        "it later, while the prefill queued on it stays within this many tokens (default: the "
+                        "router's own)")  # fmt: skip
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64; the trace's "
                         "prefixes are shared in 512-token units, so larger blocks lose no hit and make 4x fewer "
                         "blocks for the sims to move, index and evict than 16)")  # fmt: skip
@@ -495,8 +504,11 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
                                                         sim.transfer_gb_per_s),
         "transfer_link": preset.transfer_note if preset else "10 Gb/s Ethernet",
         "transfer_latency_s": args.transfer_latency_s, "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
-        "transfer_model": "latency + blocks x block_size x kv_bytes_per_token / bandwidth, after the real pull "
-        "(no overlap with prefill)", "pd_local_prefill_tokens": args.pd_local_prefill_tokens, "drain_s": args.drain_s,
+        "transfer_model": "streamed while prefill runs: after the last block, max(latency + the last chunk's "
+        "bytes / bandwidth, latency + all bytes / bandwidth - the time the pull was open)",
+        "pd_local_prefill_tokens": args.pd_local_prefill_tokens,
+        "pd_decode_prefill_budget": args.pd_decode_prefill_budget or RouterConfig().pd_decode_prefill_budget,
+        "drain_s": args.drain_s,
         "ideal_hit_ratio_subset": ideal_hit_ratio(requests), "decode_work_share_estimate":
         decode_share(requests, cost_model(args)), "router_policy": "cache_aware", "cpus": os.cpu_count(),
         "slo": {"ttft": f"max({args.ttft_slo_min_s:g} s, {args.ttft_slo_factor:g} x the prompt's prefill alone "

@@ -119,8 +119,19 @@ def test_conditional_disaggregation_prefills_locally_when_the_prefill_pool_is_ba
     assert (plan.reason, plan.prefill) == ("prefill_busy", None)
     assert plan.decode.prefill_cost == prefill_work  # the decode replica's queue now counts this prefill
     for decoder in replicas[1:]:
-        decoder.streaming = 1  # a stream runs on every decode replica: a local prefill would hold it up
+        decoder.streaming = 1  # a stream runs on every decode replica: a local prefill would hold it up a little
+        decoder.pending_prefill_cost = 0.0
+    assert planner.plan(fresh, replicas).reason == "prefill_busy"  # within the budget (16,384 tokens)
+    for decoder in replicas[1:]:
+        decoder.pending_prefill_cost = 15_000.0  # prefills already queued there: this one would pass the budget
     assert planner.plan(fresh, replicas).reason == "remote"
+    strict = PDPlanner.create(RouterConfig(disaggregation="conditional", pd_decode_prefill_budget=0))
+    for decoder in replicas[1:]:
+        decoder.pending_prefill_cost = 0.0
+    assert strict.plan(fresh, replicas).reason == "remote"  # budget 0: a replica that decodes never prefills
+    for decoder in replicas[1:]:
+        decoder.streaming = 0
+    assert strict.plan(fresh, replicas).reason == "prefill_busy"  # an idle one still may
 
 
 # ---------------------------------------------------------------------------- the KV tier (DESIGN.md, contract 7)

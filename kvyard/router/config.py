@@ -49,10 +49,15 @@ class RouterConfig:
                                               "the replica that served its last turn")  # fmt: skip
     disaggregation: str = setting("conditional", choices=DISAGGREGATION, help="with prefill replicas: send every "
                                   "request's prefill to one (always), or only when the decode replica would have more "
-                                  "than --pd-local-prefill-tokens to compute, unless it runs no decode and would start "
-                                  "the prompt sooner than the prefill pool (conditional)")  # fmt: skip
+                                  "than --pd-local-prefill-tokens to compute, unless it would start the prompt sooner "
+                                  "than the prefill pool within --pd-decode-prefill-budget (conditional)")  # fmt: skip
     pd_local_prefill_tokens: int = setting(512, help="conditional disaggregation: a decode replica with at most this "
                                            "many prompt tokens to compute prefills them itself")  # fmt: skip
+    # Each 2,048 tokens of prefill queued on a decode replica cost its streams about one chunk-sized step.
+    pd_decode_prefill_budget: int = setting(16384, help="conditional disaggregation: a decode replica that runs "
+                                            "decodes prefills a prompt itself when it would start there sooner "
+                                            "than in the prefill pool, as long as the prefill work queued on it "
+                                            "stays within this many tokens (0: only an idle one does)")  # fmt: skip
     # A running request takes a share of every decode step for the rest of its output: ~64 more steps of one
     # sequence weigh as much as 256 prefill tokens in the sim cost model (1.8 ms per sequence, 0.43 per token).
     pd_decode_request_cost: float = setting(256.0, help="disaggregated requests: how much a request running on a "

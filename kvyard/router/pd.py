@@ -89,22 +89,23 @@ class PDPlanner:
         return PDPlan(decode, prefill, "remote", secrets.token_hex(16))
 
     def _prefill_pool_busy(self, request: RouteRequest, decode: Decision, prefillers: list[Replica]) -> bool:
-        """The decode replica runs no decode that a prefill would hold up, and the prompt would start sooner there
-        than behind the prefill pool's queue (predicted costs, prefill-token equivalents; a tie goes to the
-        prefill pool). A decode replica with streams running never prefills a long prompt: inter-token latency
-        is what disaggregation is for."""
-        replica = decode.replica
-        if max(replica.load.num_running, replica.streaming, replica.awaiting_first_byte) > 0:
+        """The prompt would start sooner on the decode replica than behind the prefill pool's queue (predicted
+        costs, prefill-token equivalents; a tie goes to the prefill pool), and prefilling it there keeps the
+        prefill work queued on a replica that runs decodes within `pd_decode_prefill_budget`: under a burst the
+        decode pool lends the prefill pool a hand, at a bounded price in inter-token latency."""
+        replica, policy = decode.replica, self.decode_policy
+        local_cost = self._local_prefill_cost(request, decode)
+        ahead = policy.prefill_ahead(replica)
+        decoding = max(replica.load.num_running, replica.streaming, replica.awaiting_first_byte) > 0
+        if decoding and ahead + local_cost > self.config.pd_decode_prefill_budget:
             return False
-        policy = self.decode_policy
-        local = policy.queue_cost(replica) + self._local_prefill_cost(request, decode)
         tokens = len(request.token_ids or ())
         remote = min(
             self.prefill_policy.queue_cost(p)
             + policy.prefill_cost(tokens - (cached := policy.predicted_cached_tokens(request, p) or 0), cached)
             for p in prefillers
         )
-        return remote > local
+        return remote > ahead + local_cost
 
     def _local_prefill_cost(self, request: RouteRequest, decode: Decision) -> float:
         cached = decode.predicted_cached_tokens or 0

@@ -348,15 +348,16 @@ class CacheAware:
         return self._queue_cost(replica)
 
     def _queue_cost(self, replica: Replica) -> float:
-        config, load = self.config, replica.load
+        running = max(replica.load.num_running, replica.streaming)
+        return self.prefill_ahead(replica) + running * self.config.running_request_cost
+
+    def prefill_ahead(self, replica: Replica) -> float:
+        """The prefill work queued on `replica` (what a new prompt's prefill waits for when running decodes share
+        its steps, as chunked prefill has them), in prefill-token equivalents."""
         # Waiting requests the report counts and the router knows are not waiting (any more) are not ahead.
+        load = replica.load
         external_waiting = max(0, load.num_waiting - replica.awaiting_first_byte - replica.first_bytes_since_load)
-        running = max(load.num_running, replica.streaming)
-        return (
-            replica.pending_prefill_cost
-            + external_waiting * config.waiting_request_cost
-            + running * config.running_request_cost
-        )
+        return replica.pending_prefill_cost + external_waiting * self.config.waiting_request_cost
 
     def _root(self, request: RouteRequest, replica: Replica) -> tuple[bytes, int]:
         namespace = replica.namespace
