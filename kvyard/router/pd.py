@@ -5,7 +5,9 @@ The decode replica is chosen first, cache-aware over the decode pool: the replic
 history has the least to compute or pull, and the cost model spreads load as it does for unified replicas.
 Then, per request, **conditional disaggregation**: when the tokens the decode replica would have to compute
 (the prompt minus what it holds) are few, it prefills them itself; moving KV for a continuing turn whose
-history is already there costs more than it saves. Otherwise a prefill replica is chosen, cache-aware over the
+history is already there costs more than it saves. It also prefills a prompt itself when the prefill pool would
+start it later (a burst), as long as the prefill work queued on it stays within `pd_decode_prefill_budget`, which
+bounds what its running streams pay for it. Otherwise a prefill replica is chosen, cache-aware over the
 prefill pool, among those whose block namespace (model, weights digest, dtype, block size) equals the decode
 replica's: blocks of another model are never mixed in, and a fleet where no such pair exists gets a clear
 error rather than a silent fallback. Both legs go out at once with one fresh transfer id; the decode replica
