@@ -127,7 +127,18 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
         command += ["--kv-bytes-per-token", str(args.kv_bytes_per_token)]
     if args.transfer_gb_per_s is not None:
         command += ["--transfer-gb-per-s", str(args.transfer_gb_per_s)]
+    if args.shared_store_blocks:
+        command += ["--shared-store-blocks", str(args.shared_store_blocks), "--shared-store-gb-per-s",
+                    str(args.shared_store_gb_per_s or transfer_gb_per_s(args))]  # fmt: skip
     return launch_sims(command, ports_file, log)
+
+
+def transfer_gb_per_s(args: argparse.Namespace) -> float:
+    """The link between replicas: PD pulls and, by default, the shared store use it."""
+    if args.transfer_gb_per_s is not None:
+        return float(args.transfer_gb_per_s)
+    return SimConfig().transfer_gb_per_s if args.cost_preset == CPU_PRESET else roofline_preset(
+        args.cost_preset).transfer_gb_per_s  # fmt: skip
 
 
 def start_router(args: argparse.Namespace, fleet: Fleet, workers: list[str], log: Path) -> tuple[
@@ -453,6 +464,12 @@ def parse_args() -> argparse.Namespace:
                         "modeled model (default: the cost preset's)")  # fmt: skip
     parser.add_argument("--transfer-gb-per-s", type=float, default=None, help="sim: transfer bandwidth, GB/s "
                         "(default: the cost preset's)")  # fmt: skip
+    parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
+                        "shared by every replica (prefill pool included), like kvyard serve's Redis tier; -1: the "
+                        "slice's working set (default: 0, none)")  # fmt: skip
+    parser.add_argument("--shared-store-gb-per-s", type=float, default=None, help="sim: the shared store's read "
+                        "bandwidth, GB/s (default: the transfer link's, as a store reached over the same RDMA "
+                        "network)")  # fmt: skip
     parser.add_argument("--transfer-latency-s", type=float, default=sim.transfer_latency_s, help="sim: simulated "
                         f"seconds per transfer on top of its bytes (default: {sim.transfer_latency_s:g})")  # fmt: skip
     parser.add_argument("--kv-transfer-timeout-s", type=float, default=PULL_DEADLINE_S, help="sim: longest a "
@@ -544,6 +561,10 @@ def main() -> int:
     work = sum(work_seconds(requests, cost_model(args)))
     report: dict[str, Any] = {"conditions": conditions(args, requests)}
     report["conditions"]["working_set_blocks"] = len(blocks) * TRACE_BLOCK // args.block_size
+    if args.shared_store_blocks < 0:
+        args.shared_store_blocks = report["conditions"]["working_set_blocks"]
+    report["conditions"]["shared_store"] = {"blocks": args.shared_store_blocks, "gb_per_s": (
+        args.shared_store_gb_per_s or transfer_gb_per_s(args)) if args.shared_store_blocks else None}
     report["conditions"]["work_seconds_estimate"] = work
     print(json.dumps(report["conditions"]), flush=True)
     if args.dry_run:
