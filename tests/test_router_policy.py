@@ -211,3 +211,12 @@ def test_predicted_tier_hits_stop_where_the_replicas_loader_reaches_its_deadline
     assert split_of(policy, a)["shared"] == 20 * TIER_NAMESPACE_BLOCK
     a.load = dataclasses.replace(a.load, shared_tier_s_per_block=0.0)  # never measured: priced as computing
     assert split_of(policy, a)["shared"] == int(0.02 / (TIER_NAMESPACE_BLOCK * 1e-4)) * TIER_NAMESPACE_BLOCK
+
+
+def test_negative_pd_token_settings_are_refused_naming_the_flag() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="--pd-local-prefill-tokens must be 0 or more, got -1"):
+        RouterConfig(pd_local_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="--pd-decode-prefill-budget must be 0 or more, got -1"):
+        RouterConfig(pd_decode_prefill_budget=-1)

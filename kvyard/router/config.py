@@ -88,3 +88,6 @@ class RouterConfig:
             raise ValueError(f"disaggregation must be one of {', '.join(DISAGGREGATION)}, got {self.disaggregation!r}")
         if self.max_attempts < 1 or self.max_in_flight < 1:
             raise ValueError("max_attempts and max_in_flight must be at least 1")
+        for name in ("pd_local_prefill_tokens", "pd_decode_prefill_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
