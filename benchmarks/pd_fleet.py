@@ -129,7 +129,7 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
         command += ["--transfer-gb-per-s", str(args.transfer_gb_per_s)]
     if args.shared_store_blocks:
         command += ["--shared-store-blocks", str(args.shared_store_blocks), "--shared-store-gb-per-s",
-                    str(args.shared_store_gb_per_s or transfer_gb_per_s(args))]  # fmt: skip
+                    str(args.shared_store_gb_per_s)]  # fmt: skip
     return launch_sims(command, ports_file, log)
 
 
@@ -517,8 +517,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         "max_num_batched_tokens": sim.scheduler.max_num_batched_tokens,
         "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
                                                           sim.kv_bytes_per_token),
-        "transfer_gb_per_s": args.transfer_gb_per_s or (preset.transfer_gb_per_s if preset else
-                                                        sim.transfer_gb_per_s),
+        "transfer_gb_per_s": transfer_gb_per_s(args),
         "transfer_link": preset.transfer_note if preset else "10 Gb/s Ethernet",
         "transfer_latency_s": args.transfer_latency_s, "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
         "transfer_model": "streamed while prefill runs: after the last block, max(latency + the last chunk's "
@@ -563,8 +562,9 @@ def main() -> int:
     report["conditions"]["working_set_blocks"] = len(blocks) * TRACE_BLOCK // args.block_size
     if args.shared_store_blocks < 0:
         args.shared_store_blocks = report["conditions"]["working_set_blocks"]
-    report["conditions"]["shared_store"] = {"blocks": args.shared_store_blocks, "gb_per_s": (
-        args.shared_store_gb_per_s or transfer_gb_per_s(args)) if args.shared_store_blocks else None}
+    if args.shared_store_blocks:
+        args.shared_store_gb_per_s = args.shared_store_gb_per_s or transfer_gb_per_s(args)
+    report["conditions"]["shared_store"] = {"blocks": args.shared_store_blocks, "gb_per_s": args.shared_store_gb_per_s}
     report["conditions"]["work_seconds_estimate"] = work
     print(json.dumps(report["conditions"]), flush=True)
     if args.dry_run:
