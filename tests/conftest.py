@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from server_utils import ServerProcess, start_server
 
-from kvyard.kernels.build import PORTABLE_FLAGS, KernelsUnavailable, compile_kernels, find_compiler
+from kvyard.kernels.build import NATIVE_FLAGS, PORTABLE_FLAGS, KernelsUnavailable, compile_kernels, find_compiler
 from kvyard.kernels.ops import NativeKernels, bind_kernels, load_native_kernels
 from kvyard.testing.create_model import create_model
 
@@ -53,6 +53,33 @@ def portable_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def portable(portable_library: Path) -> NativeKernels:
     return bind_kernels(ctypes.CDLL(str(portable_library)), 2)
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    """On an AVX-512 machine, the kernels built without AVX-512, so that their AVX2 paths are tested here too (a
+    machine without AVX-512 tests them through `native_kernels`)."""
+    flags = _cpu_flags()
+    if "avx512f" not in flags or "avx2" not in flags:
+        pytest.skip("the native build is this machine's AVX2 build (or it has no AVX2)")
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library_path = tmp_path_factory.mktemp("avx2") / "kernels_avx2.so"
+    compile_kernels(compiler, (*NATIVE_FLAGS, "-mno-avx512f"), library_path)
+    return bind_kernels(ctypes.CDLL(str(library_path)), 2)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def vector_kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    """The kernels' vector paths: the native build, and on an AVX-512 machine the AVX2 build as well."""
+    return request.getfixturevalue("native_kernels" if request.param == "native" else "avx2_kernels")
+
+
+def _cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
 from kvyard.models.layers import Linear
 
 
-@pytest.fixture(scope="module")
-def small_linear(native_kernels: NativeKernels) -> SmallLinearKernel:
-    return native_kernels.small_linear
+@pytest.fixture
+def small_linear(vector_kernels: NativeKernels) -> SmallLinearKernel:
+    return vector_kernels.small_linear
 
 
 # Shapes cover whole 4-row tiles with k % 16 == 0 (AVX-512 or AVX2 path), k % 16 == 8 (AVX2), ragged tiles, and

@@ -51,14 +51,14 @@ def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
                                                                    (64, 33, 128)])  # fmt: skip
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_int8_kernel_matches_a_float64_reference(
-    native_kernels: NativeKernels, rows: int, out_features: int, in_features: int, bias: bool
+    vector_kernels: NativeKernels, rows: int, out_features: int, in_features: int, bias: bool
 ) -> None:
     generator = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, generator=generator)
     q, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
     b = torch.randn(out_features, generator=generator) if bias else None
     reference = x.double() @ dequantize_int8(q, scales).double().T + (b.double() if b is not None else 0.0)
-    out = native_kernels.small_linear_int8(x, q, scales, b)
+    out = vector_kernels.small_linear_int8(x, q, scales, b)
     # fp32 accumulation over `in_features` terms of size ~|x|*|w|: a relative error of a few 1e-7 per term
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
@@ -85,17 +85,17 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
                                                                    (3, 5, 7)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_half_kernel_matches_a_float64_reference(
-    native_kernels: NativeKernels, rows: int, out_features: int, in_features: int, dtype: torch.dtype
+    vector_kernels: NativeKernels, rows: int, out_features: int, in_features: int, dtype: torch.dtype
 ) -> None:
     generator = torch.Generator().manual_seed(rows + in_features)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator)
     reference = x.double() @ weight.double().T + bias.double()
-    out = native_kernels.small_linear_half(x, weight, bias)  # in_features 40 and 7: the portable path's tail
+    out = vector_kernels.small_linear_half(x, weight, bias)  # in_features 40 and 7: the portable path's tail
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
-        native_kernels.small_linear_half(x, weight.float(), bias)
+        vector_kernels.small_linear_half(x, weight.float(), bias)
 
 
 def _round_tripped_reference(model_dir: Path, scheme: str) -> nn.Module:

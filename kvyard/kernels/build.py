@@ -26,7 +26,7 @@ HEADER = SOURCE_DIR / "kvyard_kernels.h"  # declares every exported function; th
 SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_store.c", "small_linear.c", "small_linear_int8.c",
            "small_linear_half.c", "elementwise.c", "decode_layer.c")
 # Included by the sources: part of the build fingerprint.
-_HEADERS = ("kvyard_kernels.h", "vec_math.h", "half_float.h", "kv_rows.h", "row_dispatch.h")
+_HEADERS = ("kvyard_kernels.h", "vec_math.h", "half_float.h", "kv_rows.h", "row_dispatch.h", "prefetch.h")
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 PORTABLE_FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # Always on: an exported function the header does not declare is a build error, not a silent extra.

@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include "kvyard_kernels.h"
+#include "prefetch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "vec_math.h"
@@ -33,6 +34,7 @@ static inline __attribute__((always_inline)) void dot_4xr(const float *x, const 
         __m512 xv[X_ROWS_PER_PASS];
         for (int r = 0; r < rows; r++) xv[r] = _mm512_loadu_ps(x + r * k + i);
         for (int j = 0; j < ROWS_PER_TILE; j++) {
+            prefetch_weights(w + (j + ROWS_PER_TILE) * k + i); /* the next tile's rows, at this column */
             const __m512 wv = _mm512_loadu_ps(w + j * k + i);
             for (int r = 0; r < rows; r++) acc[r][j] = _mm512_fmadd_ps(xv[r], wv, acc[r][j]);
         }
@@ -60,6 +62,7 @@ static void dot_4x1(const float *x, const float *w, int64_t k, float *out, int64
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 8) {
         const __m256 xv = _mm256_loadu_ps(x + i);
+        for (int j = ROWS_PER_TILE; j < 2 * ROWS_PER_TILE; j++) prefetch_weights(w + j * k + i);
         a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + i), a0);
         a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + k + i), a1);
         a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 2 * k + i), a2);
@@ -77,6 +80,7 @@ static void dot_4x3(const float *x, const float *w, int64_t k, float *out, int64
     for (int64_t i = 0; i < k; i += 8) {
         const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + k + i), x2 = _mm256_loadu_ps(x + 2 * k + i);
         for (int j = 0; j < 4; j++) {
+            prefetch_weights(w + (j + ROWS_PER_TILE) * k + i);
             const __m256 wv = _mm256_loadu_ps(w + j * k + i);
             acc[0][j] = _mm256_fmadd_ps(x0, wv, acc[0][j]);
             acc[1][j] = _mm256_fmadd_ps(x1, wv, acc[1][j]);

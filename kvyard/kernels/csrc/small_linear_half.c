@@ -15,6 +15,7 @@
 #include <string.h>
 #include "half_float.h"
 #include "kvyard_kernels.h"
+#include "prefetch.h"
 #include "row_dispatch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -45,7 +46,10 @@ static inline __attribute__((always_inline)) void dot_rows512(const float *x, in
         for (int r = 0; r < rows; r++) acc[v][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) {
         __m512 wv[WEIGHT_ROWS_PER_PASS];
-        for (int v = 0; v < wrows; v++) wv[v] = widen16(w + v * k + i, is_bf16);
+        for (int v = 0; v < wrows; v++) {
+            prefetch_weights(w + v * k + i + WEIGHT_PREFETCH_BYTES / 2);
+            wv[v] = widen16(w + v * k + i, is_bf16);
+        }
         for (int r = 0; r < rows; r++) {
             const __m512 xv = _mm512_loadu_ps(x + r * k + i);
             for (int v = 0; v < wrows; v++) acc[v][r] = _mm512_fmadd_ps(xv, wv[v], acc[v][r]);
@@ -84,6 +88,7 @@ static inline __attribute__((always_inline)) void dot_row(const float *x, int64_
     __m256 acc[X_ROWS_PER_BLOCK];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 8) {
+        prefetch_weights(w + i + WEIGHT_PREFETCH_BYTES / 2);
         const __m256 wv = widen8(w + i, is_bf16);
         for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), wv, acc[r]);
     }

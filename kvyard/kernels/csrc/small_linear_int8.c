@@ -23,6 +23,7 @@
  */
 #include <stdint.h>
 #include "kvyard_kernels.h"
+#include "prefetch.h"
 #include "row_dispatch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -53,6 +54,7 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
     for (int64_t g = 0; g < groups; g++) {
         __m512 lo[WEIGHT_ROWS_PER_PASS], hi[WEIGHT_ROWS_PER_PASS];
         for (int w = 0; w < wrows; w++) {
+            prefetch_weights(q + w * k + g * GROUP + WEIGHT_PREFETCH_BYTES);
             const __m512 scale = _mm512_set1_ps(scales[w * groups + g]);
             lo[w] = widen16_scaled(q + w * k + g * GROUP, scale);
             hi[w] = widen16_scaled(q + w * k + g * GROUP + 16, scale);
@@ -96,6 +98,7 @@ static inline __attribute__((always_inline)) void dot_row(const float *x, int64_
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < k / GROUP; g++) {
         const int8_t *qg = q + g * GROUP;
+        prefetch_weights(qg + WEIGHT_PREFETCH_BYTES);
         const __m256 w0 = widen8(qg), w1 = widen8(qg + 8), w2 = widen8(qg + 16), w3 = widen8(qg + 24);
         const __m256 scale = _mm256_set1_ps(scales[g]);
         for (int r = 0; r < rows; r++) {
