@@ -104,6 +104,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="one KV stream per llama.cpp slot instead of a unified cache (slower here)",
     )
+    p.add_argument(
+        "--llamacpp-no-repack",
+        action="store_true",
+        help="load llama.cpp weights without its extra buffer types (weight repacking, AMX): on a VM where its AMX "
+        "path crashes",
+    )
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument(
         "--omp-wait-policy",
@@ -292,6 +298,7 @@ def llamacpp_engines(args: argparse.Namespace, model_dir: Path) -> list[Engine]:
                     "dtype": outtype,
                     "slots": args.llamacpp_slots,
                     "kv_unified": not args.llamacpp_kv_split,
+                    "extra_buffer_types": not args.llamacpp_no_repack,
                 }
             except RuntimeError as exc:
                 engine.skip_reason = str(exc)

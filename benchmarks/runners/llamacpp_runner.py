@@ -68,7 +68,9 @@ class LlamaCppEngine:
         self.kv_type = str(opts.get("kv_type", "f16"))
         self.kv_unified = bool(opts.get("kv_unified", True))
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(gguf.encode(), lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        model_params.use_extra_bufts = bool(opts.get("extra_buffer_types", True))  # False: no repacking, no AMX
+        self.model = lc.llama_model_load_from_file(gguf.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"cannot load {gguf}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
@@ -194,6 +196,7 @@ def main() -> None:
             f"({'unified KV cache' if engine.kv_unified else 'one KV stream per slot'}), "
             f"n_batch={engine.n_batch}, n_ubatch={engine.n_ubatch}, flash_attn=auto, greedy argmax in numpy",
             "system: " + llama_cpp.llama_print_system_info().decode().strip(),
+            "extra buffer types (weight repacking, AMX): " + ("on" if opts.get("extra_buffer_types", True) else "off"),
         ],
     }
     write_result(args.out, label, info, results)
