@@ -151,6 +151,8 @@ def start_router(args: argparse.Namespace, fleet: Fleet, workers: list[str], log
                     str(args.pd_local_prefill_tokens)]  # fmt: skip
         if args.pd_decode_prefill_budget is not None:
             command += ["--pd-decode-prefill-budget", str(args.pd_decode_prefill_budget)]
+    if args.router_log_level is not None:
+        command += ["--log-level", args.router_log_level]
     for url in workers:
         command += ["--replica", url]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -264,6 +266,10 @@ def labelled(samples: dict[str, float], prefix: str) -> dict[str, float]:
     return {name.split('"')[1]: value for name, value in samples.items() if name.startswith(prefix + "{")}
 
 
+def rounded(values: dict[str, float]) -> dict[str, float]:
+    return {key: round(value, 3) for key, value in values.items()}
+
+
 async def fleet_metrics(router: str, workers: list[str], fleet: Fleet) -> dict[str, Any]:
     sims = [await scrape(url) for url in workers]
     prefillers, decoders = sims[: fleet.prefill_replicas], sims[fleet.prefill_replicas :]
@@ -284,6 +290,10 @@ async def fleet_metrics(router: str, workers: list[str], fleet: Fleet) -> dict[s
         "leased_blocks_at_end": sum(s.get("kvyard_kv_transfer_leased_blocks", 0) for s in prefillers),
         "requests_per_replica": [int(sum(labelled(s, "kvyard_requests_total").values())) for s in sims],
         "sim_lag_wall_s": [round(s.get("kvyard_sim_lag_seconds", 0), 3) for s in sims],
+        "preemptions_per_replica": [int(s.get("kvyard_num_preemptions", 0)) for s in sims],
+        # Per replica, by the tier that served them (host, shared): tokens loaded and simulated seconds charged.
+        "tier_hit_tokens": [labelled(s, "kvyard_sim_tier_hit_tokens_total") for s in sims],
+        "tier_model_s": [rounded(labelled(s, "kvyard_sim_tier_model_seconds_total")) for s in sims],
     }
 
 
@@ -482,6 +492,8 @@ def parse_args() -> argparse.Namespace:
                         "(repeatable)")  # fmt: skip
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvyard-pd_fleet-logs",
                         help="where the sims' and routers' logs go (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--router-log-level", default=None, help="the router's --log-level (debug: one line per "
+                        "PD decision in its log under --logs)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
     parser.add_argument("--out", type=Path, default=None, help="result JSON; the PNG goes beside it "
                         "(default: benchmarks/results/pd_fleet.json, or pd_fleet_smoke.json with --smoke)")  # fmt: skip

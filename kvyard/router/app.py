@@ -214,6 +214,8 @@ class Router:
         """The decode replica's decision and body; the prefill leg, when there is one, is already on its way."""
         plan = self.planner.plan(route_request, candidates)
         self.metrics.pd_routes.labels(plan.reason).inc()
+        if _LOG.isEnabledFor(logging.DEBUG):
+            _LOG.debug(_describe_plan(plan, route_request))
         if plan.prefill is None:
             return plan.decode, body
         self._send_prefill_leg(kind, path, body, plan)
@@ -247,6 +249,16 @@ class Router:
         if known and model not in known:
             raise APIError(404, f"model {model!r} is not served here; available: {', '.join(sorted(known))}",
                            param="model", code="model_not_found")  # fmt: skip
+
+
+def _describe_plan(plan: PDPlan, request: RouteRequest) -> str:
+    """One PD decision, for `--log-level debug`: why, where, and what each side was predicted to hold."""
+    tokens = len(request.token_ids) if request.token_ids is not None else None
+    decode, prefill = plan.decode, plan.prefill
+    remote = f" prefill {prefill.replica.url} cached {prefill.predicted_cached_tokens}" if prefill else ""
+    return (f"pd {plan.reason}: session {request.session_key} prompt {tokens} tokens; decode {decode.replica.url} "
+            f"cached {decode.predicted_cached_tokens} cost {decode.prefill_cost:.0f} load {decode.load_s:.3f}s"
+            f"{remote}")  # fmt: skip
 
 
 def _parse_request(raw: bytes, kind: str) -> dict[str, Any]:
