@@ -134,6 +134,31 @@ def test_conditional_disaggregation_prefills_locally_when_the_prefill_pool_is_ba
     assert strict.plan(fresh, replicas).reason == "prefill_busy"  # an idle one still may
 
 
+def test_a_decode_replica_without_kv_room_is_passed_over_and_a_full_decode_pool_runs_on_a_prefill_replica() -> None:
+    from kvyard.api.load import LoadReport
+    from kvyard.router.pd import PDPlanner
+
+    planner = PDPlanner.create(RouterConfig(disaggregation="conditional", pd_local_prefill_tokens=512))
+    replicas = pd_fleet(planner.decode_policy)
+    fresh = RouteRequest("completion", {"model": "m", "max_tokens": 100}, None, list(range(9000, 9000 + 2048)), None)
+    for replica in replicas:
+        replica.load = LoadReport(kv_blocks_total=256)  # 4,096 tokens in 16-token blocks
+    for decoder in replicas[1:3]:
+        decoder.load = LoadReport(kv_blocks_total=256, tokens_in_flight=3000)  # 1,096 free: 2,148 do not fit
+    plan = planner.plan(fresh, replicas)
+    assert (plan.reason, plan.decode.replica.url, plan.decode.kv_tokens) == ("remote", "http://d2", 2148)
+    replicas[3].pending_kv_tokens = 2000  # requests the router just sent there fill it too
+    plan = planner.plan(fresh, replicas)
+    assert (plan.reason, plan.decode.replica.url, plan.prefill) == ("decode_full", "http://p", None)
+    always = PDPlanner.create(RouterConfig(disaggregation="always"))
+    assert always.plan(fresh, replicas).reason == "remote"  # always-disaggregate never runs it whole
+    replicas[0].load = LoadReport(kv_blocks_total=256, tokens_in_flight=3000)
+    assert planner.plan(fresh, replicas).reason == "remote"  # no room anywhere: disaggregated as before
+    for replica in replicas:
+        replica.load, replica.pending_kv_tokens = LoadReport(), 0  # no pool reported: room is assumed
+    assert planner.plan(fresh, replicas).reason == "remote"
+
+
 # ---------------------------------------------------------------------------- the KV tier (DESIGN.md, contract 7)
 
 TIER_NAMESPACE_BLOCK = 16

@@ -92,7 +92,8 @@ class RouterMetrics:
         self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas receiving new requests", registry=r)
         self.pd_routes = Counter("kvyard_router_pd_requests", "Requests routed with prefill/decode replicas, by how: "
                                  "remote (a prefill replica prefilled), short, prefill_busy or no_prefill_replica "
-                                 "(the decode replica prefilled)", ["path"], registry=r)  # fmt: skip
+                                 "(the decode replica prefilled), decode_full (a prefill replica ran it whole)",
+                                 ["path"], registry=r)  # fmt: skip
         self.pd_prefills = Counter("kvyard_router_pd_prefill_legs", "Prefill legs, by outcome (ok, status_N, "
                                    "connect, broken)", ["outcome"], registry=r)  # fmt: skip
 

@@ -12,6 +12,12 @@ prefill pool, among those whose block namespace (model, weights digest, dtype, b
 replica's: blocks of another model are never mixed in, and a fleet where no such pair exists gets a clear
 error rather than a silent fallback. Both legs go out at once with one fresh transfer id; the decode replica
 pulls blocks while the prefill replica computes them, and falls back to computing them itself on any failure.
+
+Decode replicas hold every running sequence's KV, so their pool fills first: a decode replica is a candidate only
+while its KV room (its pool less the tokens its running sequences hold, as last reported, and those of requests
+sent there since) fits the request's prompt and asked output. When none does, a conditional router runs the
+request whole on a prefill replica with room (`decode_full`) instead of queueing it, or making a decode replica
+preempt and recompute, behind a full pool; replicas that do not report their pool always count as having room.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ PULL_TOKEN_COST = 0.05
 class PDPlan:
     decode: Decision
     prefill: Decision | None  # None: the decode replica prefills the request itself
-    reason: str  # remote | short (few tokens to compute) | prefill_busy (sooner here) | no_prefill_replica
+    reason: str  # remote | short | prefill_busy (sooner here) | no_prefill_replica | decode_full (no KV room)
     transfer_id: str = ""
 
     def decode_fields(self) -> dict[str, Any]:
@@ -66,10 +72,22 @@ class PDPlanner:
                    CacheAware(config, shared_stores, holders))  # fmt: skip
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
+        plan = self._plan(request, candidates)
+        plan.decode.kv_tokens = kv_tokens_asked(request)
+        return plan
+
+    def _plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
         decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates
         prefillers = [r for r in candidates if r.role == PREFILL]
         if not prefillers:
             return PDPlan(self.decode_policy.choose(request, decoders), None, "no_prefill_replica")
+        needed = kv_tokens_asked(request)
+        roomy = [r for r in decoders if has_kv_room(r, needed)]
+        if not roomy and self.config.disaggregation == "conditional":
+            spare = [r for r in prefillers if has_kv_room(r, needed)]
+            if spare:
+                return PDPlan(self.decode_policy.choose(request, spare), None, "decode_full")
+        decoders = roomy or decoders
         if self._local_candidate(request, decoders):
             decode = self.decode_policy.choose(request, decoders)
             if self._short(request, decode):
@@ -130,6 +148,26 @@ class PDPlanner:
             return False
         to_compute = len(request.token_ids) - (decode.predicted_cached_tokens or 0)
         return to_compute <= self.config.pd_local_prefill_tokens
+
+
+def kv_tokens_asked(request: RouteRequest) -> int:
+    """KV tokens a request will hold on its decode replica: its prompt and the output it asks for at most (0 when
+    the router has no token ids for it)."""
+    if not request.token_ids:
+        return 0
+    body = request.body
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return len(request.token_ids) + (limit if type(limit) is int and limit > 0 else 0)
+
+
+def has_kv_room(replica: Replica, tokens: int) -> bool:
+    """The replica's KV pool can take `tokens` more: its size less what its running sequences held at its last load
+    report and what the router sent there since (still awaiting a first byte). True when it reports no pool."""
+    load, namespace = replica.load, replica.namespace
+    if load.kv_blocks_total <= 0 or namespace is None:
+        return True
+    room = load.kv_blocks_total * namespace.block_size - load.tokens_in_flight - replica.pending_kv_tokens
+    return tokens <= room
 
 
 def same_kv(left: KeyNamespace | None, right: KeyNamespace | None) -> bool:

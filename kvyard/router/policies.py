@@ -63,6 +63,7 @@ class Decision:
     predicted_split: CachedSplit | None = None
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     load_s: float = 0.0  # predicted seconds of its KV-tier loads (CacheAware)
+    kv_tokens: int = 0  # KV tokens the request will hold there (prompt and asked output; PD decode legs)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 

@@ -103,6 +103,7 @@ class Forwarder:
         replica.awaiting_first_byte += 1
         replica.pending_prefill_cost += decision.prefill_cost
         replica.pending_load_s += decision.load_s
+        replica.pending_kv_tokens += decision.kv_tokens
         if decision.keys:
             replica.index.note_routed(decision.keys, math.inf)  # held until the first byte, see CacheIndex
         self.metrics.replica(replica.url).routed.inc()
@@ -116,6 +117,7 @@ class Forwarder:
                 replica.first_bytes_since_load += 1
                 replica.pending_prefill_cost -= decision.prefill_cost
                 replica.pending_load_s -= decision.load_s
+                replica.pending_kv_tokens -= decision.kv_tokens
                 if decision.keys:
                     replica.index.note_routed(decision.keys)
 

@@ -56,6 +56,7 @@ class Replica:
     first_bytes_since_load: int = 0  # requests that left the replica's queue since its last load report
     pending_prefill_cost: float = 0.0  # prefill-token equivalents (see RouterConfig)
     pending_load_s: float = 0.0  # predicted KV-tier load seconds of those requests (one loader: they queue)
+    pending_kv_tokens: int = 0  # KV tokens those requests will hold (prompt and asked output), where known
     streaming: int = 0
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -98,5 +99,6 @@ class Replica:
             "ejections": self.ejections,
             "in_flight": self.in_flight,
             "pending_prefill_cost": round(self.pending_prefill_cost, 1),
+            "pending_kv_tokens": self.pending_kv_tokens,
             "load": self.load.to_json(),
         }
