@@ -34,6 +34,7 @@ from kvyard.router.holders import KeyHolders
 from kvyard.router.policies import CacheAware, Decision, RouteRequest
 from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStores
+from kvyard.router.tokens import max_tokens_asked
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
 # What a pulled token costs the decode replica (receive, verify, copy: the prefill replica did the compute), in
@@ -72,16 +73,16 @@ class PDPlanner:
                    CacheAware(config, shared_stores, holders))  # fmt: skip
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
-        plan = self._plan(request, candidates)
-        plan.decode.kv_tokens = kv_tokens_asked(request)
+        needed = kv_tokens_asked(request)
+        plan = self._plan(request, candidates, needed)
+        plan.decode.kv_tokens = needed
         return plan
 
-    def _plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
+    def _plan(self, request: RouteRequest, candidates: list[Replica], needed: int) -> PDPlan:
         decoders = [r for r in candidates if r.role in (DECODE, UNIFIED)] or candidates
         prefillers = [r for r in candidates if r.role == PREFILL]
         if not prefillers:
             return PDPlan(self.decode_policy.choose(request, decoders), None, "no_prefill_replica")
-        needed = kv_tokens_asked(request)
         roomy = [r for r in decoders if has_kv_room(r, needed)]
         if not roomy and self.config.disaggregation == "conditional":
             spare = [r for r in prefillers if has_kv_room(r, needed)]
@@ -155,9 +156,7 @@ def kv_tokens_asked(request: RouteRequest) -> int:
     the router has no token ids for it)."""
     if not request.token_ids:
         return 0
-    body = request.body
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return len(request.token_ids) + (limit if type(limit) is int and limit > 0 else 0)
+    return len(request.token_ids) + max_tokens_asked(request.body, 0)
 
 
 def has_kv_room(replica: Replica, tokens: int) -> bool:

@@ -55,10 +55,14 @@ def estimated_tokens_asked(kind: str, body: dict[str, Any]) -> int:
         prompt = body.get("prompt")
         texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
         prompt_tokens = sum(len(t) if isinstance(t, list) else len(str(t)) // 4 for t in texts)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = limit if type(limit) is int and limit > 0 else 16
     n = body.get("n")
-    return (prompt_tokens + max_tokens) * (n if type(n) is int and n > 0 else 1)
+    return (prompt_tokens + max_tokens_asked(body, 16)) * (n if type(n) is int and n > 0 else 1)
+
+
+def max_tokens_asked(body: dict[str, Any], default: int) -> int:
+    """The request's output limit (max_completion_tokens, else max_tokens), or `default` when it sets none."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return limit if type(limit) is int and limit > 0 else default
 
 
 def tokenize_payload(kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
