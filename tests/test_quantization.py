@@ -21,9 +21,11 @@ from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.package import convert
 from kvyard.models.quantization import (
+    BF16_MATMUL_FROM_ROWS,
     GROUP_SIZE,
     HalfLinear,
     Int8Linear,
+    cpu_has_fast_bf16,
     dequantize_int8,
     quantize_int8,
     round_trip_linears,
@@ -96,6 +98,81 @@ def test_the_half_kernel_matches_a_float64_reference(
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         vector_kernels.small_linear_half(x, weight.float(), bias)
+
+
+# the portable tail never runs (groups of 32); n * k from 4 * 65536 on: the threads split the rows
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (7, 96), (130, 512), (600, 512)])
+def test_int8_widened_to_bf16_is_bit_identical_to_torch(
+    vector_kernels: NativeKernels, out_features: int, in_features: int
+) -> None:
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    weight[0, :32] = 0.0  # an all-zero group
+    weight[-1, -32:] *= 1e30  # magnitudes near fp32's range
+    q, scales = quantize_int8(weight)
+    scales[0, -1] = 1 + 2**-8  # q * scale halfway between two bf16 values for odd q: ties go to even
+    expected = dequantize_int8(q, scales).to(torch.bfloat16)
+    widened = vector_kernels.int8_to_bf16(q, scales)
+    assert widened.dtype == torch.bfloat16 and torch.equal(widened.view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(ValueError, match="scales"):
+        vector_kernels.int8_to_bf16(q, scales[:, :-1])
+
+
+def _bf16_model_reference(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tensor:
+    """What a bf16 model computes for x W^T: bf16 inputs, an exact sum, the result rounded to bf16."""
+    return (x.to(torch.bfloat16).double() @ weight16.double().T).to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_threshold_on(
+    native_kernels: NativeKernels, scheme: str
+) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 72, bias=False)
+    if scheme == "int8":
+        layer: Int8Linear | HalfLinear = Int8Linear.from_linear(linear)
+        layer.use_native_kernel(native_kernels.small_linear_int8, torch.backends.mkldnn.is_available(),
+                                native_kernels.int8_to_bf16)  # fmt: skip
+        exact_weight = dequantize_int8(layer.qweight, layer.scales)
+        weight16 = exact_weight.to(torch.bfloat16)
+    else:
+        layer = HalfLinear.from_linear(linear, torch.bfloat16)
+        layer.use_native_kernel(native_kernels.small_linear_half, torch.backends.mkldnn.is_available(), True)
+        weight16 = layer.weight16
+        exact_weight = weight16.float()
+    first = BF16_MATMUL_FROM_ROWS[scheme]
+    few, many = torch.randn(first - 1, 256), torch.randn(first, 256)
+    out = layer(many)
+    # Every output is a bf16 value (the bf16 path ran, not fp32) within one bf16 rounding of the exact product:
+    # fp32 accumulation can move a sum across a rounding boundary, not further.
+    assert torch.equal(out.to(torch.bfloat16).float(), out)
+    reference = _bf16_model_reference(many, weight16)
+    assert bool(((out.double() - reference).abs() <= reference.abs() * 2**-7 + 1e-6).all())
+    fp32_rows = layer(few)  # fewer rows: the fp32 kernel, on the converted weights
+    assert torch.allclose(fp32_rows.double(), few.double() @ exact_weight.double().T, rtol=1e-5, atol=1e-5 * 16)
+    with pytest.raises(ValueError, match="bf16 weights"):
+        HalfLinear.from_linear(linear, torch.float16).use_native_kernel(None, False, True)
+
+
+def test_bf16_matmul_is_opt_in_cached_apart_and_close_to_the_fp32_model(llama_dir: Path) -> None:
+    prompt = torch.randint(3, 900, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for matmul_dtype in ("float32", "bfloat16"):
+        with LLM(str(llama_dir), quantization="int8", matmul_dtype=matmul_dtype) as llm:
+            results[matmul_dtype] = (llm.engine.namespace.model_digest, llm.generate([prompt], params)[0])
+    assert results["float32"][0].endswith("+int8-g32") and results["bfloat16"][0].endswith("+int8-g32+mm-bf16")
+    exact, in_bf16 = ([e.logprob for e in out.prompt_logprobs[1:] if e is not None] for _, out in results.values())
+    differences = [abs(a - b) for a, b in zip(exact, in_bf16, strict=True)]
+    # The 100-token prefill took the bf16 matmul: its log-probabilities moved, by bf16 roundings only (on the
+    # tiny model: 0.013 on average, 0.048 at most, on a Xeon with AMX).
+    assert 0 < sum(differences) / len(differences) < 0.05 and max(differences) < 0.25
+    with LLM(str(llama_dir), quantization="fp16", matmul_dtype="auto") as fp16:  # fp16 weights never go to bf16
+        assert fp16.engine.namespace.model_digest.endswith("+fp16")
+    with LLM(str(llama_dir), quantization="bf16", matmul_dtype="auto") as bf16:
+        assert bf16.engine.namespace.model_digest.endswith("+mm-bf16") == cpu_has_fast_bf16()
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        LLM(str(llama_dir), quantization="int8", matmul_dtype="float16")
 
 
 def _round_tripped_reference(model_dir: Path, scheme: str) -> nn.Module:

@@ -26,7 +26,7 @@ from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
-from kvyard.models.quantization import quantize_model, scheme_suffix
+from kvyard.models.quantization import BF16_MATMUL_SUFFIX, matmul_in_bf16, quantize_model, scheme_suffix
 from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
@@ -48,7 +48,9 @@ class LLMEngine(EngineCore):
         )
         _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
-        model, digest = self._load_weights(config, max_model_len)
+        model, digest, scheme = self._load_weights(config, max_model_len)
+        bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme)
+        digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
@@ -67,7 +69,8 @@ class LLMEngine(EngineCore):
             block_size=config.block_size,
         )
         self.runner: ModelRunner = ModelRunner(model, num_kv_blocks, config.block_size, self.dtype, self.device,
-                                               config.attention_backend, config.kv_cache_dtype)  # fmt: skip
+                                               config.attention_backend, config.kv_cache_dtype,
+                                               bf16_matmul)  # fmt: skip
         eos_token_ids = _eos_token_ids(self.model_config, tokenizer)
         proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
         super().__init__(core_config, namespace, self.runner, tokenizer, eos_token_ids, proposer)
@@ -76,18 +79,20 @@ class LLMEngine(EngineCore):
         self.kv_tier = self._attach_kv_tier()
         self.kv_puller: KVPullLink | None = None
 
-    def _load_weights(self, config: EngineConfig, max_model_len: int) -> tuple[CausalLM, str]:
-        """The model, converted as `quantization` asks, and the digest naming its weights in block keys. A weight
-        package (kvyard convert) is already converted: its digest is the one converting its source gives."""
+    def _load_weights(self, config: EngineConfig, max_model_len: int) -> tuple[CausalLM, str, str]:
+        """The model, converted as `quantization` asks, the digest naming its weights in block keys and their
+        scheme. A weight package (kvyard convert) is already converted: its digest is the one converting its
+        source gives."""
         if is_package(config.model):
             info = read_info(config.model)
             if config.quantization not in ("none", info.weights):
                 raise ValueError(f"{config.model} is a package of {info.weights} weights; quantization "
                                  f"{config.quantization!r} cannot apply to it")  # fmt: skip
-            return load_package(config.model, self.dtype, self.device, max_model_len), info.weights_digest
+            model = load_package(config.model, self.dtype, self.device, max_model_len)
+            return model, info.weights_digest, info.weights
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
         quantize_model(model, config.quantization)
-        return model, weights_digest(config.model, config.quantization)
+        return model, weights_digest(config.model, config.quantization), config.quantization
 
     def _model_proposer(self, max_model_len: int, num_kv_blocks: int, tokenizer: Any) -> DraftModelProposer | None:
         """The speculative proposer that runs a model (draft, self-int8), with as many KV blocks as the model."""

@@ -63,11 +63,13 @@ class PagedModel:
         device: torch.device,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        bf16_matmul: bool = False,
     ) -> None:
         """`dtype`: the model's. `attention_backend`: "torch" (PyTorch SDPA, and no native code at all),
         "native" (the native CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error
         saying why), or "auto" (native where it can run, else torch). Chosen here, once:
-        `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`)."""
+        `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`).
+        `bf16_matmul`: converted int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -82,7 +84,7 @@ class PagedModel:
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         backend = self.attention_backend
         self.kernels = backend.kernels if isinstance(backend, CPUNativeBackend) else None
-        self.uses_cpu_fast_paths = model.use_cpu_fast_paths(self.kernels)
+        self.uses_cpu_fast_paths = model.use_cpu_fast_paths(self.kernels, bf16_matmul)
         self.argmax: Argmax = self.kernels.elementwise.argmax if self.kernels is not None else torch_argmax
 
     def run(

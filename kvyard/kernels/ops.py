@@ -219,6 +219,29 @@ class SmallLinearHalfKernel:
 
 
 @dataclass(frozen=True, slots=True)
+class Int8ToBf16Kernel:
+    """int8 weights [n, k] with a scale per 32 of a row's weights, widened to one bfloat16 tensor [n, k]:
+    bit-identical to `dequantize_int8(q, scales).to(torch.bfloat16)`, in one pass over memory."""
+
+    PROTOTYPES: ClassVar[str] = """
+        void kvyard_int8_to_bf16(const int8_t *q, const float *scales, uint16_t *out, int64_t n, int64_t k,
+            int num_threads);
+    """
+
+    function: Callable[..., Any]
+    num_threads: int
+
+    def __call__(self, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        rows, columns = qweight.shape
+        if qweight.dtype != torch.int8 or columns % 32 or tuple(scales.shape) != (rows, columns // 32):
+            raise ValueError(f"int8 weights [{rows}, {columns}] need float32 scales [{rows}, {columns // 32}]")
+        qweight, scales = qweight.contiguous(), scales.float().contiguous()
+        out = torch.empty(rows, columns, dtype=torch.bfloat16)
+        self.function(_ptr(qweight), _ptr(scales), _ptr(out), rows, columns, self.num_threads)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ElementwiseKernels:
     """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
 
@@ -457,6 +480,7 @@ class NativeKernels:
     elementwise: ElementwiseKernels
     small_linear_int8: SmallLinearInt8Kernel
     small_linear_half: SmallLinearHalfKernel
+    int8_to_bf16: Int8ToBf16Kernel
     store_kv: StoreKVKernel
     decode_layer: DecodeLayerKernel
 
@@ -479,7 +503,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
     wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel,
-                SmallLinearHalfKernel, StoreKVKernel, DecodeLayerKernel)  # fmt: skip
+                SmallLinearHalfKernel, Int8ToBf16Kernel, StoreKVKernel, DecodeLayerKernel)  # fmt: skip
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -494,6 +518,7 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
         ),
         SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
         SmallLinearHalfKernel(functions["kvyard_small_linear_half"], threads),
+        Int8ToBf16Kernel(functions["kvyard_int8_to_bf16"], threads),
         StoreKVKernel(functions["kvyard_store_kv"], threads),
         DecodeLayerKernel(functions["kvyard_decode_layer_scratch_floats"], functions["kvyard_decode_layer"], threads),
     )

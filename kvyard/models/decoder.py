@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def use_cpu_fast_paths(self, kernels: NativeKernels | None) -> bool:
+    def use_cpu_fast_paths(self, kernels: NativeKernels | None, bf16_matmul: bool = False) -> bool:
         """Put an fp32 CPU model on its fast paths; returns whether it is one (else this does nothing).
 
         Linears go through oneDNN, their weights packed into its layout when that copy fits in half of
@@ -132,7 +132,9 @@ class CausalLM(nn.Module):
         work go through them too, and a decode step of few rows runs each layer in one native call (None:
         PyTorch ops only). The ModelRunner calls this once, after the
         weights are loaded (packing copies them, the fused decode path keeps their addresses: weights are not
-        replaced afterwards) and before the first forward; a later call replaces what an earlier one chose."""
+        replaced afterwards) and before the first forward; a later call replaces what an earlier one chose.
+        `bf16_matmul`: int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16; int8 needs
+        `kernels`)."""
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
@@ -145,8 +147,10 @@ class CausalLM(nn.Module):
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
             if isinstance(module, Int8Linear):
-                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn)
+                to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
+                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16)
             if isinstance(module, HalfLinear):
-                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None, onednn)
+                in_bf16 = bf16_matmul and module.weight16.dtype == torch.bfloat16
+                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None, onednn, in_bf16)
         self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
         return True

@@ -10,6 +10,13 @@ and is bound by memory bandwidth, which is the point of the smaller format. Acti
 fp16 / bf16: each linear layer's weight rounded to 16 bits (2 bytes a weight), widened back to fp32 in the
 kernel's registers: fp16 keeps 11 significant bits within its range (|w| < 65504, far above trained weights),
 bf16 keeps fp32's range with 8.
+
+Matmuls of many rows in bf16 (`matmul_dtype` bfloat16, opt-in): on CPUs with AMX or AVX512-BF16, oneDNN multiplies
+bf16 matrices 3-5x faster than fp32 ones. With it, an int8 or bf16 layer given more than a few rows (prefill,
+large batches) rounds its input rows to bf16, multiplies them by its weight in bf16 (int8 widened to bf16 first),
+accumulates in fp32 and rounds the output to bf16, as a bf16 model computes; few rows (decode of small batches)
+keep the exact fp32 kernels. The results then differ from the fp32 model's given the converted weights, so the
+KV they make is cached under other block keys.
 """
 
 from __future__ import annotations
@@ -18,11 +25,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvyard.kernels.ops import SmallLinearHalfKernel, SmallLinearInt8Kernel
-from kvyard.models import QUANTIZATION_SCHEMES
+from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
+from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
 
 GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+BF16_MATMUL_SCHEMES = ("int8", "bf16")  # fp16 weights would lose 3 significant bits to bf16
+BF16_MATMUL_SUFFIX = "+mm-bf16"
+# Fewest rows that go to the bf16 matmul; fewer keep the native fp32 kernels. Measured on the bench preset's
+# linears (2-core Xeon with AMX): the bf16 kernel costs 1.5x oneDNN's bf16 matmul at 8 rows; int8 also pays for
+# widening its weight to bf16 on every call, which 16 rows recoup.
+BF16_MATMUL_FROM_ROWS = {"int8": 16, "bf16": 8}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN has native bf16 matmul instructions here (AMX tiles or AVX512-BF16), not an emulation."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def matmul_in_bf16(matmul_dtype: str, scheme: str) -> bool:
+    """Whether a model with weights in `scheme` multiplies many rows in bf16, as `matmul_dtype` asks."""
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+    if scheme not in BF16_MATMUL_SCHEMES:
+        return False
+    return matmul_dtype == "bfloat16" or (matmul_dtype == "auto" and cpu_has_fast_bf16())
 
 
 def scheme_suffix(scheme: str) -> str:
@@ -69,6 +96,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.kernel: SmallLinearInt8Kernel | None = None
         self.onednn = False
+        self.to_bf16: Int8ToBf16Kernel | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -78,13 +106,20 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.qweight, self.scales, self.bias)
+        if self.to_bf16 is not None and x.dtype == torch.float32:
+            return bf16_linear(x, self.to_bf16(self.qweight, self.scales), self.bias, self.onednn)
         weight = dequantize_int8(self.qweight, self.scales).to(x.dtype)
         return widened_linear(x, weight, self.bias, self.onednn)
 
-    def use_native_kernel(self, kernel: SmallLinearInt8Kernel | None, onednn: bool = False) -> None:
-        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`."""
+    def use_native_kernel(
+        self, kernel: SmallLinearInt8Kernel | None, onednn: bool = False, to_bf16: Int8ToBf16Kernel | None = None
+    ) -> None:
+        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`; given
+        `to_bf16`, from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul over the weight it widens."""
         self.kernel = kernel
         self.onednn = onednn
+        self.to_bf16 = to_bf16
+        self.max_small_rows = BF16_MATMUL_FROM_ROWS["int8"] - 1 if to_bf16 is not None else Int8Linear.max_small_rows
 
 
 class HalfLinear(nn.Module):
@@ -102,6 +137,7 @@ class HalfLinear(nn.Module):
         self.in_features, self.out_features = weight16.shape[1], weight16.shape[0]
         self.kernel: SmallLinearHalfKernel | None = None
         self.onednn = False
+        self.bf16_matmul = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> HalfLinear:
@@ -110,12 +146,21 @@ class HalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.weight16, self.bias)
+        if self.bf16_matmul and x.dtype == torch.float32:
+            return bf16_linear(x, self.weight16, self.bias, self.onednn)
         return widened_linear(x, self.weight16.to(x.dtype), self.bias, self.onednn)
 
-    def use_native_kernel(self, kernel: SmallLinearHalfKernel | None, onednn: bool = False) -> None:
-        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`."""
+    def use_native_kernel(
+        self, kernel: SmallLinearHalfKernel | None, onednn: bool = False, bf16_matmul: bool = False
+    ) -> None:
+        """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`; with
+        `bf16_matmul` (bf16 weights only), from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul."""
+        if bf16_matmul and self.weight16.dtype != torch.bfloat16:
+            raise ValueError(f"a bf16 matmul needs bf16 weights, not {self.weight16.dtype}")
         self.kernel = kernel
         self.onednn = onednn
+        self.bf16_matmul = bf16_matmul
+        self.max_small_rows = BF16_MATMUL_FROM_ROWS["bf16"] - 1 if bf16_matmul else HalfLinear.max_small_rows
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
@@ -123,6 +168,18 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if onednn and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
+    the product rounded to bf16; returned in fp32, the fp32 bias added."""
+    rounded = x.to(torch.bfloat16)
+    if onednn:
+        product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
+    else:
+        product = F.linear(rounded, weight)
+    out = product.float()
+    return out if bias is None else out.add_(bias)
 
 
 def quantize_model(model: nn.Module, scheme: str, *, empty: bool = False) -> int:
@@ -136,13 +193,14 @@ def quantize_model(model: nn.Module, scheme: str, *, empty: bool = False) -> int
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _converts(child, scheme):
+            if isinstance(child, nn.Linear) and converts(child, scheme):
                 setattr(parent, name, _converted(child, scheme, empty))
                 replaced += 1
     return replaced
 
 
-def _converts(linear: nn.Linear, scheme: str) -> bool:
+def converts(linear: nn.Linear, scheme: str) -> bool:
+    """Whether `quantize_model` converts this layer to `scheme` (int8: input size a multiple of 32)."""
     return linear.in_features % GROUP_SIZE == 0 if scheme == "int8" else True
 
 
@@ -163,7 +221,7 @@ def round_trip_linears(model: nn.Module, scheme: str = "int8") -> None:
     """Give every linear layer `quantize_model` would convert the weight it would compute with (converted, then
     back to fp32), in place: a float model that a converted model should equal (tests, quality benchmarks)."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and _converts(module, scheme):
+        if isinstance(module, nn.Linear) and converts(module, scheme):
             if scheme == "int8":
                 module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
             else:

@@ -50,6 +50,11 @@ void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scal
 void kvyard_small_linear_half(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
                               int64_t k, int is_bf16, int num_threads);
 
+/* int8_to_bf16.c: int8 weights q [n, k] with their scales (as small_linear_int8.c) widened to bfloat16, out [n, k],
+ * rounded to nearest even. */
+void kvyard_int8_to_bf16(const int8_t *q, const float *scales, uint16_t *out, int64_t n, int64_t k,
+                         int num_threads);
+
 /* elementwise.c: the per-layer fused elementwise work and the greedy sampler's argmax. */
 void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                          int64_t dim, float eps);
