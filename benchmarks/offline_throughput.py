@@ -42,7 +42,8 @@ PEERS_DIR = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
 LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
 ALL_ENGINES = ("kvyard", "kvyard-int8", "kvyard-fp16", "kvyard-bf16", "hf", "llamacpp", "vllm")
 # Also accepted: kvyard with its KV cache in another format, "kvyard[-WEIGHTS]+kv-FORMAT" (kvyard+kv-int8,
-# kvyard-int8+kv-fp16, ...), FORMAT one of fp16, bf16, int8.
+# kvyard-int8+kv-fp16, ...), FORMAT one of fp16, bf16, int8; and either ending in "+mm-bf16": int8 or bf16
+# weights multiplying many rows in bf16 (--matmul-dtype bfloat16), as in kvyard-int8+kv-int8+mm-bf16.
 KV_FORMATS = ("fp16", "bf16", "int8")
 # Headline metric(s) per scenario; the ratio kvyard/peer is reported for each (higher is better).
 HEADLINE = {
@@ -86,7 +87,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--engines", default=",".join(ALL_ENGINES), help="comma-separated subset of " + ",".join(ALL_ENGINES)
-        + ", or kvyard[-WEIGHTS]+kv-FORMAT (FORMAT: " + ",".join(KV_FORMATS) + ")"
+        + ", or kvyard[-WEIGHTS][+kv-FORMAT][+mm-bf16] (FORMAT: " + ",".join(KV_FORMATS) + "; +mm-bf16: "
+        "--matmul-dtype bfloat16)"
     )
     p.add_argument("--num-prompts", type=int, default=None, help="prompts in the offline batch (default 64, quick 8)")
     p.add_argument("--quick", action="store_true", help="tiny workload for smoke-testing")
@@ -261,27 +263,35 @@ def ensure_gguf(args: argparse.Namespace, model_dir: Path, outtype: str) -> Path
     return out
 
 
-def kvyard_engine(args: argparse.Namespace, quantization: str = "none", kv_cache_dtype: str = "auto") -> Engine:
+def kvyard_engine(
+    args: argparse.Namespace, quantization: str = "none", kv_cache_dtype: str = "auto", matmul_dtype: str = "float32"
+) -> Engine:
     python = REPO / ".venv" / "bin" / "python"
     name = "kvyard" if quantization == "none" else f"kvyard-{quantization}"
+    name += "" if kv_cache_dtype == "auto" else f"+kv-{kv_cache_dtype}"
+    name += "" if matmul_dtype == "float32" else "+mm-bf16"
     return Engine(
-        name if kv_cache_dtype == "auto" else f"{name}+kv-{kv_cache_dtype}",
+        name,
         python if python.exists() else Path(sys.executable),
         "kvyard_runner.py",
         {"PYTHONPATH": str(REPO)},
-        {"llm_kwargs": {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}},
+        {"llm_kwargs": {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "matmul_dtype": matmul_dtype}},
     )
 
 
-def kvyard_variant(name: str) -> tuple[str, str] | None:
-    """(weight scheme, KV format) of an engine name kvyard[-WEIGHTS][+kv-FORMAT]; None if it is not one."""
-    base, _, kv = name.partition("+kv-")
+def kvyard_variant(name: str) -> tuple[str, str, str] | None:
+    """(weight scheme, KV format, matmul dtype) of an engine name kvyard[-WEIGHTS][+kv-FORMAT][+mm-bf16]; None if it
+    is not one."""
+    base, bf16_matmul, rest = name.partition("+mm-bf16")
+    if rest:
+        return None
+    base, _, kv = base.partition("+kv-")
     weights = "none" if base == "kvyard" else base.removeprefix("kvyard-")
     if not base.startswith("kvyard") or weights not in ("none", "int8", "fp16", "bf16"):
         return None
     if "+kv-" in name and kv not in KV_FORMATS:
         return None
-    return weights, kv or "auto"
+    return weights, kv or "auto", "bfloat16" if bf16_matmul else "float32"
 
 
 def llamacpp_engines(args: argparse.Namespace, model_dir: Path) -> list[Engine]:

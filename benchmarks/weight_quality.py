@@ -6,8 +6,11 @@ For every position of 16 prompts of 128 random token ids: mean KL(fp32 || scheme
 distribution, and how often the scheme's most likely token is fp32's. fp32 is Hugging Face transformers on the
 checkpoint. Each kvyard scheme is transformers on the weights kvyard's loader computes with (converted and back
 to fp32: tests/test_quantization.py checks kvyard's converted engines equal to exactly that model, greedy tokens
-and logprobs to 1e-4), so its logits are kvyard's. llama.cpp runs its own GGUF conversions in its peer venv
-(`bash benchmarks/setup_peers.sh llamacpp`) with its default f16 KV cache, through runners/llamacpp_logits.py.
+and logprobs to 1e-4), so its logits are kvyard's. The "bf16 matmul" rows are kvyard with --matmul-dtype
+bfloat16 on a prompt: every converted linear computes `bf16_linear` (kvyard's own function) on its weight in bf16
+(tests/test_quantization.py checks the engine's layers round as it does). llama.cpp runs its own GGUF
+conversions in its peer venv (`bash benchmarks/setup_peers.sh llamacpp`) with its default f16 KV cache, through
+runners/llamacpp_logits.py.
 
     .venv/bin/python benchmarks/weight_quality.py --out benchmarks/results/weight_quality.json
 """
@@ -28,7 +31,7 @@ from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_ggu
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from kvyard.models.quantization import round_trip_linears
+from kvyard.models.quantization import bf16_linear, converts, round_trip_linears
 from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +56,23 @@ def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     round_trip_linears(model, scheme)
+    return model
+
+
+def bf16_matmul_reference(model_dir: Path, scheme: str) -> nn.Module:
+    """The converted reference whose converted linears multiply as kvyard's do with --matmul-dtype bfloat16 on
+    many rows (every position of a prompt at once): `bf16_linear` on the converted weight in bf16."""
+    model = converted_reference(model_dir, scheme)
+    onednn = torch.backends.mkldnn.is_available()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and converts(module, scheme):
+            weight16 = module.weight.detach().to(torch.bfloat16)  # the converted weight, exactly (int8: as widened)
+
+            def forward(x: torch.Tensor, weight16: torch.Tensor = weight16, bias: Any = module.bias) -> torch.Tensor:
+                rows = x.reshape(-1, x.shape[-1])
+                return bf16_linear(rows, weight16, bias, onednn).reshape(*x.shape[:-1], -1)
+
+            module.forward = forward  # type: ignore[method-assign]
     return model
 
 
@@ -118,6 +138,9 @@ def main() -> int:
     results: dict[str, Any] = {}
     for scheme, name in (("int8", "kvyard int8 (group 32)"), ("fp16", "kvyard fp16"), ("bf16", "kvyard bf16")):
         results[name] = compare(reference, hf_logits(converted_reference(model_dir, scheme), prompts))
+        print(json.dumps({name: results[name]}), flush=True)
+    for scheme, name in (("int8", "kvyard int8 (group 32), bf16 matmul"), ("bf16", "kvyard bf16, bf16 matmul")):
+        results[name] = compare(reference, hf_logits(bf16_matmul_reference(model_dir, scheme), prompts))
         print(json.dumps({name: results[name]}), flush=True)
     prompts_file = args.work_dir / "weight_quality_prompts.json"
     prompts_file.write_text(json.dumps(prompts))
