@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gguf-types", default="q8_0,f16")
+    parser.add_argument("--llamacpp-no-repack", action="store_true", help="llama.cpp without its weight repacking "
+                        "and AMX path (it crashed on an Intel Xeon VM with AMX)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "weight_quality.json")
     return parser.parse_args()
 
@@ -110,7 +112,8 @@ def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, pro
     gguf = llamacpp_gguf(args.work_dir, model_dir, outtype)
     if isinstance(gguf, str):
         return gguf
-    return run_llamacpp_logits(gguf, prompts_file, args.work_dir / f"llamacpp-logits-{outtype}.npy")
+    options = ("--no-repack",) if args.llamacpp_no_repack else ()
+    return run_llamacpp_logits(gguf, prompts_file, args.work_dir / f"llamacpp-logits-{outtype}.npy", *options)
 
 
 def reference_logits(model_dir: Path, num_prompts: int, prompt_tokens: int) -> tuple[list[list[int]], torch.Tensor]:

@@ -5,11 +5,12 @@ batch with logits requested at every position, and writes a float32 array [sum o
 numpy's .npy format.
 
     python llamacpp_logits.py --gguf MODEL.gguf --prompts prompts.json --out logits.npy --threads 2 \
-        [--kv-type f16] [--flash-attn auto]
+        [--kv-type f16] [--flash-attn auto] [--no-repack]
 
 --kv-type sets the KV cache's type for keys and values (f32, f16 or q8_0; default: llama.cpp's, f16);
 --flash-attn on, off or auto (llama.cpp's default). A quantized V cache needs it on; on CPU it also rounds to
-fp16 inside attention, so an f32 cache is only f32 with it off.
+fp16 inside attention, so an f32 cache is only f32 with it off. --no-repack loads the weights without llama.cpp's
+extra buffer types (weight repacking, AMX), for a machine where that path crashes.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-type", choices=KV_TYPES, default=None)
     parser.add_argument("--flash-attn", choices=FLASH_ATTN, default="auto")
+    parser.add_argument("--no-repack", action="store_true")
     args = parser.parse_args()
     with open(args.prompts) as file:
         prompts: list[list[int]] = json.load(file)
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(args.gguf.encode(), lc.llama_model_default_params())
+    model_params = lc.llama_model_default_params()
+    model_params.use_extra_bufts = not args.no_repack
+    model = lc.llama_model_load_from_file(args.gguf.encode(), model_params)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     longest = max(len(p) for p in prompts)
     params = lc.llama_context_default_params()
