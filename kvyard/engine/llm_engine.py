@@ -26,7 +26,13 @@ from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
-from kvyard.models.quantization import BF16_MATMUL_SUFFIX, matmul_in_bf16, quantize_model, scheme_suffix
+from kvyard.models.quantization import (
+    BF16_MATMUL_SUFFIX,
+    cpu_has_fast_bf16,
+    matmul_in_bf16,
+    quantize_model,
+    scheme_suffix,
+)
 from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
@@ -50,6 +56,9 @@ class LLMEngine(EngineCore):
         tokenizer = _load_tokenizer(config.model)
         model, digest, scheme = self._load_weights(config, max_model_len)
         bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme)
+        if bf16_matmul and not cpu_has_fast_bf16():
+            _LOG.warning("--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: oneDNN emulates bf16 matmuls "
+                         "here, which is likely slower than float32")  # fmt: skip
         digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = self._choose_num_blocks(max_model_len)
