@@ -39,7 +39,8 @@ class KvyardEngine:
 
         torch.set_num_threads(threads)
         self.config = {k: opts.get(k, v) for k, v in DEFAULTS.items()}
-        self.llm = LLM(model_dir, **self.config, **opts.get("llm_kwargs", {}))
+        self.llm_kwargs: dict[str, Any] = opts.get("llm_kwargs", {})  # the variant: quantization, KV and matmul dtypes
+        self.llm = LLM(model_dir, **self.config, **self.llm_kwargs)
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         from kvyard import SamplingParams
@@ -78,7 +79,7 @@ def main() -> None:
         "dtype": engine.config["dtype"] + ("" if label == "kvyard" else f" ({label})"),
         "threads": torch.get_num_threads(),
         "batch_size": "all prompts in one generate call",
-        "config": engine.config,
+        "config": {**engine.config, **engine.llm_kwargs},
         "notes": ["offline LLM API, token-id prompts, ignore_eos, greedy"],
     }
     write_result(args.out, label, info, results)
