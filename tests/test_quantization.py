@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
+from kvyard.models.layers import Linear
 from kvyard.models.package import convert
 from kvyard.models.quantization import (
     BF16_MATMUL_FROM_ROWS,
@@ -123,24 +124,30 @@ def _bf16_model_reference(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tens
     return (x.to(torch.bfloat16).double() @ weight16.double().T).to(torch.bfloat16).double()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+@pytest.mark.parametrize("scheme", ["int8", "bf16", "none"])
 def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_threshold_on(
     native_kernels: NativeKernels, scheme: str
 ) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(256, 72, bias=False)
-    if scheme == "int8":
-        layer: Int8Linear | HalfLinear = Int8Linear.from_linear(linear)
-        layer.use_native_kernel(native_kernels.small_linear_int8, torch.backends.mkldnn.is_available(),
-                                native_kernels.int8_to_bf16)  # fmt: skip
+    onednn = torch.backends.mkldnn.is_available()
+    if scheme == "none":  # an fp32 checkpoint's layer, with a bf16 copy of its weight
+        layer: Int8Linear | HalfLinear | Linear = Linear(256, 72, bias=False)
+        layer.weight.data.copy_(linear.weight.data)
+        layer.use_cpu_fast_paths(native_kernels.small_linear, onednn, pack=True, bf16_matmul=True)
+        assert layer.packed_weight is None  # the bf16 copy replaces the fp32 packed one
+        exact_weight, weight16 = linear.weight.detach(), linear.weight.detach().to(torch.bfloat16)
+    elif scheme == "int8":
+        layer = Int8Linear.from_linear(linear)
+        layer.use_native_kernel(native_kernels.small_linear_int8, onednn, native_kernels.int8_to_bf16)
         exact_weight = dequantize_int8(layer.qweight, layer.scales)
         weight16 = exact_weight.to(torch.bfloat16)
     else:
         layer = HalfLinear.from_linear(linear, torch.bfloat16)
-        layer.use_native_kernel(native_kernels.small_linear_half, torch.backends.mkldnn.is_available(), True)
+        layer.use_native_kernel(native_kernels.small_linear_half, onednn, True)
         weight16 = layer.weight16
         exact_weight = weight16.float()
-    first = BF16_MATMUL_FROM_ROWS[scheme]
+    first = Linear.max_small_rows + 1 if scheme == "none" else BF16_MATMUL_FROM_ROWS[scheme]
     few, many = torch.randn(first - 1, 256), torch.randn(first, 256)
     out = layer(many)
     # Every output is a bf16 value (the bf16 path ran, not fp32) within one bf16 rounding of the exact product:
@@ -148,7 +155,7 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
     assert torch.equal(out.to(torch.bfloat16).float(), out)
     reference = _bf16_model_reference(many, weight16)
     assert bool(((out.double() - reference).abs() <= reference.abs() * 2**-7 + 1e-6).all())
-    fp32_rows = layer(few)  # fewer rows: the fp32 kernel, on the converted weights
+    fp32_rows = layer(few)  # fewer rows: the fp32 kernel, on the (converted) weights
     assert torch.allclose(fp32_rows.double(), few.double() @ exact_weight.double().T, rtol=1e-5, atol=1e-5 * 16)
     with pytest.raises(ValueError, match="bf16 weights"):
         HalfLinear.from_linear(linear, torch.float16).use_native_kernel(None, False, True)
@@ -169,6 +176,14 @@ def test_bf16_matmul_is_opt_in_cached_apart_and_close_to_the_fp32_model(llama_di
     assert 0 < sum(differences) / len(differences) < 0.05 and max(differences) < 0.25
     with LLM(str(llama_dir), quantization="fp16", matmul_dtype="auto") as fp16:  # fp16 weights never go to bf16
         assert fp16.engine.namespace.model_digest.endswith("+fp16")
+    checkpoint = {}  # an fp32 checkpoint, with bf16 copies of its weights for bf16 matmuls
+    for matmul_dtype in ("float32", "bfloat16"):
+        with LLM(str(llama_dir), matmul_dtype=matmul_dtype) as llm:
+            output = llm.generate([prompt], params)[0]
+            checkpoint[matmul_dtype] = [e.logprob for e in output.prompt_logprobs[1:] if e is not None]
+            assert llm.engine.namespace.model_digest.endswith("+mm-bf16") == (matmul_dtype == "bfloat16")
+    differences = [abs(a - b) for a, b in zip(checkpoint["float32"], checkpoint["bfloat16"], strict=True)]
+    assert 0 < sum(differences) / len(differences) < 0.05 and max(differences) < 0.25
     with LLM(str(llama_dir), quantization="bf16", matmul_dtype="auto") as bf16:
         assert bf16.engine.namespace.model_digest.endswith("+mm-bf16") == cpu_has_fast_bf16()
     with pytest.raises(ValueError, match="matmul_dtype"):

@@ -32,12 +32,12 @@ class EngineConfig:
                                 "int8 (each linear layer's weight int8 with a scale per 32 weights), fp16 or bf16 "
                                 "(each linear layer's weight in 16 bits); converted at load time, activations "
                                 "fp32, KV computed with them cached apart")  # fmt: skip
-    matmul_dtype: str = setting("float32", choices=MATMUL_DTYPES, help="what int8 and bf16 weights (--quantization "
-                                "or a package) multiply many rows in (prefill, large batches): float32 (output "
-                                "equals the fp32 model given the converted weights), bfloat16 (activations rounded "
-                                "to bf16: 3-5x faster matmuls on CPUs with AMX or AVX512-BF16, a small loss of "
-                                "accuracy), or auto (bfloat16 where the CPU has those); KV computed in bf16 is "
-                                "cached apart")  # fmt: skip
+    matmul_dtype: str = setting("float32", choices=MATMUL_DTYPES, help="what fp32, int8 and bf16 weights "
+                                "(fp16 ones stay float32) multiply many rows in (prefill, large batches) on CPU: "
+                                "float32 (exact: output equals the fp32 model given the weights), bfloat16 "
+                                "(activations and products rounded to bf16: 3-5x faster matmuls on CPUs with AMX or "
+                                "AVX512-BF16, a small loss of accuracy; fp32 weights get a bf16 copy), or auto "
+                                "(bfloat16 where the CPU has those); KV computed in bf16 is cached apart")  # fmt: skip
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES, help="how the KV cache stores keys and values: "
                                   "auto (the model's dtype), fp32, fp16, bf16, or int8 (a scale per token and KV "
                                   "head); smaller formats hold more tokens in --kv-cache-memory-gb and read fewer "

@@ -55,7 +55,9 @@ class LLMEngine(EngineCore):
         _check_window(self.model_config, max_model_len)
         tokenizer = _load_tokenizer(config.model)
         model, digest, scheme = self._load_weights(config, max_model_len)
-        bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme)
+        # Only the fp32 CPU fast paths have bf16 matmuls (quantization.matmul_in_bf16 checks the option's value).
+        fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
+        bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme) and fast_paths_possible
         if bf16_matmul and not cpu_has_fast_bf16():
             _LOG.warning("--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: oneDNN emulates bf16 matmuls "
                          "here, which is likely slower than float32")  # fmt: skip

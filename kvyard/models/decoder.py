@@ -133,8 +133,8 @@ class CausalLM(nn.Module):
         PyTorch ops only). The ModelRunner calls this once, after the
         weights are loaded (packing copies them, the fused decode path keeps their addresses: weights are not
         replaced afterwards) and before the first forward; a later call replaces what an earlier one chose.
-        `bf16_matmul`: int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16; int8 needs
-        `kernels`)."""
+        `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16; int8
+        needs `kernels`)."""
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
@@ -142,7 +142,7 @@ class CausalLM(nn.Module):
         onednn = torch.backends.mkldnn.is_available()
         pack = onednn and fits_in_memory(linears)
         for linear in linears:
-            linear.use_cpu_fast_paths(kernels.small_linear if kernels is not None else None, onednn, pack)
+            linear.use_cpu_fast_paths(kernels.small_linear if kernels is not None else None, onednn, pack, bf16_matmul)
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)

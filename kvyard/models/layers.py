@@ -32,23 +32,48 @@ class Linear(nn.Linear):
         self.onednn = False
         self.small_kernel: SmallLinearKernel | None = None
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of `weight`; a second copy
+        self.bf16_weight: torch.Tensor | None = None  # `weight` in bf16 (oneDNN's layout with it) for bf16 matmuls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.small_kernel is not None and rows <= self.max_small_rows:
             return self.small_kernel(x, self.weight, self.bias)
+        if self.bf16_weight is not None and rows > self.max_small_rows:
+            return bf16_linear(x, self.bf16_weight, self.bias, self.onednn)
         if self.onednn:
             weight = self.packed_weight if self.packed_weight is not None else self.weight
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def use_cpu_fast_paths(self, small_kernel: SmallLinearKernel | None, onednn: bool, pack: bool) -> None:
+    def use_cpu_fast_paths(
+        self, small_kernel: SmallLinearKernel | None, onednn: bool, pack: bool, bf16_matmul: bool = False
+    ) -> None:
         """fp32 CPU weights only: few rows through `small_kernel` (None: not), the rest through oneDNN
-        if `onednn`, with the weight packed into oneDNN's layout if `pack` (a copy, made now)."""
+        if `onednn`, with the weight packed into oneDNN's layout if `pack` (a copy, made now). `bf16_matmul`: the
+        rest as bf16 matmuls instead (`bf16_linear`) on a bf16 copy of the weight, packed if `onednn`, made now
+        in place of the fp32 packed copy (half its size)."""
         self.small_kernel = small_kernel
         self.onednn = onednn
         # The hint is the batch size oneDNN tunes the layout for; 64 served 1-2048 rows best.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if pack else None
+        pack_fp32 = pack and not bf16_matmul
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if pack_fp32 else None
+        weight16 = self.weight.detach().to(torch.bfloat16) if bf16_matmul else None
+        if weight16 is not None and onednn:
+            weight16 = torch.ops.mkldnn._reorder_linear_weight(weight16, 64)
+        self.bf16_weight = weight16
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
+    the product rounded to bf16; returned in fp32, the fp32 bias added."""
+    rounded = x.to(torch.bfloat16)
+    if onednn:
+        product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
+    else:
+        product = F.linear(rounded, weight)
+    out = product.float()
+    return out if bias is None else out.add_(bias)
+
 
 
 class NativeElementwise:

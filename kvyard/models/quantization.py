@@ -12,11 +12,11 @@ kernel's registers: fp16 keeps 11 significant bits within its range (|w| < 65504
 bf16 keeps fp32's range with 8.
 
 Matmuls of many rows in bf16 (`matmul_dtype` bfloat16, opt-in): on CPUs with AMX or AVX512-BF16, oneDNN multiplies
-bf16 matrices 3-5x faster than fp32 ones. With it, an int8 or bf16 layer given more than a few rows (prefill,
-large batches) rounds its input rows to bf16, multiplies them by its weight in bf16 (int8 widened to bf16 first),
-accumulates in fp32 and rounds the output to bf16, as a bf16 model computes; few rows (decode of small batches)
-keep the exact fp32 kernels. The results then differ from the fp32 model's given the converted weights, so the
-KV they make is cached under other block keys.
+bf16 matrices 3-5x faster than fp32 ones. With it, an int8, bf16 or fp32 layer given more than a few rows (prefill,
+large batches) rounds its input rows to bf16, multiplies them by its weight in bf16 (int8 widened to bf16 first,
+fp32 from a bf16 copy kept for it), accumulates in fp32 and rounds the output to bf16, as a bf16 model computes;
+few rows (decode of small batches) keep the exact fp32 kernels. The results then differ from the fp32 model's
+given the same weights, so the KV they make is cached under other block keys.
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ from torch import nn
 
 from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
+from kvyard.models.layers import bf16_linear
 
 GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-BF16_MATMUL_SCHEMES = ("int8", "bf16")  # fp16 weights would lose 3 significant bits to bf16
+# "none": an fp32 checkpoint's layers keep a bf16 copy of their weights for it. fp16 weights would lose 3
+# significant bits to bf16.
+BF16_MATMUL_SCHEMES = ("none", "int8", "bf16")
 BF16_MATMUL_SUFFIX = "+mm-bf16"
 # Fewest rows that go to the bf16 matmul; fewer keep the native fp32 kernels. Measured on the bench preset's
 # linears (2-core Xeon with AMX): the bf16 kernel costs 1.5x oneDNN's bf16 matmul at 8 rows; int8 also pays for
 # widening its weight to bf16 on every call, which 16 rows recoup.
-BF16_MATMUL_FROM_ROWS = {"int8": 16, "bf16": 8}
+BF16_MATMUL_FROM_ROWS = {"int8": 16, "bf16": 8}  # fp32 layers: from Linear.max_small_rows + 1 (17)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -168,18 +171,6 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if onednn and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
-
-
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
-    """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
-    the product rounded to bf16; returned in fp32, the fp32 bias added."""
-    rounded = x.to(torch.bfloat16)
-    if onednn:
-        product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
-    else:
-        product = F.linear(rounded, weight)
-    out = product.float()
-    return out if bias is None else out.add_(bias)
 
 
 def quantize_model(model: nn.Module, scheme: str, *, empty: bool = False) -> int:
