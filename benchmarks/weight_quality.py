@@ -57,7 +57,8 @@ def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 
 def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    round_trip_linears(model, scheme)
+    if scheme != "none":
+        round_trip_linears(model, scheme)
     return model
 
 
@@ -142,7 +143,9 @@ def main() -> int:
     for scheme, name in (("int8", "kvyard int8 (group 32)"), ("fp16", "kvyard fp16"), ("bf16", "kvyard bf16")):
         results[name] = compare(reference, hf_logits(converted_reference(model_dir, scheme), prompts))
         print(json.dumps({name: results[name]}), flush=True)
-    for scheme, name in (("int8", "kvyard int8 (group 32), bf16 matmul"), ("bf16", "kvyard bf16, bf16 matmul")):
+    bf16_matmul_rows = (("int8", "kvyard int8 (group 32), bf16 matmul"), ("bf16", "kvyard bf16, bf16 matmul"),
+                        ("none", "kvyard fp32 weights, bf16 matmul"))  # fmt: skip
+    for scheme, name in bf16_matmul_rows:
         results[name] = compare(reference, hf_logits(bf16_matmul_reference(model_dir, scheme), prompts))
         print(json.dumps({name: results[name]}), flush=True)
     prompts_file = args.work_dir / "weight_quality_prompts.json"
