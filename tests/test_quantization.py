@@ -124,7 +124,7 @@ def _bf16_model_reference(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tens
     return (x.to(torch.bfloat16).double() @ weight16.double().T).to(torch.bfloat16).double()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "bf16", "none"])
+@pytest.mark.parametrize("scheme", ["int8", "int8 kept", "bf16", "none"])  # int8 kept: a widened copy kept
 def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_threshold_on(
     native_kernels: NativeKernels, scheme: str
 ) -> None:
@@ -137,9 +137,11 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
         layer.use_cpu_fast_paths(native_kernels.small_linear, onednn, pack=True, bf16_matmul=True)
         assert layer.packed_weight is None  # the bf16 copy replaces the fp32 packed one
         exact_weight, weight16 = linear.weight.detach(), linear.weight.detach().to(torch.bfloat16)
-    elif scheme == "int8":
+    elif scheme.startswith("int8"):
         layer = Int8Linear.from_linear(linear)
-        layer.use_native_kernel(native_kernels.small_linear_int8, onednn, native_kernels.int8_to_bf16)
+        kept = scheme == "int8 kept"
+        layer.use_native_kernel(native_kernels.small_linear_int8, onednn, native_kernels.int8_to_bf16, kept)
+        assert (layer.bf16_weight is not None) == kept
         exact_weight = dequantize_int8(layer.qweight, layer.scales)
         weight16 = exact_weight.to(torch.bfloat16)
     else:
@@ -147,7 +149,9 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
         layer.use_native_kernel(native_kernels.small_linear_half, onednn, True)
         weight16 = layer.weight16
         exact_weight = weight16.float()
-    first = Linear.max_small_rows + 1 if scheme == "none" else BF16_MATMUL_FROM_ROWS[scheme]
+    first_rows = {"int8": BF16_MATMUL_FROM_ROWS["int8"], "int8 kept": BF16_MATMUL_FROM_ROWS["bf16"],
+                  "bf16": BF16_MATMUL_FROM_ROWS["bf16"], "none": Linear.max_small_rows + 1}  # fmt: skip
+    first = first_rows[scheme]
     few, many = torch.randn(first - 1, 256), torch.randn(first, 256)
     out = layer(many)
     # Every output is a bf16 value (the bf16 path ran, not fp32) within one bf16 rounding of the exact product:

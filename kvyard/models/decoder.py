@@ -14,7 +14,15 @@ from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.fused_decode import FusedDecode
-from kvyard.models.layers import GatedMLP, Linear, NativeElementwise, RMSNorm, RotaryEmbedding, fits_in_memory
+from kvyard.models.layers import (
+    GatedMLP,
+    Linear,
+    NativeElementwise,
+    RMSNorm,
+    RotaryEmbedding,
+    fits_in_half_of_memory,
+    fits_in_memory,
+)
 from kvyard.models.quantization import HalfLinear, Int8Linear
 
 
@@ -134,7 +142,7 @@ class CausalLM(nn.Module):
         weights are loaded (packing copies them, the fused decode path keeps their addresses: weights are not
         replaced afterwards) and before the first forward; a later call replaces what an earlier one chose.
         `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16; int8
-        needs `kernels`)."""
+        needs `kernels`): fp32 layers from a bf16 copy of their weights, int8 ones from one where it fits in memory."""
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
@@ -143,12 +151,16 @@ class CausalLM(nn.Module):
         pack = onednn and fits_in_memory(linears)
         for linear in linears:
             linear.use_cpu_fast_paths(kernels.small_linear if kernels is not None else None, onednn, pack, bf16_matmul)
+        int8_layers = [module for module in self.modules() if isinstance(module, Int8Linear)]
+        # As packing fp32 weights: int8 weights keep a widened bf16 copy for bf16 matmuls where it fits.
+        keep_bf16 = bf16_matmul and fits_in_half_of_memory(sum(2 * m.qweight.numel() for m in int8_layers))
+        to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
+        for int8_layer in int8_layers:
+            int8_layer.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16,
+                                         keep_bf16)  # fmt: skip
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
-            if isinstance(module, Int8Linear):
-                to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
-                module.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16)
             if isinstance(module, HalfLinear):
                 in_bf16 = bf16_matmul and module.weight16.dtype == torch.bfloat16
                 module.use_native_kernel(kernels.small_linear_half if kernels is not None else None, onednn, in_bf16)

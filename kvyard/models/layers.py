@@ -88,7 +88,11 @@ class NativeElementwise:
 
 def fits_in_memory(linears: list[Linear]) -> bool:
     """Whether packed copies of these linears' weights would fit in half of the memory available now."""
-    extra_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    return fits_in_half_of_memory(sum(m.weight.numel() * m.weight.element_size() for m in linears))
+
+
+def fits_in_half_of_memory(extra_bytes: int) -> bool:
+    """Whether copies of `extra_bytes` would fit in half of the memory available now."""
     return extra_bytes < available_memory_bytes() // 2
 
 

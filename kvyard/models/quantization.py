@@ -37,7 +37,7 @@ BF16_MATMUL_SCHEMES = ("none", "int8", "bf16")
 BF16_MATMUL_SUFFIX = "+mm-bf16"
 # Fewest rows that go to the bf16 matmul; fewer keep the native fp32 kernels. Measured on the bench preset's
 # linears (2-core Xeon with AMX): the bf16 kernel costs 1.5x oneDNN's bf16 matmul at 8 rows; int8 also pays for
-# widening its weight to bf16 on every call, which 16 rows recoup.
+# widening its weight to bf16 on every call, which 16 rows recoup (with a widened copy kept, int8 goes as bf16).
 BF16_MATMUL_FROM_ROWS = {"int8": 16, "bf16": 8}  # fp32 layers: from Linear.max_small_rows + 1 (17)
 
 
@@ -100,6 +100,7 @@ class Int8Linear(nn.Module):
         self.kernel: SmallLinearInt8Kernel | None = None
         self.onednn = False
         self.to_bf16: Int8ToBf16Kernel | None = None
+        self.bf16_weight: torch.Tensor | None = None  # the weight widened once, in oneDNN's layout if it has one
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -110,19 +111,32 @@ class Int8Linear(nn.Module):
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.qweight, self.scales, self.bias)
         if self.to_bf16 is not None and x.dtype == torch.float32:
-            return bf16_linear(x, self.to_bf16(self.qweight, self.scales), self.bias, self.onednn)
+            weight16 = self.bf16_weight if self.bf16_weight is not None else self.to_bf16(self.qweight, self.scales)
+            return bf16_linear(x, weight16, self.bias, self.onednn)
         weight = dequantize_int8(self.qweight, self.scales).to(x.dtype)
         return widened_linear(x, weight, self.bias, self.onednn)
 
     def use_native_kernel(
-        self, kernel: SmallLinearInt8Kernel | None, onednn: bool = False, to_bf16: Int8ToBf16Kernel | None = None
+        self,
+        kernel: SmallLinearInt8Kernel | None,
+        onednn: bool = False,
+        to_bf16: Int8ToBf16Kernel | None = None,
+        keep_bf16_copy: bool = False,
     ) -> None:
         """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`; given
-        `to_bf16`, from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul over the weight it widens."""
+        `to_bf16`, from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul over the weight it widens, on every call,
+        or once, now, with `keep_bf16_copy` (2 more bytes a weight; then from as few rows as bf16 weights)."""
         self.kernel = kernel
         self.onednn = onednn
         self.to_bf16 = to_bf16
-        self.max_small_rows = BF16_MATMUL_FROM_ROWS["int8"] - 1 if to_bf16 is not None else Int8Linear.max_small_rows
+        self.bf16_weight = None
+        if to_bf16 is not None and keep_bf16_copy:
+            weight16 = to_bf16(self.qweight, self.scales)
+            self.bf16_weight = torch.ops.mkldnn._reorder_linear_weight(weight16, 64) if onednn else weight16
+        if to_bf16 is None:
+            self.max_small_rows = Int8Linear.max_small_rows
+        else:
+            self.max_small_rows = BF16_MATMUL_FROM_ROWS["bf16" if keep_bf16_copy else "int8"] - 1
 
 
 class HalfLinear(nn.Module):
