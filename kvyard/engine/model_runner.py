@@ -69,7 +69,7 @@ class PagedModel:
         "native" (the native CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error
         saying why), or "auto" (native where it can run, else torch). Chosen here, once:
         `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`).
-        `bf16_matmul`: converted int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16)."""
+        `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16)."""
         self.model = model
         self.block_size = block_size
         self.device = device

@@ -54,13 +54,15 @@ class Linear(nn.Linear):
         in place of the fp32 packed copy (half its size)."""
         self.small_kernel = small_kernel
         self.onednn = onednn
-        # The hint is the batch size oneDNN tunes the layout for; 64 served 1-2048 rows best.
-        pack_fp32 = pack and not bf16_matmul
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if pack_fp32 else None
+        self.packed_weight = onednn_layout(self.weight.detach()) if pack and not bf16_matmul else None
         weight16 = self.weight.detach().to(torch.bfloat16) if bf16_matmul else None
-        if weight16 is not None and onednn:
-            weight16 = torch.ops.mkldnn._reorder_linear_weight(weight16, 64)
-        self.bf16_weight = weight16
+        self.bf16_weight = onednn_layout(weight16) if weight16 is not None and onednn else weight16
+
+
+def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a linear layer's weight in oneDNN's blocked layout, which its matmul reads without reordering."""
+    # The hint is the batch size oneDNN tunes the layout for; 64 served 1-2048 rows best.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:

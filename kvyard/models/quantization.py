@@ -27,7 +27,7 @@ from torch import nn
 
 from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
-from kvyard.models.layers import bf16_linear
+from kvyard.models.layers import bf16_linear, onednn_layout
 
 GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -83,7 +83,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights: few rows (decode) through the native int8 kernel, which reads the int8
     weights directly; more rows (prefill, large batches) dequantize the weight for one fp32 matmul, through
-    oneDNN where PyTorch has it (as fp32 `Linear`: on AMD CPUs MKL's matmul was 2.1-2.2x slower at 512-2048 rows)."""
+    oneDNN where PyTorch has it (as fp32 `Linear`: on AMD CPUs MKL's matmul was 2.1-2.2x slower at 512-2048 rows),
+    or widen it for one bf16 matmul (`use_native_kernel`'s `to_bf16`)."""
 
     # Up to 64 rows the kernel beats dequantizing for one matmul, MKL's or oneDNN's, once the dequantization of
     # every weight (lm_head too) is counted: a step's worth is 4 bytes written per weight.
@@ -132,7 +133,7 @@ class Int8Linear(nn.Module):
         self.bf16_weight = None
         if to_bf16 is not None and keep_bf16_copy:
             weight16 = to_bf16(self.qweight, self.scales)
-            self.bf16_weight = torch.ops.mkldnn._reorder_linear_weight(weight16, 64) if onednn else weight16
+            self.bf16_weight = onednn_layout(weight16) if onednn else weight16
         if to_bf16 is None:
             self.max_small_rows = Int8Linear.max_small_rows
         else:
