@@ -42,7 +42,7 @@ PEERS_DIR = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers"))
 LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")
 ALL_ENGINES = ("kvyard", "kvyard-int8", "kvyard-fp16", "kvyard-bf16", "hf", "llamacpp", "vllm")
 # Also accepted: kvyard with its KV cache in another format, "kvyard[-WEIGHTS]+kv-FORMAT" (kvyard+kv-int8,
-# kvyard-int8+kv-fp16, ...), FORMAT one of fp16, bf16, int8; and either ending in "+mm-bf16": int8 or bf16
+# kvyard-int8+kv-fp16, ...), FORMAT one of fp16, bf16, int8; and either ending in "+mm-bf16": fp32, int8 or bf16
 # weights multiplying many rows in bf16 (--matmul-dtype bfloat16), as in kvyard-int8+kv-int8+mm-bf16.
 KV_FORMATS = ("fp16", "bf16", "int8")
 # Headline metric(s) per scenario; the ratio kvyard/peer is reported for each (higher is better).

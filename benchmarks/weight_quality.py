@@ -31,7 +31,8 @@ from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_ggu
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from kvyard.models.quantization import bf16_linear, converts, round_trip_linears
+from kvyard.models.layers import bf16_linear
+from kvyard.models.quantization import converts, round_trip_linears
 from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
