@@ -66,6 +66,20 @@ def test_the_int8_kernel_matches_a_float64_reference(
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
+@pytest.mark.parametrize("out_features", [19, 130])  # a partial tile of weight rows: the kernel's row groups end early
+def test_each_row_of_the_int8_kernel_is_the_same_bits_whatever_the_rows_beside_it(
+    vector_kernels: NativeKernels, out_features: int
+) -> None:
+    """The kernel takes weight rows four, two or one at a time depending on how many rows x has; each row's sum
+    must not change with that, or a verification pass (several rows) would not reproduce a decode step (one)."""
+    generator = torch.Generator().manual_seed(out_features)
+    x = torch.randn(17, 256, generator=generator)
+    q, scales = quantize_int8(torch.randn(out_features, 256, generator=generator))
+    alone = torch.cat([vector_kernels.small_linear_int8(x[i : i + 1], q, scales, None) for i in range(17)])
+    for rows in (2, 3, 4, 5, 8, 16, 17):
+        assert torch.equal(vector_kernels.small_linear_int8(x[:rows], q, scales, None), alone[:rows]), rows
+
+
 def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_matmul(
     native_kernels: NativeKernels,
 ) -> None:

@@ -13,11 +13,14 @@
  *
  * With AVX-512, each group of 32 weights is widened and multiplied by its scale once (two 16-lane vectors), then
  * used by every row of the block of x. From 16 rows of x on, two weight rows go together, so every x vector loaded
- * feeds two FMAs (2 x 8 accumulators, 4 weight and 2 x vectors: 22 of the 32 registers); with fewer rows the
+ * feeds two FMAs (2 x 8 accumulators, 4 weight and 2 x vectors: 22 of the 32 registers); with 5-15 rows the
  * step streams weights from memory, and one weight row at a time kept that stream faster (2-core AMD EPYC Zen 5,
- * weights of 92 MB: 1-8 rows at 0.9-0.65x the AVX2 path's time, 16-64 rows at 0.7-0.55x). Pairing does not change
- * a result's bits. Applying the scale per weight, not per group's partial sum, rounds differently from the AVX2
- * path; both are fp32 sums within the tests' tolerance of a float64 reference.
+ * weights of 92 MB: 1-8 rows at 0.9-0.65x the AVX2 path's time, 16-64 rows at 0.7-0.55x). With 1-4 rows of x, one
+ * weight row leaves too few independent FMA chains to hide their latency, so four go together (2-core Intel Xeon,
+ * AVX-512, bench model's shapes: 0.8-0.9x the time at 1 row, 0.65-0.8x at 2-4). How many weight rows go together
+ * never changes a result's bits: each (weight row, x row) sum is accumulated in the same order. Applying the scale
+ * per weight, not per group's partial sum, rounds differently from the AVX2 path; both are fp32 sums within the
+ * tests' tolerance of a float64 reference.
  *
  * Layout: x [m, k] fp32, q [n, k] int8, scales [n, k / 32] fp32, bias [n] or NULL, y [m, n]; k % 32 == 0.
  */
@@ -35,7 +38,7 @@
 #define X_ROWS_PER_BLOCK 8
 
 #if defined(__AVX512F__)
-#define WEIGHT_ROWS_PER_PASS 2
+#define MAX_WEIGHT_ROWS_PER_PASS 4
 #define PAIRED_FROM_ROWS 16
 
 static inline __m512 widen16_scaled(const int8_t *q, __m512 scale) {
@@ -48,11 +51,11 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
                                                            const float *scales, float *out, int64_t out_stride,
                                                            const int wrows, const int rows) {
     const int64_t groups = k / GROUP;
-    __m512 acc[WEIGHT_ROWS_PER_PASS][X_ROWS_PER_BLOCK];
+    __m512 acc[MAX_WEIGHT_ROWS_PER_PASS][X_ROWS_PER_BLOCK];
     for (int w = 0; w < wrows; w++)
         for (int r = 0; r < rows; r++) acc[w][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 lo[WEIGHT_ROWS_PER_PASS], hi[WEIGHT_ROWS_PER_PASS];
+        __m512 lo[MAX_WEIGHT_ROWS_PER_PASS], hi[MAX_WEIGHT_ROWS_PER_PASS];
         for (int w = 0; w < wrows; w++) {
             prefetch_weights(q + w * k + g * GROUP + WEIGHT_PREFETCH_BYTES);
             const __m512 scale = _mm512_set1_ps(scales[w * groups + g]);
@@ -70,15 +73,25 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
         for (int r = 0; r < rows; r++) out[r * out_stride + w] = _mm512_reduce_add_ps(acc[w][r]);
 }
 
-#define DOT_PAIR(R) dot_rows(x, k, q, scales, out, n, WEIGHT_ROWS_PER_PASS, R)
+#define DOT_FOUR(R) dot_rows(x, k, q, scales, out, n, 4, R)
+#define DOT_PAIR(R) dot_rows(x, k, q, scales, out, n, 2, R)
 #define DOT_ONE(R) dot_rows(x, k, q, scales, out, n, 1, R)
 
 /* Weight rows from q (at most `left`: 1 asks for one) against `rows` rows of x; returns how many it took. */
 static int64_t dot_block(const float *x, int64_t k, const int8_t *q, const float *scales, float *out, int64_t n,
                          int64_t rows, int64_t left) {
-    if (left >= WEIGHT_ROWS_PER_PASS) {
+    if (left >= 4 && rows <= 4) {
+        switch (rows) {
+        case 1: DOT_FOUR(1); break;
+        case 2: DOT_FOUR(2); break;
+        case 3: DOT_FOUR(3); break;
+        default: DOT_FOUR(4); break;
+        }
+        return 4;
+    }
+    if (left >= 2 && rows > 4) {
         FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_PAIR)
-        return WEIGHT_ROWS_PER_PASS;
+        return 2;
     }
     FOR_CONSTANT_ROWS_UP_TO_8(rows, DOT_ONE)
     return 1;
@@ -150,7 +163,7 @@ static void tile(const float *x, const int8_t *q, const float *scales, const flo
         const int64_t rows = m - r0 < X_ROWS_PER_BLOCK ? m - r0 : X_ROWS_PER_BLOCK;
         for (int64_t j = first_row; j < end;)
             j += dot_block(x + r0 * k, k, q + j * k, scales + j * groups, y + r0 * n + j, n, rows,
-                           paired ? end - j : 1);
+                           paired || rows <= 4 ? end - j : 1);
         if (bias)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = first_row; j < end; j++) y[(r0 + r) * n + j] += bias[j];
