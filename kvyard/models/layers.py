@@ -196,6 +196,13 @@ class RotaryEmbedding(nn.Module, NativeElementwise):
         inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # the table covers half a head: both halves share it
+        if angles.device.type == "cpu":
+            # PyTorch's CPU cos and sin call MKL's vector math, which picks each function's kernel on its first call.
+            # When that first call was this table, split between threads, one thread sometimes ran a low-accuracy
+            # kernel on its half (entries off by up to 1.5e-4 for as long as the model was loaded; torch 2.13 CPU,
+            # about 1 load in 5 in a fresh process). A one-element call first settles the choice on one thread.
+            torch.zeros(1).cos()
+            torch.zeros(1).sin()
         self.cos_table = angles.cos()
         self.sin_table = angles.sin()
 
