@@ -1,11 +1,14 @@
 """Speculative decoding with real proposers on the bench model: how often each one's guesses are right, and what
 that does to decode speed, beside llama.cpp's prompt-lookup decoding on the same model and prompts.
 
-Proposers: `ngram` (prompt lookup), `draft` (the bench model cut to its first two layers, with its embeddings,
-final norm and head: the same tokenizer, about 45% of the weights read per token) and `self-int8` (the bench
-model's own weights in int8). Their acceptance is real: agreement between the proposer and the fp32 model on the
-model's own greedy continuations. The bench model has random weights, so this says how the engine and the
-proposers perform, not what a trained model's acceptance would be.
+Proposers: `ngram` (prompt lookup), `draft` (the model cut to its first two layers, with its embeddings,
+final norm and head: the same tokenizer, about 45% of the bench model's weights read per token) and `self-int8`
+(the model's own weights in int8). Their acceptance is real: agreement between the proposer and the fp32 model on
+the model's own greedy continuations. The bench model has random weights, so with it this says how the engine and
+the proposers perform, not what a trained model's acceptance would be; `--model demo` runs the trained demo model
+(kvyard/testing/kvyard-demo, 8.5M parameters, trained on the standard library) on `code-edit` prompts: a
+function from a standard-library file held out of its training, then a comment asking for it rewritten and the
+function's first line, so the answer re-emits code it was shown, as a coding assistant's does.
 
 Every speculative run's output is checked against the run without speculation (exact, token for token), and its
 decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
@@ -33,30 +36,49 @@ from weight_quality import PEERS, RUNNERS, llamacpp_gguf
 from kvyard import LLM, SamplingParams
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
+from kvyard.testing.model_presets import DEMO_MODEL_DIR
+from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
 PROPOSERS = ("ngram", "draft", "self-int8")
+PROMPT_SETS = {"bench": ("random", "repetitive"), "demo": ("code-edit",)}
+PROMPT_DESCRIPTIONS = {
+    "random": "32 random tokens",
+    "repetitive": "an 8-token motif x 8, then 4 random tokens",
+    "code-edit": "a held-out standard-library function of 300-1500 characters, a blank line, '# The same function, "
+                 "rewritten:' and its first line",
+}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")))
+    parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
+                        "model; demo: the trained demo model, on code-edit prompts")  # fmt: skip
     parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-sets", nargs="+", choices=("random", "repetitive"), default=["random", "repetitive"])
+    parser.add_argument("--prompt-sets", nargs="+", choices=tuple(PROMPT_DESCRIPTIONS), default=None,
+                        help="default: random and repetitive for the bench model, code-edit for the demo model")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.prompt_sets is None:
+        args.prompt_sets = list(PROMPT_SETS[args.model])
+    if args.model == "bench" and "code-edit" in args.prompt_sets:
+        parser.error("code-edit prompts are text: they need the demo model's tokenizer (--model demo)")
+    return args
 
 
-def prompts(kind: str, count: int, seed: int = 0) -> list[list[int]]:
+def prompts(kind: str, count: int, model_dir: Path, seed: int = 0) -> list[list[int]]:
     """`random`: 32 random tokens. `repetitive`: an 8-token motif repeated to 64 tokens, then 4 random ones (a
-    prompt that lookup can match, as code re-emitted would be)."""
+    prompt that lookup can match, as code re-emitted would be). `code-edit`: see PROMPT_DESCRIPTIONS."""
     rng = random.Random(seed)
+    if kind == "code-edit":
+        return code_edit_prompts(count, model_dir, rng)
     if kind == "random":
         return [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(count)]
     out = []
@@ -64,6 +86,17 @@ def prompts(kind: str, count: int, seed: int = 0) -> list[list[int]]:
         motif = [rng.randrange(3, 2000) for _ in range(8)]
         out.append(motif * 8 + [rng.randrange(3, 2000) for _ in range(4)])
     return out
+
+
+def code_edit_prompts(count: int, model_dir: Path, rng: random.Random) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sources = [source for path in stdlib_sources() if held_out(path) for source, _ in definitions(path)
+               if source.startswith("def ") and 300 <= len(source) <= 1500]  # fmt: skip
+    chosen = rng.sample(sources, count)
+    texts = [f"{source}\n\n# The same function, rewritten:\n{source.splitlines()[0]}\n" for source in chosen]
+    return [list(tokenizer.encode(text)) for text in texts]
 
 
 def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
@@ -100,15 +133,15 @@ def speculative_config(proposer: str, k: int, draft_dir: Path) -> SpeculativeCon
     return SpeculativeConfig(proposer, k, draft_model=str(draft_dir) if proposer == "draft" else None)
 
 
-def run_kvyard(args: argparse.Namespace, model: str, draft_dir: Path) -> list[dict[str, Any]]:
+def run_kvyard(args: argparse.Namespace, model: Path, draft_dir: Path) -> list[dict[str, Any]]:
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
-    plain = LLM(model)
+    plain = LLM(str(model))
     rows: list[dict[str, Any]] = []
     for proposer in args.proposers:
-        speculative = LLM(model, speculative=speculative_config(proposer, args.num_speculative_tokens, draft_dir))
+        speculative = LLM(str(model), speculative=speculative_config(proposer, args.num_speculative_tokens, draft_dir))
         for kind in args.prompt_sets:
             for batch_size in args.batch_sizes:
-                batch = prompts(kind, batch_size)
+                batch = prompts(kind, batch_size, model)
                 reference, _ = timed_generate(plain, batch, params)
                 timed_generate(speculative, batch[:1], params)  # warm-up
                 ratios, plain_s, spec_s = [], 0.0, 0.0
@@ -147,7 +180,7 @@ def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, An
     rows: list[dict[str, Any]] = []
     for kind in args.prompt_sets:
         prompts_file = args.work_dir / f"spec-prompts-{kind}.json"
-        prompts_file.write_text(json.dumps(prompts(kind, 4)))
+        prompts_file.write_text(json.dumps(prompts(kind, 4, model_dir)))
         out = args.work_dir / f"llamacpp-spec-{kind}.json"
         command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_spec.py"), "--gguf", str(gguf),
                    "--prompts", str(prompts_file), "--num-pred-tokens", str(args.num_speculative_tokens),
@@ -168,18 +201,20 @@ def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, An
 
 def main() -> int:
     args = parse_args()
-    model_dir = cached_model(args.work_dir)
-    draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"llama-bench-draft{args.draft_layers}",
+    model_dir = cached_model(args.work_dir) if args.model == "bench" else DEMO_MODEL_DIR
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"{model_dir.name}-draft{args.draft_layers}",
                                 args.draft_layers)  # fmt: skip
-    results = run_kvyard(args, str(model_dir), draft_dir)
+    results = run_kvyard(args, model_dir, draft_dir)
     if not args.skip_llamacpp:
         results += run_llamacpp(args, model_dir)
     conditions = {
-        "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV",
-        "draft": f"the bench model's first {args.draft_layers} of 8 layers, with its embeddings, norm and head",
+        "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV"
+                 if args.model == "bench" else "kvyard-demo (llama, 8.5M, trained on the standard library), fp32",
+        "draft": f"the model's first {args.draft_layers} of {num_layers} layers, with its embeddings, norm and head",
         "device": "cpu", "cpus": os.cpu_count(), "output_tokens": args.output_tokens, "greedy": True,
         "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,
-        "prompts": {"random": "32 random tokens", "repetitive": "an 8-token motif x 8, then 4 random tokens"},
+        "prompts": {kind: PROMPT_DESCRIPTIONS[kind] for kind in args.prompt_sets},
         "prefix_cache": "reset before every run", "repeats": args.repeats,
         "llama_cpp": "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts",
     }  # fmt: skip
