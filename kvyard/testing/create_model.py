@@ -121,6 +121,11 @@ def create_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, 
     return out
 
 
+def preset_spec(preset: str) -> Preset:
+    """The shapes and initialisation of a named preset."""
+    return _lookup(DEFAULT_ARCH, preset)[1]
+
+
 def _lookup(arch: str, preset: str) -> tuple[_Arch, Preset]:
     if arch not in _ARCHS:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")

@@ -1,0 +1,159 @@
+"""Is a decode step reading its weights from memory or from the CPU's cache, and does an int8 draft evict them?
+
+Speculative decoding on CPU rests on one premise: a decode step is bound by reading every weight from memory, so
+a verification of K + 1 rows costs little more than a step of one, and a draft that reads a quarter of the bytes
+costs a quarter of a step. On a machine whose last-level cache holds most of a small model, neither holds. This
+benchmark measures it with the decode path's own kernels on a preset's real shapes (every layer's four projections
+and the head, fp32 weights; the int8 copy of them as `self-int8` drafts with):
+
+- `hot`: the same fp32 weights pass after pass (as plain decoding reads them);
+- `cold`: passes cycle over enough copies of the weights that none can stay in the last-level cache;
+- `after_draft`: each fp32 pass follows `--draft-passes` int8 passes (as a verification follows its draft);
+
+each for 1 row and for `--verify-rows` rows. Reported: median milliseconds per pass and the ratios between them.
+
+    .venv/bin/python benchmarks/weight_residency.py --out benchmarks/results/weight_residency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kvyard.bench.provenance import command_line, git_state, host, utc_now
+from kvyard.kernels.ops import load_native_kernels
+from kvyard.models.quantization import quantize_int8
+from kvyard.testing.create_model import Preset, preset_spec
+from kvyard.testing.model_presets import PRESETS
+
+Weights = list[torch.Tensor]
+Int8Weights = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def projection_shapes(preset: Preset) -> list[tuple[int, int]]:
+    """[out, in] of every weight a decode step reads, layer by layer, then the head."""
+    q_size, kv_size = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
+    layer = [
+        (q_size + 2 * kv_size, preset.hidden_size),
+        (preset.hidden_size, q_size),
+        (2 * preset.intermediate_size, preset.hidden_size),
+        (preset.hidden_size, preset.intermediate_size),
+    ]
+    return layer * preset.num_layers + [(preset.vocab_size, preset.hidden_size)]
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache the OS lists (0 when it lists none)."""
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        text = (index / "size").read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes)
+
+
+def median_ms(run: Callable[[int], None], repeats: int) -> float:
+    """Median wall time of run(i) over i in range(repeats), where run may do untimed work first."""
+    return statistics.median(_timed(run, i) for i in range(repeats)) * 1e3
+
+
+def _timed(run: Callable[[int], None], i: int) -> float:
+    start = time.perf_counter()
+    run(i)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="bench")
+    parser.add_argument("--verify-rows", type=int, default=5, help="rows of a verification (K + 1)")
+    parser.add_argument("--draft-passes", type=int, default=4, help="int8 passes before each fp32 pass (K)")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_residency.json"))
+    args = parser.parse_args()
+
+    kernels = load_native_kernels()
+    shapes = projection_shapes(preset_spec(args.preset))
+    weight_bytes = sum(n * k for n, k in shapes) * 4
+    cache_bytes = last_level_cache_bytes()
+    num_copies = max(2, -(-2 * cache_bytes // weight_bytes) + 1)
+    print(f"{args.preset}: {weight_bytes / 1e6:.0f} MB of fp32 weights a step; last-level cache listed "
+          f"{cache_bytes / 2**20:.0f} MiB; {num_copies} copies for cold passes", flush=True)  # fmt: skip
+    torch.manual_seed(0)
+    copies: list[Weights] = [[torch.randn(n, k) for n, k in shapes] for _ in range(num_copies)]
+    int8: Int8Weights = [quantize_int8(weight) for weight in copies[0]]
+
+    def fp32_pass(weights: Weights, rows: int) -> None:
+        for weight in weights:
+            kernels.small_linear(torch.ones(rows, weight.shape[1]), weight, None)
+
+    def pass_over(copy_of: Callable[[int], int], rows: int, i: int) -> None:
+        fp32_pass(copies[copy_of(i)], rows)
+
+    def int8_pass() -> None:
+        for q, scales in int8:
+            kernels.small_linear_int8(torch.ones(1, q.shape[1]), q, scales, None)
+
+    def after_draft_ms(rows: int) -> float:
+        """Median time of a fp32 pass that follows the draft's int8 passes (those untimed)."""
+        times: list[float] = []
+        for _ in range(args.repeats):
+            for _ in range(args.draft_passes):
+                int8_pass()
+            times.append(_timed(lambda _: fp32_pass(copies[0], rows), 0))
+        return statistics.median(times) * 1e3
+
+    results: dict[str, float] = {}
+    for rows in (1, args.verify_rows):
+        hot, cold = partial(pass_over, lambda _: 0, rows), partial(pass_over, lambda i: i % num_copies, rows)
+        results[f"hot_{rows}_rows_ms"] = median_ms(hot, args.repeats)
+        results[f"cold_{rows}_rows_ms"] = median_ms(cold, args.repeats)
+        results[f"after_draft_{rows}_rows_ms"] = after_draft_ms(rows)
+        print({key: round(value, 3) for key, value in results.items()}, flush=True)
+    results["int8_pass_hot_ms"] = median_ms(lambda _: int8_pass(), args.repeats)
+
+    rows = args.verify_rows
+    ratios = {
+        "cold_over_hot_1_row": results["cold_1_rows_ms"] / results["hot_1_rows_ms"],
+        "after_draft_over_hot_1_row": results["after_draft_1_rows_ms"] / results["hot_1_rows_ms"],
+        f"verify_{rows}_over_1_row_hot": results[f"hot_{rows}_rows_ms"] / results["hot_1_rows_ms"],
+        f"verify_{rows}_over_1_row_cold": results[f"cold_{rows}_rows_ms"] / results["cold_1_rows_ms"],
+        f"verify_{rows}_after_draft_over_1_row_hot": results[f"after_draft_{rows}_rows_ms"] / results["hot_1_rows_ms"],
+        "int8_pass_over_fp32_pass_hot": results["int8_pass_hot_ms"] / results["hot_1_rows_ms"],
+    }
+    report = {
+        "benchmark": "weight_residency",
+        "time": utc_now(),
+        "command": command_line(),
+        "kvyard": git_state(),
+        "host": host(),
+        "conditions": {
+            "preset": args.preset,
+            "threads": torch.get_num_threads(),
+            "fp32_weight_bytes_per_pass": weight_bytes,
+            "int8_weight_bytes_per_pass": sum(q.numel() + s.numel() * 4 for q, s in int8),
+            "last_level_cache_bytes_listed": cache_bytes,
+            "cold_copies": num_copies,
+            "verify_rows": rows,
+            "draft_passes": args.draft_passes,
+            "repeats": args.repeats,
+        },
+        "median_ms": results,
+        "ratios": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for key, value in ratios.items():
+        print(f"{key:>40}: {value:.2f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
