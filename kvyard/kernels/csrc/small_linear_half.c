@@ -41,13 +41,14 @@ static inline __m512 widen16(const uint16_t *w, int is_bf16) {
 static inline __attribute__((always_inline)) void dot_rows512(const float *x, int64_t k, const uint16_t *w,
                                                               int is_bf16, float *out, int64_t out_stride,
                                                               const int wrows, const int rows) {
+    const int64_t row_bytes = k * (int64_t)sizeof(uint16_t), distance = prefetch_distance(row_bytes, wrows);
     __m512 acc[WEIGHT_ROWS_PER_PASS][X_ROWS_PER_BLOCK];
     for (int v = 0; v < wrows; v++)
         for (int r = 0; r < rows; r++) acc[v][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) {
         __m512 wv[WEIGHT_ROWS_PER_PASS];
         for (int v = 0; v < wrows; v++) {
-            prefetch_weights(w + v * k + i + WEIGHT_PREFETCH_BYTES / 2);
+            prefetch_ahead((const char *)(w + v * k), i * (int64_t)sizeof(uint16_t), row_bytes, distance, wrows);
             wv[v] = widen16(w + v * k + i, is_bf16);
         }
         for (int r = 0; r < rows; r++) {

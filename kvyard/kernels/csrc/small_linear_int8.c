@@ -50,14 +50,14 @@ static inline __m512 widen16_scaled(const int8_t *q, __m512 scale) {
 static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t k, const int8_t *q,
                                                            const float *scales, float *out, int64_t out_stride,
                                                            const int wrows, const int rows) {
-    const int64_t groups = k / GROUP;
+    const int64_t groups = k / GROUP, distance = prefetch_distance(k, wrows);
     __m512 acc[MAX_WEIGHT_ROWS_PER_PASS][X_ROWS_PER_BLOCK];
     for (int w = 0; w < wrows; w++)
         for (int r = 0; r < rows; r++) acc[w][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 lo[MAX_WEIGHT_ROWS_PER_PASS], hi[MAX_WEIGHT_ROWS_PER_PASS];
         for (int w = 0; w < wrows; w++) {
-            prefetch_weights(q + w * k + g * GROUP + WEIGHT_PREFETCH_BYTES);
+            prefetch_ahead((const char *)(q + w * k), g * GROUP, k, distance, wrows);
             const __m512 scale = _mm512_set1_ps(scales[w * groups + g]);
             lo[w] = widen16_scaled(q + w * k + g * GROUP, scale);
             hi[w] = widen16_scaled(q + w * k + g * GROUP + 16, scale);
