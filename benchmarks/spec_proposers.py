@@ -8,7 +8,10 @@ the model's own greedy continuations. The bench model has random weights, so wit
 the proposers perform, not what a trained model's acceptance would be; `--model demo` runs the trained demo model
 (kvyard/testing/kvyard-demo, 8.5M parameters, trained on the standard library) on `code-edit` prompts: a
 function from a standard-library file held out of its training, then a comment asking for it rewritten and the
-function's first line, so the answer re-emits code it was shown, as a coding assistant's does.
+function's first line, so the answer re-emits code it was shown, as a coding assistant's does. `--model large`
+runs a random-weight model of about 400M parameters (the `large` preset), whose weights no CPU cache holds, so
+its decode steps stream every weight from memory, the premise of speculative decoding on CPU (on a machine with a
+large last-level cache the bench model's steps read theirs from the cache: `weight_residency.py`).
 
 Every speculative run's output is checked against the run without speculation (exact, token for token), and its
 decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
@@ -41,7 +44,13 @@ from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
 PROPOSERS = ("ngram", "draft", "self-int8")
-PROMPT_SETS = {"bench": ("random", "repetitive"), "demo": ("code-edit",)}
+PROMPT_SETS = {"bench": ("random", "repetitive"), "large": ("random", "repetitive"), "demo": ("code-edit",)}
+MODEL_DESCRIPTIONS = {
+    "bench": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV",
+    "large": "kvyard large preset (llama, 12 layers, hidden 1536, 400M, random weights, vocabulary 32000), fp32 "
+             "weights and KV",
+    "demo": "kvyard-demo (llama, 8.5M, trained on the standard library), fp32",
+}
 PROMPT_DESCRIPTIONS = {
     "random": "32 random tokens",
     "repetitive": "an 8-token motif x 8, then 4 random tokens",
@@ -54,12 +63,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")))
     parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
-                        "model; demo: the trained demo model, on code-edit prompts")  # fmt: skip
+                        "model; large: a random-weight model too large for the CPU's cache (created on first use, "
+                        "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip
     parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-sets", nargs="+", choices=tuple(PROMPT_DESCRIPTIONS), default=None,
-                        help="default: random and repetitive for the bench model, code-edit for the demo model")
+                        help="default: random and repetitive for the random-weight models, code-edit for the demo "
+                        "model")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
     parser.add_argument("--draft-layers", type=int, default=2)
@@ -68,7 +79,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.prompt_sets is None:
         args.prompt_sets = list(PROMPT_SETS[args.model])
-    if args.model == "bench" and "code-edit" in args.prompt_sets:
+    if args.model != "demo" and "code-edit" in args.prompt_sets:
         parser.error("code-edit prompts are text: they need the demo model's tokenizer (--model demo)")
     return args
 
@@ -201,7 +212,7 @@ def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, An
 
 def main() -> int:
     args = parse_args()
-    model_dir = cached_model(args.work_dir) if args.model == "bench" else DEMO_MODEL_DIR
+    model_dir = DEMO_MODEL_DIR if args.model == "demo" else cached_model(args.work_dir, preset=args.model)
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"{model_dir.name}-draft{args.draft_layers}",
                                 args.draft_layers)  # fmt: skip
@@ -209,8 +220,7 @@ def main() -> int:
     if not args.skip_llamacpp:
         results += run_llamacpp(args, model_dir)
     conditions = {
-        "model": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV"
-                 if args.model == "bench" else "kvyard-demo (llama, 8.5M, trained on the standard library), fp32",
+        "model": MODEL_DESCRIPTIONS[args.model],
         "draft": f"the model's first {args.draft_layers} of {num_layers} layers, with its embeddings, norm and head",
         "device": "cpu", "cpus": os.cpu_count(), "output_tokens": args.output_tokens, "greedy": True,
         "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,

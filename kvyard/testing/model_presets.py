@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PRESETS = ("tiny", "small", "bench", "demo")
+PRESETS = ("tiny", "small", "bench", "demo", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # The default model: big enough to be a meaningful benchmark, still created in well under a minute.
