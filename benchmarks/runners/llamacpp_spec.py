@@ -52,10 +52,15 @@ def main() -> None:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     prompts = json.loads(Path(args.prompts).read_text())
-    common = {"model_path": args.gguf, "n_ctx": 1024, "n_threads": args.threads, "n_threads_batch": args.threads,
+    # Room for the longest prompt, its output and a step's guesses beyond it (llama-cpp-python fails past n_ctx).
+    n_ctx = max(len(prompt) for prompt in prompts) + args.output_tokens + args.num_pred_tokens + 16
+    common = {"model_path": args.gguf, "n_ctx": n_ctx, "n_threads": args.threads, "n_threads_batch": args.threads,
               "verbose": False, "logits_all": False}  # fmt: skip
     plain = Llama(**common)
-    lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens))
+    # With a draft model llama-cpp-python computes logits for every position whatever logits_all says, but sizes its
+    # logits array by it: False leaves n_batch (512) rows, and a sequence longer than that fails.
+    lookup = Llama(**{**common, "logits_all": True},
+                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens))
     eos = plain.token_eos()
     rows = []
     generate(plain, prompts[0], 8, eos)  # warm-up
