@@ -17,10 +17,11 @@ from tests.server_utils import ADMIN, ServerProcess, free_port
 
 
 def start_router(
-    log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0, replicas_publish_events: bool = True
+    log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0, replicas_publish_events: bool = True,
+    wait_healthy: bool = True,
 ) -> ServerProcess:
     """A router over `replicas`, returned once every replica is healthy and (when replicas publish KV events) its
-    cache index synced."""
+    cache index synced; with `wait_healthy` False, once its admin API answers."""
     port = free_port()
     log_path = log_dir / f"router-{port}.log"
     command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--health-interval-s", "0.2",
@@ -32,7 +33,9 @@ def start_router(
     router = ServerProcess(process, port, log_path)
     admin_off = "--admin-key" in extra and extra[list(extra).index("--admin-key") + 1] == ""
     try:
-        if admin_off:  # no admin API to ask: wait until the router serves
+        if not wait_healthy:
+            wait_for(lambda: _listed(router), timeout, "router listening")
+        elif admin_off:  # no admin API to ask: wait until the router serves
             wait_for(lambda: _healthy(router), timeout, "router healthy")
         else:
             count = len(replicas) + extra.count("--prefill") + extra.count("--decode")
@@ -48,6 +51,15 @@ def _healthy(router: ServerProcess) -> bool:
         raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log()}")
     try:
         return httpx.get(f"{router.url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _listed(router: ServerProcess) -> bool:
+    if router.process.poll() is not None:
+        raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log()}")
+    try:
+        return admin(router, "GET", "/admin/replicas").status_code == 200
     except httpx.TransportError:
         return False
 

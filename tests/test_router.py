@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,6 +230,37 @@ def test_admin_api_adds_drains_and_removes_replicas(cluster: SimCluster, log_dir
         assert response.json()["error"]["code"] == "no_replica"
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("panic_threshold", ["0.5", "0"])
+def test_when_every_replica_fails_its_health_checks_the_router_still_serves_unless_panic_is_off(
+    cluster: SimCluster, log_dir: Path, panic_threshold: str
+) -> None:
+    """Health checks that cannot finish in time (an overloaded fleet's) eject every replica. Below the panic
+    threshold the router routes to ejected replicas too, and they serve; with panic off it answers 503."""
+    router = start_router(log_dir, cluster.urls[:2], "--health-timeout-s", "0.000001", "--panic-threshold",
+                          panic_threshold, wait_healthy=False)  # fmt: skip
+    try:
+        wait_for(lambda: all(r["state"] == "ejected" for r in replicas_of(router)), 20, "both replicas ejected")
+        response = complete(router, {"prompt": prompt(3, 8)})
+        metrics = httpx.get(f"{router.url}/metrics", headers=ADMIN, timeout=10).text
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503  # no replica passes its checks
+        assert "kvyard_router_healthy_replicas 0.0" in metrics
+        if panic_threshold == "0":
+            assert response.status_code == 503 and response.json()["error"]["code"] == "no_replica"
+            assert "kvyard_router_panic 0.0" in metrics
+        else:
+            assert response.status_code == 200, response.text
+            assert served_by(response) in cluster.urls[:2]
+            assert "kvyard_router_panic 1.0" in metrics
+    finally:
+        router.stop()
+
+
+def test_panic_threshold_out_of_range_is_refused_with_the_reason(log_dir: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1",
+                             "--panic-threshold", "1.5"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode != 0 and "--panic-threshold must be between 0 and 1" in result.stderr
 
 
 def test_full_router_queue_answers_429_with_retry_after(cluster: SimCluster, log_dir: Path) -> None:

@@ -114,8 +114,8 @@ class Router:
             _LOG.error("cannot read the API-key file, keeping the current keys: %s", error)
 
     def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
-        """Healthy replicas serving `model`, less `exclude` (one list object per state of the fleet and model, so
-        a policy can keep lookups over it)."""
+        """Routable replicas (Registry.routable) serving `model`, less `exclude` (one list object per state of the
+        fleet and model, so a policy can keep lookups over it)."""
         routable = self.registry.routable()
         cached = self._candidates
         if not exclude and cached is not None and cached[0] is routable and cached[1] == model:
@@ -312,7 +312,7 @@ def _fleet_card(cards: list[ModelCard]) -> dict[str, Any]:
 
 
 async def _health(router: Router, request: HttpRequest, responder: Responder) -> None:
-    if not router.registry.routable():
+    if not router.registry.healthy_count():
         raise APIError(503, "no healthy replica", code="no_replica", retry_after=1)
     responder.send_json(200, {"status": "ok"})
 

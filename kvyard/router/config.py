@@ -23,6 +23,11 @@ class RouterConfig:
                                              "5 s); a failed request still ejects a replica at once")  # fmt: skip
     health_timeout_s: float = setting(2.0, help="a health check slower than this fails")
     eject_after_failures: int = setting(2, help="failed health checks in a row before a replica is ejected")
+    # When most of a fleet fails its checks at once, the likelier cause is overload slowing the checks (or the
+    # checks' own path), not most replicas dying together; ejecting them all would turn slowness into an outage.
+    panic_threshold: float = setting(0.5, help="below this fraction of replicas healthy (drained ones aside), route "
+                                     "to ejected replicas too, as if all were healthy; requests that fail on one "
+                                     "are retried on another (0: never)")  # fmt: skip
     connect_timeout_s: float = setting(3.0, help="longest wait to connect to a replica")
     max_in_flight: int = setting(4096, help="requests proxied at once; beyond it, 429 with Retry-After")
     max_attempts: int = setting(3, help="replicas tried for one request before its first byte")
@@ -88,6 +93,8 @@ class RouterConfig:
             raise ValueError(f"disaggregation must be one of {', '.join(DISAGGREGATION)}, got {self.disaggregation!r}")
         if self.max_attempts < 1 or self.max_in_flight < 1:
             raise ValueError("max_attempts and max_in_flight must be at least 1")
+        if not 0.0 <= self.panic_threshold <= 1.0:
+            raise ValueError(f"--panic-threshold must be between 0 and 1, got {self.panic_threshold}")
         for name in ("pd_local_prefill_tokens", "pd_decode_prefill_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")

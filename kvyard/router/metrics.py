@@ -42,6 +42,7 @@ class RouterMetrics:
     rejected: Counter = field(init=False)
     in_flight: Gauge = field(init=False)
     healthy: Gauge = field(init=False)
+    panic: Gauge = field(init=False)
     pd_routes: Counter = field(init=False)
     pd_prefills: Counter = field(init=False)
     _replicas: dict[str, ReplicaMetrics] = field(default_factory=dict)
@@ -89,7 +90,9 @@ class RouterMetrics:
         self.rejected = Counter("kvyard_router_rejected", "Requests answered 429/503 by the router", ["reason"],
                                 registry=r)  # fmt: skip
         self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)
-        self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas receiving new requests", registry=r)
+        self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas passing their health checks", registry=r)
+        self.panic = Gauge("kvyard_router_panic", "1 while too few replicas are healthy (--panic-threshold) and "
+                           "ejected ones receive requests too", registry=r)  # fmt: skip
         self.pd_routes = Counter("kvyard_router_pd_requests", "Requests routed with prefill/decode replicas, by how: "
                                  "remote (a prefill replica prefilled), short, prefill_busy or no_prefill_replica "
                                  "(the decode replica prefilled), decode_full (a prefill replica ran it whole)",

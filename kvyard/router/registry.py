@@ -52,7 +52,8 @@ class Registry:
     replicas: dict[str, Replica] = field(default_factory=dict)
     shared_stores: SharedStores = field(default_factory=SharedStores)
     holders: KeyHolders = field(default_factory=KeyHolders)  # every replica's index, inverted
-    _routable: list[Replica] | None = None  # healthy replicas, kept until a state changes
+    _routable: list[Replica] | None = None  # the replicas routed to, kept until a state changes
+    panicking: bool = False  # too few replicas are healthy: ejected ones are routed to too
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
     def add(self, url: str, role: str | None = None) -> Replica:
@@ -104,10 +105,17 @@ class Registry:
             await self.remove(url)
 
     def routable(self) -> list[Replica]:
-        """The healthy replicas (the same list until one changes state: do not change it)."""
+        """The replicas new requests go to (the same list until one changes state: do not change it): the healthy
+        ones, or, while fewer than `panic_threshold` of the replicas not draining are healthy, all of those."""
         if self._routable is None:
-            self._routable = [replica for replica in self.replicas.values() if replica.state is State.HEALTHY]
+            active = [replica for replica in self.replicas.values() if replica.state is not State.DRAINING]
+            healthy = [replica for replica in active if replica.state is State.HEALTHY]
+            self.panicking = len(healthy) < self.config.panic_threshold * len(active)
+            self._routable = active if self.panicking else healthy
         return self._routable
+
+    def healthy_count(self) -> int:
+        return sum(replica.state is State.HEALTHY for replica in self.replicas.values())
 
     def report_failure(self, replica: Replica, reason: str) -> None:
         """A request could not reach the replica: eject it at once; health checks bring it back."""
@@ -142,7 +150,13 @@ class Registry:
     def _refresh_gauge(self) -> None:
         """Every change of state comes through here."""
         self._routable = None
-        self.metrics.healthy.set(len(self.routable()))
+        was_panicking = self.panicking
+        self.routable()
+        if self.panicking != was_panicking:
+            _LOG.warning("%s: %d of %d replicas healthy", "panic, routing to ejected replicas too" if self.panicking
+                         else "out of panic", self.healthy_count(), len(self.replicas))  # fmt: skip
+        self.metrics.healthy.set(self.healthy_count())
+        self.metrics.panic.set(int(self.panicking))
 
     async def _health_loop(self, replica: Replica) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
