@@ -22,13 +22,13 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvyard.bench.provenance import command_line, git_state, host, utc_now
-from kvyard.kernels.ops import load_native_kernels
+from kvyard.kernels.ops import NativeKernels, load_native_kernels
 from kvyard.models.quantization import quantize_int8
 from kvyard.testing.create_model import Preset, preset_spec
 from kvyard.testing.model_presets import PRESETS
@@ -60,7 +60,7 @@ def last_level_cache_bytes() -> int:
 
 
 def median_ms(run: Callable[[int], None], repeats: int) -> float:
-    """Median wall time of run(i) over i in range(repeats), where run may do untimed work first."""
+    """Median wall time of run(i) over i in range(repeats), in milliseconds."""
     return statistics.median(_timed(run, i) for i in range(repeats)) * 1e3
 
 
@@ -68,6 +68,67 @@ def _timed(run: Callable[[int], None], i: int) -> float:
     start = time.perf_counter()
     run(i)
     return time.perf_counter() - start
+
+
+@dataclass(slots=True)
+class WeightPasses:
+    """One decode step's matmuls over copies of a preset's weights, with the decode path's kernels."""
+
+    kernels: NativeKernels
+    copies: list[Weights]  # fp32, all the same shapes
+    int8: Int8Weights  # the first copy in int8
+
+    @classmethod
+    def create(cls, shapes: list[tuple[int, int]], num_copies: int) -> WeightPasses:
+        torch.manual_seed(0)
+        copies = [[torch.randn(n, k) for n, k in shapes] for _ in range(num_copies)]
+        return cls(load_native_kernels(), copies, [quantize_int8(weight) for weight in copies[0]])
+
+    def fp32(self, copy: int, rows: int) -> None:
+        for weight in self.copies[copy]:
+            self.kernels.small_linear(torch.ones(rows, weight.shape[1]), weight, None)
+
+    def int8_pass(self) -> None:
+        for q, scales in self.int8:
+            self.kernels.small_linear_int8(torch.ones(1, q.shape[1]), q, scales, None)
+
+    def hot_ms(self, rows: int, repeats: int) -> float:
+        return median_ms(lambda _: self.fp32(0, rows), repeats)
+
+    def cold_ms(self, rows: int, repeats: int) -> float:
+        return median_ms(lambda i: self.fp32(i % len(self.copies), rows), repeats)
+
+    def after_draft_ms(self, rows: int, draft_passes: int, repeats: int) -> float:
+        """Median time of a fp32 pass that follows `draft_passes` int8 passes (those untimed)."""
+        times: list[float] = []
+        for _ in range(repeats):
+            for _ in range(draft_passes):
+                self.int8_pass()
+            times.append(_timed(lambda _: self.fp32(0, rows), 0))
+        return statistics.median(times) * 1e3
+
+
+def measure(passes: WeightPasses, verify_rows: int, draft_passes: int, repeats: int) -> dict[str, float]:
+    results: dict[str, float] = {}
+    for rows in (1, verify_rows):
+        results[f"hot_{rows}_rows_ms"] = passes.hot_ms(rows, repeats)
+        results[f"cold_{rows}_rows_ms"] = passes.cold_ms(rows, repeats)
+        results[f"after_draft_{rows}_rows_ms"] = passes.after_draft_ms(rows, draft_passes, repeats)
+        print({key: round(value, 3) for key, value in results.items()}, flush=True)
+    results["int8_pass_hot_ms"] = median_ms(lambda _: passes.int8_pass(), repeats)
+    return results
+
+
+def ratios_of(results: dict[str, float], rows: int) -> dict[str, float]:
+    hot = results["hot_1_rows_ms"]
+    return {
+        "cold_over_hot_1_row": results["cold_1_rows_ms"] / hot,
+        "after_draft_over_hot_1_row": results["after_draft_1_rows_ms"] / hot,
+        f"verify_{rows}_over_1_row_hot": results[f"hot_{rows}_rows_ms"] / hot,
+        f"verify_{rows}_over_1_row_cold": results[f"cold_{rows}_rows_ms"] / results["cold_1_rows_ms"],
+        f"verify_{rows}_after_draft_over_1_row_hot": results[f"after_draft_{rows}_rows_ms"] / hot,
+        "int8_pass_over_fp32_pass_hot": results["int8_pass_hot_ms"] / hot,
+    }
 
 
 def main() -> None:
@@ -79,75 +140,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_residency.json"))
     args = parser.parse_args()
 
-    kernels = load_native_kernels()
     shapes = projection_shapes(preset_spec(args.preset))
     weight_bytes = sum(n * k for n, k in shapes) * 4
     cache_bytes = last_level_cache_bytes()
     num_copies = max(2, -(-2 * cache_bytes // weight_bytes) + 1)
     print(f"{args.preset}: {weight_bytes / 1e6:.0f} MB of fp32 weights a step; last-level cache listed "
           f"{cache_bytes / 2**20:.0f} MiB; {num_copies} copies for cold passes", flush=True)  # fmt: skip
-    torch.manual_seed(0)
-    copies: list[Weights] = [[torch.randn(n, k) for n, k in shapes] for _ in range(num_copies)]
-    int8: Int8Weights = [quantize_int8(weight) for weight in copies[0]]
-
-    def fp32_pass(weights: Weights, rows: int) -> None:
-        for weight in weights:
-            kernels.small_linear(torch.ones(rows, weight.shape[1]), weight, None)
-
-    def pass_over(copy_of: Callable[[int], int], rows: int, i: int) -> None:
-        fp32_pass(copies[copy_of(i)], rows)
-
-    def int8_pass() -> None:
-        for q, scales in int8:
-            kernels.small_linear_int8(torch.ones(1, q.shape[1]), q, scales, None)
-
-    def after_draft_ms(rows: int) -> float:
-        """Median time of a fp32 pass that follows the draft's int8 passes (those untimed)."""
-        times: list[float] = []
-        for _ in range(args.repeats):
-            for _ in range(args.draft_passes):
-                int8_pass()
-            times.append(_timed(lambda _: fp32_pass(copies[0], rows), 0))
-        return statistics.median(times) * 1e3
-
-    results: dict[str, float] = {}
-    for rows in (1, args.verify_rows):
-        hot, cold = partial(pass_over, lambda _: 0, rows), partial(pass_over, lambda i: i % num_copies, rows)
-        results[f"hot_{rows}_rows_ms"] = median_ms(hot, args.repeats)
-        results[f"cold_{rows}_rows_ms"] = median_ms(cold, args.repeats)
-        results[f"after_draft_{rows}_rows_ms"] = after_draft_ms(rows)
-        print({key: round(value, 3) for key, value in results.items()}, flush=True)
-    results["int8_pass_hot_ms"] = median_ms(lambda _: int8_pass(), args.repeats)
-
-    rows = args.verify_rows
-    ratios = {
-        "cold_over_hot_1_row": results["cold_1_rows_ms"] / results["hot_1_rows_ms"],
-        "after_draft_over_hot_1_row": results["after_draft_1_rows_ms"] / results["hot_1_rows_ms"],
-        f"verify_{rows}_over_1_row_hot": results[f"hot_{rows}_rows_ms"] / results["hot_1_rows_ms"],
-        f"verify_{rows}_over_1_row_cold": results[f"cold_{rows}_rows_ms"] / results["cold_1_rows_ms"],
-        f"verify_{rows}_after_draft_over_1_row_hot": results[f"after_draft_{rows}_rows_ms"] / results["hot_1_rows_ms"],
-        "int8_pass_over_fp32_pass_hot": results["int8_pass_hot_ms"] / results["hot_1_rows_ms"],
-    }
-    report = {
-        "benchmark": "weight_residency",
-        "time": utc_now(),
-        "command": command_line(),
-        "kvyard": git_state(),
-        "host": host(),
-        "conditions": {
-            "preset": args.preset,
-            "threads": torch.get_num_threads(),
-            "fp32_weight_bytes_per_pass": weight_bytes,
-            "int8_weight_bytes_per_pass": sum(q.numel() + s.numel() * 4 for q, s in int8),
-            "last_level_cache_bytes_listed": cache_bytes,
-            "cold_copies": num_copies,
-            "verify_rows": rows,
-            "draft_passes": args.draft_passes,
-            "repeats": args.repeats,
-        },
-        "median_ms": results,
-        "ratios": ratios,
-    }
+    passes = WeightPasses.create(shapes, num_copies)
+    results = measure(passes, args.verify_rows, args.draft_passes, args.repeats)
+    ratios = ratios_of(results, args.verify_rows)
+    conditions = {
+        "preset": args.preset, "threads": torch.get_num_threads(), "fp32_weight_bytes_per_pass": weight_bytes,
+        "int8_weight_bytes_per_pass": sum(q.numel() + s.numel() * 4 for q, s in passes.int8),
+        "last_level_cache_bytes_listed": cache_bytes, "cold_copies": num_copies, "verify_rows": args.verify_rows,
+        "draft_passes": args.draft_passes, "repeats": args.repeats,
+    }  # fmt: skip
+    report = {"benchmark": "weight_residency", "time": utc_now(), "command": command_line(), "kvyard": git_state(),
+              "host": host(), "conditions": conditions, "median_ms": results, "ratios": ratios}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for key, value in ratios.items():
