@@ -186,3 +186,24 @@ def run_all_at_once(
     t0 = now()
     outputs = generate(scenario.prompts, scenario.output_lens)
     return throughput_result(scenario, now() - t0, outputs, batch_size=len(scenario.prompts))
+
+
+Generate = Callable[[list[int]], tuple[list[int], float]]  # prompt -> (output token ids, seconds)
+
+
+def compare_speculation(prompts: list[list[int]], plain: Generate, speculative: Generate,
+                        output_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """Each prompt decoded plainly, with speculation and plainly again (a noisy machine); the outputs with and
+    without speculation compared. Returns decode rates of both, their ratio and the per-prompt times."""
+    plain(prompts[0])  # warm-up
+    speculative(prompts[0])
+    rows = []
+    for prompt in prompts:
+        reference, before = plain(prompt)
+        guessed, seconds = speculative(prompt)
+        _, after = plain(prompt)
+        rows.append({"plain_s": (before + after) / 2, "lookup_s": seconds, "equal": guessed == reference})
+    plain_s, lookup_s = sum(r["plain_s"] for r in rows), sum(r["lookup_s"] for r in rows)
+    total = output_tokens * len(rows)
+    return {"plain_tokens_per_s": total / plain_s, "lookup_tokens_per_s": total / lookup_s,
+            "speedup": plain_s / lookup_s, "outputs_equal": all(r["equal"] for r in rows), "per_prompt": rows}

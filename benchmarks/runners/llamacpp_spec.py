@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from common import compare_speculation
 
 
 def generate(llm: Any, prompt: list[int], output_tokens: int, eos: int) -> tuple[list[int], float]:
@@ -62,18 +65,9 @@ def main() -> None:
     lookup = Llama(**{**common, "logits_all": True},
                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens))
     eos = plain.token_eos()
-    rows = []
-    generate(plain, prompts[0], 8, eos)  # warm-up
-    generate(lookup, prompts[0], 8, eos)
-    for prompt in prompts:
-        reference, before = generate(plain, prompt, args.output_tokens, eos)
-        guessed, seconds = generate(lookup, prompt, args.output_tokens, eos)
-        _, after = generate(plain, prompt, args.output_tokens, eos)
-        rows.append({"plain_s": (before + after) / 2, "lookup_s": seconds, "equal": guessed == reference})
-    plain_s, lookup_s = sum(r["plain_s"] for r in rows), sum(r["lookup_s"] for r in rows)
-    total = args.output_tokens * len(rows)
-    result = {"plain_tokens_per_s": total / plain_s, "lookup_tokens_per_s": total / lookup_s,
-              "speedup": plain_s / lookup_s, "outputs_equal": all(r["equal"] for r in rows), "per_prompt": rows}
+    result = compare_speculation(prompts, partial(generate, plain, output_tokens=args.output_tokens, eos=eos),
+                                 partial(generate, lookup, output_tokens=args.output_tokens, eos=eos),
+                                 args.output_tokens)  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from common import compare_speculation
 
 
 def generate(llm: Any, prompt: list[int], output_tokens: int) -> tuple[list[int], float]:
@@ -49,19 +52,9 @@ def main() -> None:
                    "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}  # fmt: skip
     plain = LLM(**common)
     lookup = LLM(**common, speculative_config=speculative)
-    generate(plain, prompts[0], 8)  # warm-up
-    generate(lookup, prompts[0], 8)
-    rows = []
-    for prompt in prompts:
-        reference, before = generate(plain, prompt, args.output_tokens)
-        guessed, seconds = generate(lookup, prompt, args.output_tokens)
-        _, after = generate(plain, prompt, args.output_tokens)
-        rows.append({"plain_s": (before + after) / 2, "lookup_s": seconds, "equal": guessed == reference})
-    plain_s, lookup_s = sum(r["plain_s"] for r in rows), sum(r["lookup_s"] for r in rows)
-    total = args.output_tokens * len(rows)
-    result = {"plain_tokens_per_s": total / plain_s, "lookup_tokens_per_s": total / lookup_s,
-              "speedup": plain_s / lookup_s, "outputs_equal": all(r["equal"] for r in rows), "per_prompt": rows,
-              "speculative_config": speculative}  # fmt: skip
+    result = compare_speculation(prompts, partial(generate, plain, output_tokens=args.output_tokens),
+                                 partial(generate, lookup, output_tokens=args.output_tokens), args.output_tokens)
+    result["speculative_config"] = speculative
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 
