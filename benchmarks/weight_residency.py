@@ -24,17 +24,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvyard.bench.provenance import command_line, git_state, host, utc_now
-from kvyard.kernels.ops import NativeKernels, load_native_kernels
-from kvyard.models.quantization import quantize_int8
-from kvyard.testing.create_model import Preset, preset_spec
 from kvyard.testing.model_presets import PRESETS
 
-Weights = list[torch.Tensor]
-Int8Weights = list[tuple[torch.Tensor, torch.Tensor]]
+if TYPE_CHECKING:  # imported where used, so that --help answers at once
+    import torch
+
+    from kvyard.kernels.ops import NativeKernels
+    from kvyard.testing.create_model import Preset
+
+Weights = list["torch.Tensor"]
+Int8Weights = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def projection_shapes(preset: Preset) -> list[tuple[int, int]]:
@@ -77,20 +78,29 @@ class WeightPasses:
     kernels: NativeKernels
     copies: list[Weights]  # fp32, all the same shapes
     int8: Int8Weights  # the first copy in int8
+    inputs: dict[tuple[int, int], torch.Tensor]  # (rows, in_features) -> x, made before any timing
+    threads: int
 
     @classmethod
-    def create(cls, shapes: list[tuple[int, int]], num_copies: int) -> WeightPasses:
+    def create(cls, shapes: list[tuple[int, int]], num_copies: int, row_counts: tuple[int, ...]) -> WeightPasses:
+        import torch
+
+        from kvyard.kernels.ops import load_native_kernels
+        from kvyard.models.quantization import quantize_int8
+
         torch.manual_seed(0)
         copies = [[torch.randn(n, k) for n, k in shapes] for _ in range(num_copies)]
-        return cls(load_native_kernels(), copies, [quantize_int8(weight) for weight in copies[0]])
+        inputs = {(rows, k): torch.ones(rows, k) for rows in row_counts for _, k in shapes}
+        int8 = [quantize_int8(weight) for weight in copies[0]]
+        return cls(load_native_kernels(), copies, int8, inputs, torch.get_num_threads())
 
     def fp32(self, copy: int, rows: int) -> None:
         for weight in self.copies[copy]:
-            self.kernels.small_linear(torch.ones(rows, weight.shape[1]), weight, None)
+            self.kernels.small_linear(self.inputs[rows, weight.shape[1]], weight, None)
 
     def int8_pass(self) -> None:
         for q, scales in self.int8:
-            self.kernels.small_linear_int8(torch.ones(1, q.shape[1]), q, scales, None)
+            self.kernels.small_linear_int8(self.inputs[1, q.shape[1]], q, scales, None)
 
     def hot_ms(self, rows: int, repeats: int) -> float:
         return median_ms(lambda _: self.fp32(0, rows), repeats)
@@ -139,6 +149,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_residency.json"))
     args = parser.parse_args()
+    from kvyard.bench.provenance import command_line, git_state, host, utc_now
+    from kvyard.testing.create_model import preset_spec
 
     shapes = projection_shapes(preset_spec(args.preset))
     weight_bytes = sum(n * k for n, k in shapes) * 4
@@ -146,11 +158,11 @@ def main() -> None:
     num_copies = max(2, -(-2 * cache_bytes // weight_bytes) + 1)
     print(f"{args.preset}: {weight_bytes / 1e6:.0f} MB of fp32 weights a step; last-level cache listed "
           f"{cache_bytes / 2**20:.0f} MiB; {num_copies} copies for cold passes", flush=True)  # fmt: skip
-    passes = WeightPasses.create(shapes, num_copies)
+    passes = WeightPasses.create(shapes, num_copies, (1, args.verify_rows))
     results = measure(passes, args.verify_rows, args.draft_passes, args.repeats)
     ratios = ratios_of(results, args.verify_rows)
     conditions = {
-        "preset": args.preset, "threads": torch.get_num_threads(), "fp32_weight_bytes_per_pass": weight_bytes,
+        "preset": args.preset, "threads": passes.threads, "fp32_weight_bytes_per_pass": weight_bytes,
         "int8_weight_bytes_per_pass": sum(q.numel() + s.numel() * 4 for q, s in passes.int8),
         "last_level_cache_bytes_listed": cache_bytes, "cold_copies": num_copies, "verify_rows": args.verify_rows,
         "draft_passes": args.draft_passes, "repeats": args.repeats,
