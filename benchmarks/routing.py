@@ -8,8 +8,10 @@ throughput and the fleet-wide prefix hit ratio (cached / prompt tokens, from eac
 token per byte), so every router sees plain text prompts and equal hash ids give equal prefixes. Each
 request carries `user = conv-<its second hash id>` (one id per conversation), as a chat client would. The
 arrival speed-up is chosen so the fleet's simulated work (sim cost model, ideal hit ratio) fills
-`--utilisation` of its capacity; each run reports the sim's lag, the time the replicas ran behind their cost
-model because the machine could not keep up (small against the replay span means the timing held).
+`--utilisation` of its capacity, over the whole replay or, with `--utilisation-window-s`, in its busiest window
+of that length (each window's work at its own unlimited-cache hit ratio); each run reports the sim's lag, the
+time the replicas ran behind their cost model because the machine could not keep up (small against the replay
+span means the timing held).
 
 Hit ratios are written next to two references computed from the requests alone, at the sim's block size: an
 unlimited cache, and one LRU cache as large as the whole fleet (`lru_hit_ratios`), which is about what a
@@ -176,6 +178,31 @@ def ttft_floor(requests: list[TraceRequest], time_scale: float, block_size: int 
         floors.append(seconds * time_scale)
         seen.update(keys)
     return {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)}
+
+
+def window_hit_ratios(requests: list[TraceRequest], window_s: float) -> dict[int, float]:
+    """Per arrival window (index = arrival // window_s): the unlimited cache's hit ratio of that window's
+    requests, every earlier request counted (trace blocks, as `ideal_hit_ratio`)."""
+    seen: set[int] = set()
+    hits: dict[int, int] = {}
+    totals: dict[int, int] = {}
+    for request in requests:
+        window = int(request.arrival_s // window_s)
+        for hash_id in request.hash_ids:
+            hits[window] = hits.get(window, 0) + (hash_id in seen)
+            totals[window] = totals.get(window, 0) + 1
+            seen.add(hash_id)
+    return {window: hits[window] / max(1, total) for window, total in totals.items()}
+
+
+def peak_work_rate(requests: list[TraceRequest], window_s: float) -> float:
+    """Simulated busy seconds per trace second that the busiest arrival window asks of the fleet, each window's work
+    at its own unlimited-cache hit ratio (a cold start caches less than the whole trace's average)."""
+    ratios = window_hit_ratios(requests, window_s)
+    by_window: dict[int, list[TraceRequest]] = {}
+    for request in requests:
+        by_window.setdefault(int(request.arrival_s // window_s), []).append(request)
+    return max(service_seconds(members, ratios[window]) for window, members in by_window.items()) / window_s
 
 
 def service_seconds(requests: list[TraceRequest], hit_ratio: float, cost: CostModel | None = None) -> float:
@@ -501,6 +528,9 @@ def main() -> int:
     parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
                         "shared by all replicas; -1: the working set's size (default: 0, none)")  # fmt: skip
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
+    parser.add_argument("--utilisation-window-s", type=float, default=0.0, help="apply --utilisation to the busiest "
+                        "window of this many trace seconds instead of the whole replay (0: the whole replay); "
+                        "long replays have busy stretches that overload a fleet sized for their average")  # fmt: skip
     parser.add_argument(
         "--only", action="append", default=[], help="run only routers whose name contains this (is it, with a final $)"
     )
@@ -520,7 +550,10 @@ def main() -> int:
     trace_span = max(r.arrival_s for r in requests) or 1.0
     # utilisation = work (wall) / (replicas * replay span); work (wall) = simulated work * time_scale
     work = service_seconds(requests, ideal)
-    speedup = args.utilisation * args.replicas * trace_span / (work * args.time_scale)
+    work_rate = work / trace_span  # simulated busy seconds per trace second
+    if args.utilisation_window_s > 0:
+        work_rate = peak_work_rate(requests, args.utilisation_window_s)
+    speedup = args.utilisation * args.replicas / (work_rate * args.time_scale)
     if args.shared_store_blocks < 0:
         args.shared_store_blocks = len(blocks) * TRACE_BLOCK // 16
     logs = args.out.parent / "routing-logs"
@@ -531,6 +564,8 @@ def main() -> int:
         "capacity_blocks_per_replica": args.capacity_blocks, "block_size": 16,
         "working_set_blocks": len(blocks) * TRACE_BLOCK // 16, "time_scale": args.time_scale,
         "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
+        "utilisation_window_s": args.utilisation_window_s or "whole replay",
+        "mean_utilisation_estimate": args.utilisation * work / trace_span / work_rate,
         "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366,
         "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
         "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
