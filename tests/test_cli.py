@@ -36,6 +36,15 @@ def test_every_command_answers_help(command: str) -> None:
     assert "usage: kvyard" in result.stdout
 
 
+def test_a_named_command_builds_its_parser_alone() -> None:
+    """`kvyard serve` parses its options without importing the simulator or the benchmark client."""
+    code = ("import sys; from kvyard.cli import build_parser; parser = build_parser(['serve', 'm']); "
+            "print(sorted(parser._subparsers._group_actions[0].choices), "
+            "[m for m in ('kvyard.sim.config', 'kvyard.bench.client') if m in sys.modules])")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "['serve'] []", result.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "configs"),
     [("serve", [EngineConfig, ServerOptions]), ("generate", [SamplingParams, EngineConfig]),

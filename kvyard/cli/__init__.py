@@ -1,7 +1,9 @@
 """`kvyard` command line: create-model, convert, generate, serve, sim, route, deploy, bench.
 
 Building the parser imports only settings and light modules, so `--help` and argument errors answer at
-once; each command imports what it runs (torch, for the engine) when it runs.
+once; each command imports what it runs (torch, for the engine) when it runs. A command line that names a
+command builds that command's parser alone: `kvyard serve` does not import the benchmark client or the
+simulator to parse its options.
 """
 
 from __future__ import annotations
@@ -24,16 +26,20 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of the one `argv` names first (its other options are its own)."""
     parser = argparse.ArgumentParser(prog="kvyard", description="kvyard: an open LLM serving stack")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS.values():
-        importlib.import_module(module).add_parser(commands)
+    named = argv[0] if argv and argv[0] in COMMANDS else None
+    for command, module in COMMANDS.items():
+        if named is None or command == named:
+            importlib.import_module(module).add_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         result: int = args.handler(args)
     except KeyboardInterrupt:
