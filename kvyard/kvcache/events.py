@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Literal
 
 EventKind = Literal["stored", "removed", "cleared"]
@@ -74,7 +75,10 @@ class KVEventLog:
                 return [], False
             if not self._events:
                 return [], seq == self._next_seq - 1
-            first = self._events[0].seq
-            complete = seq >= first - 1
-            start = max(0, seq + 1 - first)
-            return list(self._events)[start:], complete
+            complete = seq >= self._events[0].seq - 1
+            # The newest `count` events, read from the right: copying the whole deque on every poll made a replica
+            # spend most of its CPU on its KV-event streams once the log was full.
+            count = self._next_seq - 1 - seq
+            newest = list(islice(reversed(self._events), count))
+            newest.reverse()
+            return newest, complete
