@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +77,7 @@ class Result:
     cached_tokens: int = 0
     output_chunks: int = 0
     cached_by_source: dict[str, int] = field(default_factory=dict)  # device, local, shared (kvyard replicas)
+    error: str = ""  # why a request failed without an HTTP status: the client's exception, by class name
 
 
 @dataclass(slots=True)
@@ -331,7 +332,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = details.get("cached_tokens") or 0
                     result.cached_by_source = details.get("cached_tokens_by_source") or {}
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        result.error = type(error).__name__
         return result
     result.latency_s = time.perf_counter() - started
     result.ok = result.output_chunks > 0
@@ -400,6 +402,7 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
         "completed": len(done),
         "failed": len(results) - len(done),
         "failed_statuses": sorted({r.status for r in results if not r.ok}),
+        "failed_errors": dict(Counter(r.error for r in results if r.error)),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "requests_per_s": len(done) / elapsed,
