@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -402,6 +403,7 @@ async def serve(
         for url in urls:
             router.registry.add(url, role)
     replica_urls = [*replica_urls, *prefill_urls, *decode_urls]
+    gc.freeze()  # the router's indexes live as long as it does: full garbage collections need not walk them
     server = HttpServer(router.handle, config.http)
     await server.start(host, port)
     scheme = "https" if config.http.ssl_certfile else "http"

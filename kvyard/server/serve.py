@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import sys
 import threading
@@ -120,6 +121,10 @@ def serve_replicas(
 
     async def main() -> None:
         hosted = await host_replicas(make_specs(), options, host_name, port)
+        # What exists now lives as long as the process: block pools, tier maps (a simulated fleet's shared store
+        # grows to millions of stand-in blocks). Frozen, it is no longer walked by every full garbage collection,
+        # each of which stalled all replicas of the process.
+        gc.freeze()
         ports = [h.port for h in hosted]
         urls = [f"http://{host_name}:{p}" for p in ports]
         ready = {"ports": ports, "urls": urls}
