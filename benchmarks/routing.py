@@ -544,6 +544,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "routing.json")
     args = parser.parse_args()
+    if args.utilisation_window_s < 0:
+        parser.error(f"--utilisation-window-s must be >= 0 (0: the whole replay), got {args.utilisation_window_s}")
 
     requests = load_trace(args.trace, args.requests, args.max_output)
     blocks: dict[int, str] = {}
