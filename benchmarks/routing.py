@@ -111,8 +111,9 @@ def prompt_text(request: TraceRequest, blocks: dict[int, str]) -> str:
     return "".join(parts)[: request.input_length]
 
 
-def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
-    seen: set[int] = set()
+def ideal_hit_ratio(requests: list[TraceRequest], seen: set[int] | None = None) -> float:
+    """Hit ratio of an unlimited cache in trace blocks; `seen`: the blocks of earlier requests, updated."""
+    seen = set() if seen is None else seen
     hits = total = 0
     for request in requests:
         for hash_id in request.hash_ids:
@@ -181,29 +182,15 @@ def ttft_floor(requests: list[TraceRequest], time_scale: float, block_size: int 
     return {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)}
 
 
-def window_hit_ratios(requests: list[TraceRequest], window_s: float) -> dict[int, float]:
-    """Per arrival window (index = arrival // window_s): the unlimited cache's hit ratio of that window's
-    requests, every earlier request counted (trace blocks, as `ideal_hit_ratio`)."""
-    seen: set[int] = set()
-    hits: dict[int, int] = {}
-    totals: dict[int, int] = {}
-    for request in requests:
-        window = int(request.arrival_s // window_s)
-        for hash_id in request.hash_ids:
-            hits[window] = hits.get(window, 0) + (hash_id in seen)
-            totals[window] = totals.get(window, 0) + 1
-            seen.add(hash_id)
-    return {window: hits[window] / max(1, total) for window, total in totals.items()}
-
-
 def peak_work_rate(requests: list[TraceRequest], window_s: float) -> float:
     """Simulated busy seconds per trace second that the busiest arrival window asks of the fleet, each window's work
-    at its own unlimited-cache hit ratio (a cold start caches less than the whole trace's average)."""
-    ratios = window_hit_ratios(requests, window_s)
+    at its own unlimited-cache hit ratio, every earlier request counted (a cold start caches less than the whole
+    trace's average)."""
     by_window: dict[int, list[TraceRequest]] = {}
     for request in requests:
         by_window.setdefault(int(request.arrival_s // window_s), []).append(request)
-    return max(service_seconds(members, ratios[window]) for window, members in by_window.items()) / window_s
+    seen: set[int] = set()
+    return max(service_seconds(members, ideal_hit_ratio(members, seen)) for members in by_window.values()) / window_s
 
 
 def service_seconds(requests: list[TraceRequest], hit_ratio: float, cost: CostModel | None = None) -> float:
