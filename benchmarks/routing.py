@@ -506,7 +506,9 @@ def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--requests", type=int, default=1500, help="the first N requests of the trace")
     parser.add_argument("--max-output", type=int, default=32, help="cap on each request's output length")
@@ -514,9 +516,9 @@ def main() -> int:
     parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
     parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
     parser.add_argument("--host-tier-blocks", type=int, default=0, help="sim: a host-memory KV tier of this many "
-                        "blocks per replica (default: 0, none)")  # fmt: skip
+                        "blocks per replica (0: none)")  # fmt: skip
     parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
-                        "shared by all replicas; -1: the working set's size (default: 0, none)")  # fmt: skip
+                        "shared by all replicas; -1: the working set's size; 0: none")  # fmt: skip
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
     parser.add_argument("--utilisation-window-s", type=float, default=0.0, help="apply --utilisation to the busiest "
                         "window of this many trace seconds instead of the whole replay (0: the whole replay); "
