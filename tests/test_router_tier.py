@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from kvyard.router.tier_index import SharedStoreIndex
 from kvyard.sim.config import SimConfig
 from kvyard.sim.engine import SimEngine
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster, sim_server_options
@@ -125,3 +126,15 @@ def test_replicas_that_split_their_cache_by_caller_key_are_indexed_under_the_rou
             assert router_metric(router, "kvyard_router_cached_tokens_abs_error_total") == 0
         finally:
             router.stop()
+
+
+def test_a_full_shared_store_index_forgets_its_oldest_keys_and_keeps_the_newest() -> None:
+    index = SharedStoreIndex(max_keys=64)
+    keys = [i.to_bytes(8, "big") for i in range(1000)]
+    for start in range(0, len(keys), 10):
+        index.stored(keys[start : start + 10], now=0.0)
+        index.stored(keys[:1], now=0.0)  # stored again: the newest, never forgotten
+    kept = len(index)
+    assert 48 <= kept <= 64
+    assert all(index.holds(key, 0.0) for key in [keys[0], *keys[-(kept - 1) :]])
+    assert not any(index.holds(key, 0.0) for key in keys[1 : -(kept - 1)])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 MAX_KEYS_PER_STORE = 1 << 22  # beyond it, the oldest entries are forgotten (a miss predicted, never a wrong hit)
 
@@ -29,8 +30,15 @@ class SharedStoreIndex:
         for key in keys:
             entries.pop(key, None)
             entries[key] = expires
-        while len(entries) > self.max_keys:
-            del entries[next(iter(entries))]
+        if len(entries) > self.max_keys:
+            self._forget_oldest(len(entries) - self.max_keys + self.max_keys // 16)
+
+    def _forget_oldest(self, count: int) -> None:
+        """Forget the `count` oldest entries at once. A dict reaches its first entry by skipping the slots of
+        the entries deleted before it, so forgetting one entry per insert would cost a scan of those per insert."""
+        oldest = list(islice(self._expires, count))
+        for key in oldest:
+            del self._expires[key]
 
     def removed(self, keys: Iterable[bytes]) -> None:
         for key in keys:
