@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +176,33 @@ def test_client_disconnect_cancels_its_handler() -> None:
                 break
 
     assert run(scenario) == ["cancelled"]
+
+
+def connections_held_while_busy(config: HttpServerConfig, attempts: int) -> int:
+    """Connections the kernel completes for a server whose event loop is blocked (as in a long pause), counted
+    until the first that is not answered."""
+
+    async def main() -> int:
+        server = HttpServer(await handler_for([], []), config)
+        await server.start("127.0.0.1", 0)
+        held: list[socket.socket] = []
+        try:
+            for _ in range(attempts):  # blocking calls: the loop cannot accept meanwhile
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", server.port), timeout=0.5))
+                except OSError:
+                    break
+            return len(held)
+        finally:
+            for connection in held:
+                connection.close()
+            await server.shutdown(1.0)
+
+    return asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_busy_server_keeps_a_burst_of_new_connections_waiting_instead_of_dropping_them() -> None:
+    burst = min(300, int(Path("/proc/sys/net/core/somaxconn").read_text()))  # the kernel's cap on any backlog
+    assert burst > 100  # asyncio's own default backlog, which a burst at a paused router overflowed
+    assert connections_held_while_busy(HttpServerConfig(), burst) == burst
+    assert connections_held_while_busy(HttpServerConfig(backlog=2), 300) < 10  # the setting reaches the socket

@@ -370,13 +370,15 @@ class HttpServerConfig:
     request_read_timeout_s: float = setting(30.0, help="a request whose head and body have not arrived this long "
                                             "after its first byte gets 408 and its connection closed")  # fmt: skip
     idle_timeout_s: float = setting(75.0, help="a keep-alive connection idle this long between requests is closed")
+    backlog: int = setting(2048, help="connections the kernel holds for the server while it is busy (capped by "
+                           "net.core.somaxconn); past it, new clients wait on SYN retries or fail")  # fmt: skip
     ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (PEM)",
                                        default_text="none: plain HTTP")  # fmt: skip
     ssl_keyfile: str | None = setting(None, help="the private key of --ssl-certfile (PEM; default: in the "
                                       "certificate file)", default_text="none")  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name in ("max_body_mb", "request_read_timeout_s", "idle_timeout_s"):
+        for name in ("max_body_mb", "request_read_timeout_s", "idle_timeout_s", "backlog"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -405,7 +407,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         context = self.config.ssl_context()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                ssl=context)  # fmt: skip
+                                                ssl=context, backlog=self.config.backlog)  # fmt: skip
 
     @property
     def port(self) -> int:
