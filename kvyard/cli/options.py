@@ -8,6 +8,7 @@ option. Nested configs get their own group in `--help`.
 from __future__ import annotations
 
 import argparse
+import logging
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 from kvyard.settings import from_flat, optional_inner, walk_settings
 
 Config = TypeVar("Config")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_config_options(
@@ -108,3 +110,12 @@ def _group_title(cls: type) -> tuple[str, str | None]:
     name, _, description = first_line.partition(": ")
     return name.lower(), description or None
 
+
+def add_log_level_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS, type=str.lower,
+                        help="logging level (default: warning)")  # fmt: skip
+
+
+def configure_logging(level: str) -> None:
+    """Log lines with their time: warnings about replicas are read against benchmark and client timelines."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from typing import Any
 
 from kvyard.api.auth import REPLICA_ADMIN_KEY_ENV
 from kvyard.cli import fail
-from kvyard.cli.options import add_config_options, config_from_args
+from kvyard.cli.options import add_config_options, add_log_level_option, config_from_args, configure_logging
 from kvyard.router.config import RouterConfig
 
 DESCRIPTION = "Cache-aware OpenAI-compatible gateway across replicas."
@@ -26,13 +25,13 @@ def add_parser(commands: Any) -> None:
                         help="a decode replica (repeatable; a --replica reporting role decode counts too)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
-    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    add_log_level_option(parser)
     add_config_options(parser, RouterConfig)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper())
+    configure_logging(args.log_level)
     try:
         config = config_from_args(RouterConfig, args)
     except (ValueError, TypeError) as error:

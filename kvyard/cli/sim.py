@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvyard.api.auth import admin_key_of
 from kvyard.cli import fail
-from kvyard.cli.options import add_config_options, config_from_args
+from kvyard.cli.options import add_config_options, add_log_level_option, config_from_args, configure_logging
 from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.server.options import ServerOptions
 from kvyard.sim.config import SimConfig
@@ -57,7 +56,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a roofline cost model of a GPU and model this machine lacks (kvyard/sim/roofline.py: "
                         "estimates from public specifications, not measurements); it also sets the KV bytes per "
                         "token and transfer bandwidth unless given")  # fmt: skip
-    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    add_log_level_option(parser)
     add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None,
                                                     "kv_bytes_per_token": None, "transfer_gb_per_s": None},
                        shown_defaults={"model_name": "kvyard-sim, or the --namespace-from directory's name",
@@ -106,7 +105,7 @@ def _with_namespace_of(config: SimConfig, args: argparse.Namespace) -> SimConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper())
+    configure_logging(args.log_level)
     if args.replicas < 1:
         return fail("--replicas must be at least 1")
     from kvyard.testing.sim_cluster import pd_roles, sim_replica_specs
