@@ -78,6 +78,8 @@ class Result:
     output_chunks: int = 0
     cached_by_source: dict[str, int] = field(default_factory=dict)  # device, local, shared (kvyard replicas)
     error: str = ""  # why a request failed without an HTTP status: the client's exception, by class name
+    error_message: str = ""
+    sent_s: float = 0.0  # when it was sent, seconds into the replay
 
 
 @dataclass(slots=True)
@@ -321,6 +323,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
                     result.cached_by_source = details.get("cached_tokens_by_source") or {}
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         result.error = type(error).__name__
+        result.error_message = str(error)[:120]
         return result
     result.latency_s = time.perf_counter() - started
     result.ok = result.output_chunks > 0
@@ -339,7 +342,10 @@ async def replay(
             request = requests[index]
             await asyncio.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
             user = f"conv-{request.hash_ids[1] if len(request.hash_ids) > 1 else index}"
-            return await one_request(session, url, prompts[index], request.output_length, user)
+            sent_s = time.perf_counter() - start
+            result = await one_request(session, url, prompts[index], request.output_length, user)
+            result.sent_s = sent_s
+            return result
 
         results = await asyncio.gather(*(at_arrival(i) for i in range(len(requests))))
         return list(results), time.perf_counter() - start
@@ -390,6 +396,8 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
         "failed": len(results) - len(done),
         "failed_statuses": sorted({r.status for r in results if not r.ok}),
         "failed_errors": dict(Counter(r.error for r in results if r.error)),
+        "failed_messages": dict(Counter(r.error_message for r in results if r.error_message).most_common(5)),
+        "failed_by_replay_minute": dict(sorted(Counter(int(r.sent_s // 60) for r in results if not r.ok).items())),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "requests_per_s": len(done) / elapsed,
