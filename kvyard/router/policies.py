@@ -8,7 +8,7 @@ import itertools
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +35,7 @@ class RouteRequest:
     kind: str  # "completion" or "chat"
     body: dict[str, Any]
     session_key: str | None
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None
     cache_salt: str | None
 
 
