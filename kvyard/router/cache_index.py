@@ -27,10 +27,12 @@ from kvyard.router.holders import KeyHolders
 class CacheIndex:
     routed_capacity: int = 1 << 18
     routed_ttl_s: float = 5.0
-    exact: set[bytes] | None = None
+    # Key sets are dicts with None values: the garbage collector stops walking a dict of untracked keys and
+    # values (it walks every set, and a router holds millions of keys).
+    exact: dict[bytes, None] | None = None
     seq: int = 0
     routed: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
-    local: set[bytes] = field(default_factory=set)
+    local: dict[bytes, None] = field(default_factory=dict)
     # The fleet-wide inverted index this one keeps current, and who it names as the holder (its replica).
     holders: KeyHolders | None = None
     owner: Any = None
@@ -68,8 +70,8 @@ class CacheIndex:
     def reset(self, keys: Iterable[bytes], seq: int, local_keys: Iterable[bytes] = ()) -> None:
         """Replace everything by a snapshot: stale entries (a restart, lost events) disappear here."""
         self._release_all()
-        self.exact = set(keys)
-        self.local = set(local_keys)
+        self.exact = dict.fromkeys(keys)
+        self.local = dict.fromkeys(local_keys)
         self.seq = seq
         self.routed.clear()
         self._hold(self.exact)
@@ -81,11 +83,12 @@ class CacheIndex:
         target = self.local if medium == "local" else self.exact
         if kind == "stored":
             keys = list(keys)
-            target.update(keys)
+            target.update(dict.fromkeys(keys))
             self._hold(keys)
         elif kind == "removed":
             keys = list(keys)
-            target.difference_update(keys)
+            for key in keys:
+                target.pop(key, None)
             if medium == "device":
                 self._forget_computed(keys)
             for key in keys:
