@@ -159,3 +159,22 @@ def test_a_replica_being_removed_leaves_the_routable_list_at_once() -> None:
         assert seen_meanwhile == [[stays]] and registry.routable() == [stays]
 
     asyncio.run(scenario())
+
+
+def test_replicas_that_come_and_go_reuse_bits_and_a_newcomer_inherits_no_keys() -> None:
+    holders = KeyHolders()
+    staying, key, other_key = Replica("http://staying:8000"), b"k" * 16, b"o" * 16
+    holders.add(key, staying)
+    for turn in range(100):
+        leaving = Replica(f"http://leaving-{turn}:8000")
+        holders.add(key, leaving)
+        holders.add(other_key, leaving)
+        assert set(holders.of(key)) == {staying, leaving}
+        holders.discard(key, leaving)
+        holders.discard(other_key, leaving)
+        holders.retire(leaving)
+    newcomer = Replica("http://newcomer:8000")
+    holders.add(other_key, newcomer)
+    assert set(holders.of(key)) == {staying}
+    assert set(holders.of(other_key)) == {newcomer}
+    assert holders.mask_bits == 2

@@ -97,6 +97,7 @@ class Registry:
                 await task
         replica.http.close()
         replica.index.forget_events()  # out of the fleet's key -> holders index
+        self.holders.retire(replica)
         self._refresh_gauge()
         return replica
 
