@@ -257,10 +257,16 @@ def test_when_every_replica_fails_its_health_checks_the_router_still_serves_unle
         router.stop()
 
 
-def test_panic_threshold_out_of_range_is_refused_with_the_reason(log_dir: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1",
-                             "--panic-threshold", "1.5"], capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert result.returncode != 0 and "--panic-threshold must be between 0 and 1" in result.stderr
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [("--panic-threshold", "1.5", "--panic-threshold must be between 0 and 1"),
+     ("--shared-index-keys", "0", "--shared-index-keys must be at least 1"),
+     ("--backlog", "0", "backlog must be positive")],
+)  # fmt: skip
+def test_out_of_range_settings_are_refused_with_the_reason(option: str, value: str, reason: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1", option,
+                             value], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode != 0 and reason in result.stderr
 
 
 def test_full_router_queue_answers_429_with_retry_after(cluster: SimCluster, log_dir: Path) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvyard.api.auth import AccessConfig
 from kvyard.net.http_server import HttpServerConfig
+from kvyard.router.tier_index import MAX_KEYS_PER_STORE
 from kvyard.settings import setting
 
 POLICIES = ("round_robin", "least_load", "session", "cache_aware")
@@ -84,6 +85,9 @@ class RouterConfig:
     # cache_aware scores every candidate up to this many; beyond, a shortlist (policies.CacheAware._shortlist).
     full_scan_replicas: int = 64
     tokenize_cache_entries: int = 8192
+    shared_index_keys: int = setting(MAX_KEYS_PER_STORE, help="block keys remembered per shared store (about 100 "
+                                     "bytes each); beyond, the oldest are forgotten: a miss predicted, never a "
+                                     "wrong hit")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -95,6 +99,8 @@ class RouterConfig:
             raise ValueError("max_attempts and max_in_flight must be at least 1")
         if not 0.0 <= self.panic_threshold <= 1.0:
             raise ValueError(f"--panic-threshold must be between 0 and 1, got {self.panic_threshold}")
+        if self.shared_index_keys < 1:
+            raise ValueError(f"--shared-index-keys must be at least 1, got {self.shared_index_keys}")
         for name in ("pd_local_prefill_tokens", "pd_decode_prefill_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")

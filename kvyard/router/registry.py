@@ -56,6 +56,9 @@ class Registry:
     panicking: bool = False  # too few replicas are healthy: ejected ones are routed to too
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.shared_stores.max_keys = self.config.shared_index_keys
+
     def add(self, url: str, role: str | None = None) -> Replica:
         """Route to `url`; `role` (prefill or decode) overrides the role the replica reports."""
         url = url.rstrip("/")

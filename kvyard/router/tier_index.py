@@ -62,6 +62,7 @@ class SharedStores:
     """The indexes of every shared store the fleet's replicas use, by store id."""
 
     stores: dict[str, SharedStoreIndex] = field(default_factory=dict)
+    max_keys: int = MAX_KEYS_PER_STORE  # per store
 
     def get(self, store_id: str | None) -> SharedStoreIndex | None:
         return self.stores.get(store_id) if store_id is not None else None
@@ -70,7 +71,7 @@ class SharedStores:
         """A replica uses the store `store_id` (from its snapshot)."""
         index = self.stores.get(store_id)
         if index is None:
-            index = self.stores[store_id] = SharedStoreIndex(ttl_s)
+            index = self.stores[store_id] = SharedStoreIndex(ttl_s, self.max_keys)
         elif ttl_s is not None:
             index.ttl_s = ttl_s
         return index
@@ -84,7 +85,7 @@ class SharedStores:
             ttl_s = None
         index = self.stores.get(store_id)
         if index is None:
-            index = self.stores[store_id] = SharedStoreIndex(ttl_s)
+            index = self.stores[store_id] = SharedStoreIndex(ttl_s, self.max_keys)
         return index
 
     def forget_after(self, store_id: str | None, keys: Sequence[bytes]) -> None:
