@@ -83,13 +83,13 @@ class KeyHolders:
     def _bit(self, holder: Any) -> int:
         bit = self._bits.get(id(holder))
         if bit is None:  # the list keeps the holder alive, so its id() is not reused while it has a bit
-            index = self._free.pop() if self._free else len(self._holders)
-            if index == len(self._holders):
-                self._holders.append(holder)
-            else:
+            if self._free:
+                index = self._free.pop()
                 self._holders[index] = holder
+            else:
+                index = len(self._holders)
+                self._holders.append(holder)
             bit = self._bits[id(holder)] = 1 << index
-            self._members.clear()
         return bit
 
     def _decode(self, mask: int) -> tuple[Any, ...]:
