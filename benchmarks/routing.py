@@ -80,6 +80,7 @@ class Result:
     error: str = ""  # why a request failed without an HTTP status: the client's exception, by class name
     error_message: str = ""
     sent_s: float = 0.0  # when it was sent, seconds into the replay
+    replica: str = ""  # the replica that served it, where the router says (kvyard's X-Kvyard-Replica)
 
 
 @dataclass(slots=True)
@@ -165,11 +166,11 @@ def block_keys(request: TraceRequest, block_size: int) -> list[tuple[int, int]]:
     return [(chains[b // per_trace_block], b % per_trace_block) for b in range(request.input_length // block_size)]
 
 
-def ttft_floor(requests: list[TraceRequest], time_scale: float, block_size: int = 16) -> dict[str, float]:
-    """Percentiles of each request's least possible TTFT (wall seconds): its prefill alone on an idle replica that
-    holds every block any earlier request computed (unlimited cache, nothing loaded), in chunks of the sim's step
-    budget. Each request's TTFT under any router is at least its own floor, so each percentile of TTFT is at least
-    the same percentile of the floors."""
+def ttft_floors(requests: list[TraceRequest], time_scale: float, block_size: int = 16) -> list[float]:
+    """Each request's least possible TTFT (wall seconds): its prefill alone on an idle replica that holds every
+    block any earlier request computed (unlimited cache, nothing loaded), in chunks of the sim's step budget. Each
+    request's TTFT under any router is at least its own floor, so each percentile of TTFT is at least the same
+    percentile of the floors."""
     cost, seen, floors = CostModel(), set[tuple[int, int]](), []
     for request in requests:
         keys = block_keys(request, block_size)
@@ -181,7 +182,7 @@ def ttft_floor(requests: list[TraceRequest], time_scale: float, block_size: int 
             cached += chunk
         floors.append(seconds * time_scale)
         seen.update(keys)
-    return {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)}
+    return floors
 
 
 def peak_work_rate(requests: list[TraceRequest], window_s: float) -> float:
@@ -304,6 +305,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
     try:
         async with session.post(f"{url}/v1/completions", json=body) as response:
             result.status = response.status
+            result.replica = response.headers.get("X-Kvyard-Replica", "")
             if response.status != 200:
                 await response.read()
                 return result
@@ -408,6 +410,18 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
     }
 
 
+def write_per_request(path: Path, results: list[Result], floors: list[float]) -> None:
+    """One JSON line per request, in trace order, for looking into a tail: when it was sent, its TTFT beside its
+    floor, and where its cached tokens came from."""
+    with path.open("w") as out:
+        for index, (result, floor) in enumerate(zip(results, floors, strict=True)):
+            record = {"index": index, "ok": result.ok, "sent_s": round(result.sent_s, 3),
+                      "ttft_s": round(result.ttft_s, 4), "floor_s": round(floor, 4),
+                      "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+                      "cached_by_source": result.cached_by_source, "replica": result.replica}  # fmt: skip
+            out.write(json.dumps(record) + "\n")
+
+
 async def router_parity(url: str) -> dict[str, Any]:
     """kvyard's router: predicted vs reported cached tokens by source, and the sum of per-request errors, each
     as a fraction of the reported total (DESIGN.md, contract 7)."""
@@ -426,7 +440,7 @@ async def router_parity(url: str) -> dict[str, Any]:
 
 
 def run_target(target: Target, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
-               speedup: float, logs: Path) -> dict[str, Any]:  # fmt: skip
+               speedup: float, logs: Path, floors: list[float], round_number: int) -> dict[str, Any]:  # fmt: skip
     slug = target.name.replace(" ", "_")
     sims, workers = start_sims(args, logs / f"sim-{slug}.log")
     port = free_port()
@@ -441,6 +455,7 @@ def run_target(target: Target, args: argparse.Namespace, requests: list[TraceReq
         asyncio.run(wait_ready(url, 90))
         results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
         summary = summarize(target.name, results, elapsed)
+        write_per_request(logs / f"requests-{slug}-round{round_number}.jsonl", results, floors)
         summary["sim_lag_s_max"] = asyncio.run(sim_lag(workers))
         if target.name.startswith("kvyard"):
             summary["parity_by_source"] = asyncio.run(router_parity(url))
@@ -560,6 +575,7 @@ def main() -> int:
         args.shared_store_blocks = len(blocks) * TRACE_BLOCK // 16
     logs = args.out.parent / "routing-logs"
     logs.mkdir(parents=True, exist_ok=True)
+    floors = ttft_floors(requests, args.time_scale)
     conditions = {
         "requests": len(requests), "trace_span_s": trace_span, "arrival_speedup": speedup,
         "replay_span_wall_s": trace_span / speedup, "replicas": args.replicas,
@@ -572,7 +588,7 @@ def main() -> int:
         "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
         "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
         "shared_store_blocks": args.shared_store_blocks,
-        "ttft_floor_s": ttft_floor(requests, args.time_scale),
+        "ttft_floor_s": {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)},
     }  # fmt: skip
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
@@ -581,7 +597,8 @@ def main() -> int:
     results = []
     for round_number in range(1, args.repeats + 1):
         for target in routed:
-            results.append({**run_target(target, args, requests, prompts, speedup, logs), "round": round_number})
+            run = run_target(target, args, requests, prompts, speedup, logs, floors, round_number)
+            results.append({**run, "round": round_number})
     overheads = []
     if not args.skip_overhead:
         measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware", "smg cache_aware",
