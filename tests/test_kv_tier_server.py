@@ -205,7 +205,12 @@ def test_nothing_arrives_before_the_deadline_so_everything_is_recomputed(llama_d
     hurried = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), load_deadline_s=1e-9)
     with LLM(str(llama_dir), kv_tier=hurried) as reader:
         got = reader.generate([PROMPT], params)[0]
+        stats = reader.engine.stats()
+    # A deadline past before the first block arrives is not extended: the extension is earned block by block.
     assert (got.num_cached_tokens, got.token_ids) == (0, expected.token_ids)
+    assert stats.prefill_s_per_token is not None  # each block would push the deadline back half its compute time
+    extension = stats.prefill_s_per_token * BLOCK_SIZE / hurried.load_min_speedup
+    assert stats.tier_load_extension_s_per_block == pytest.approx(extension)
 
 
 def test_a_stalled_redis_is_a_miss_not_an_error(llama_dir: Path, tmp_path: Path) -> None:

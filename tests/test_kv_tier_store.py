@@ -25,6 +25,7 @@ from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.disk_tier import DiskTier
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.redis_tier import RedisTier
+from kvyard.kvcache.tier import LoadDeadline
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
 
 NAMESPACE = KeyNamespace("tiny", "digest0", "float32", 4)
@@ -185,6 +186,25 @@ def test_disk_tier_stops_writing_on_io_errors_and_keeps_serving(tmp_path: Path) 
     assert tier.get_prefix(ks, FOREVER) == [blob(ks[0])]
 
 
+def test_a_load_deadline_moves_back_for_each_block_the_tiers_bring(tmp_path: Path) -> None:
+    deadline = LoadDeadline(time.monotonic() - 1.0, extension_s_per_block=0.6)
+    assert deadline.passed()
+    deadline.count(2)  # two blocks brought: 1.2 s later than it was
+    assert not deadline.passed()
+    ks = keys(4)
+    disk = DiskTier(tmp_path, capacity_bytes=1 << 30)
+    disk.put_many([(k, blob(k)) for k in ks])
+    assert disk.get_prefix(ks, LoadDeadline(time.monotonic() - 1.0, 10.0)) == []  # passed before the first block
+    earned = LoadDeadline(time.monotonic() - 1.0, 10.0, loaded=1)  # an earlier tier's block keeps it open
+    assert disk.get_prefix(ks, earned) == [blob(k) for k in ks] and earned.loaded == 5
+    memory = MemoryTier(1 << 30)
+    memory.put_many([(ks[0], blob(ks[0]))])
+    across = LoadDeadline(time.monotonic() + 60, 1.0)
+    store = TieredStore([memory, DiskTier(tmp_path, capacity_bytes=1 << 30)])
+    assert len(store.load_prefix(ROOT, ks, FMT, across)) == 4 and across.loaded == 4  # both tiers' blocks count
+    store.close()
+
+
 def test_store_drops_and_removes_a_corrupt_disk_file(tmp_path: Path) -> None:
     ks = keys(3)
     disk = DiskTier(tmp_path, capacity_bytes=1 << 30)
@@ -318,3 +338,5 @@ def test_tier_config_parses_specs_and_rejects_bad_ones(tmp_path: Path) -> None:
     for bad in ("memory,tape", "redis", "disk,disk"):
         with pytest.raises(ValueError):
             KVTierConfig.from_spec(bad)
+    with pytest.raises(ValueError, match="min speedup must be >= 0"):
+        KVTierConfig(tiers=("memory",), load_min_speedup=-1.0)

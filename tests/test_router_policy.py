@@ -238,6 +238,20 @@ def test_predicted_tier_hits_stop_where_the_replicas_loader_reaches_its_deadline
     assert split_of(policy, a)["shared"] == int(0.02 / (TIER_NAMESPACE_BLOCK * 1e-4)) * TIER_NAMESPACE_BLOCK
 
 
+def test_each_block_a_load_brings_pushes_the_predicted_deadline_back_as_the_replica_reports() -> None:
+    policy = CacheAware(RouterConfig())
+    a, _, keys = tiered_fleet(policy)
+    policy.shared_stores.joined("store-1", None).stored(keys, now=0.0)
+    a.load = dataclasses.replace(a.load, tier_load_deadline_s=0.01)  # 10 blocks at 1 ms each without an extension
+    assert split_of(policy, a)["shared"] == 10 * TIER_NAMESPACE_BLOCK
+    a.load = dataclasses.replace(a.load, tier_load_extension_s_per_block=0.0005)  # each block nets 0.5 ms
+    assert split_of(policy, a)["shared"] == 20 * TIER_NAMESPACE_BLOCK
+    a.load = dataclasses.replace(a.load, tier_load_extension_s_per_block=0.001)  # as fast as the extension: all
+    assert split_of(policy, a)["shared"] == len(HISTORY)  # every block the store holds
+    a.pending_load_s = 0.02  # past the deadline before it starts: nothing, however fast
+    assert split_of(policy, a)["shared"] == 0
+
+
 def test_negative_pd_token_settings_are_refused_naming_the_flag() -> None:
     import pytest
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = SimConfig(model_name="sim-model", block_size=4, num_kv_blocks=256, time_scale=0.01)
 LOAD_FIELDS = {"num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                "tokens_in_flight", "role", "prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block",
-               "shared_tier_available", "tier_load_deadline_s"}  # fmt: skip
+               "shared_tier_available", "tier_load_deadline_s", "tier_load_extension_s_per_block"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

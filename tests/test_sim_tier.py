@@ -117,6 +117,19 @@ def test_blocks_that_would_arrive_after_the_load_deadline_are_computed() -> None
         assert metric(url, "kvyard_sim_tier_hit_tokens_total", source="host") == 5 * BLOCK_SIZE
 
 
+def test_a_load_that_outruns_computing_keeps_going_past_the_deadline() -> None:
+    # A deadline that ends before the first block arrives; loading a block costs far less than computing it, so
+    # each block brought pushes the deadline back by more than it took. With the extension off, all is computed.
+    late = replace(HOST, tier_load_deadline_s=1e-6)
+    for min_speedup, expected in ((2.0, CACHEABLE), (0.0, 0)):
+        with SimCluster([replace(late, tier_load_min_speedup=min_speedup)]) as sim:
+            url = sim.urls[0]
+            cache_then_evict(url, sim.replicas[0])
+            load = httpx.get(f"{url}/load", timeout=10).json()
+            assert (load["tier_load_extension_s_per_block"] > 0) == (min_speedup > 0)
+            assert cached_tokens(complete(url, prompt(1))) == expected
+
+
 def test_a_replica_serves_from_the_shared_store_what_another_computed() -> None:
     with SimCluster([SHARED] * 2) as sim:
         (url_a, url_b), (replica_a, _) = sim.urls, sim.replicas
@@ -190,9 +203,21 @@ def test_model_load_charges_latency_and_bytes_and_stops_at_the_deadline() -> Non
     assert model_load([(shared, 0)], block, 100.0) == [TierCharge("shared", 0, 0.5)]  # a miss costs a round trip
 
 
+def test_model_load_pushes_the_deadline_back_for_each_block_that_arrives() -> None:
+    host, shared = TierTiming("host", 0.0, 1.0), TierTiming("shared", 0.5, 0.5)  # 1 and 2 s per 10^9-byte block
+    block = 10**9
+    # 1 s of extension a block: the host's 2 blocks cost nothing net; of the shared 3, 2 arrive by 3 + 2 s.
+    assert model_load([(host, 2), (shared, 3)], block, 3.0, 1.0) == [TierCharge("host", 2, 2.0),
+                                                                     TierCharge("shared", 2, 5.0)]  # fmt: skip
+    # Blocks that arrive faster than the extension they earn: the whole load, however long.
+    assert model_load([(shared, 1000)], block, 1.0, 3.0) == [TierCharge("shared", 1000, 2000.5)]
+    assert model_load([(host, 2)], block, -1.0, 10.0) == [TierCharge("host", 0, 0.0)]  # queued past its deadline
+
+
 @pytest.mark.parametrize(("name", "value"), [
     ("host_tier_blocks", -1), ("shared_store_blocks", -1), ("host_tier_gb_per_s", 0.0),
     ("shared_store_gb_per_s", -1.0), ("shared_store_latency_s", -0.1), ("tier_load_deadline_s", 0.0),
+    ("tier_load_min_speedup", -1.0),
 ])  # fmt: skip
 def test_bad_tier_settings_are_rejected(name: str, value: float) -> None:
     settings: dict[str, Any] = {name: value}

@@ -21,6 +21,8 @@ class LoadReport:
     shared_tier_s_per_block: float = 0.0  # the same from the shared store
     shared_tier_available: bool = True  # False while the shared store fails (its lookups are misses)
     tier_load_deadline_s: float = 0.0  # a tier load gives up this long after the request arrived (0: no tier)
+    # Each block a tier load brings pushes its deadline back this long (its compute time over the minimum speed-up).
+    tier_load_extension_s_per_block: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -44,7 +46,8 @@ class LoadReport:
 
 
 _COUNTS = ("num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "tokens_in_flight")
-_SECONDS = ("prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block", "tier_load_deadline_s")
+_SECONDS = ("prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block", "tier_load_deadline_s",
+            "tier_load_extension_s_per_block")  # fmt: skip
 
 
 def _number(body: dict[str, Any], name: str) -> float:

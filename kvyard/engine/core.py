@@ -150,6 +150,7 @@ class EngineStats:
     tier_s_per_block: dict[str, float] = field(default_factory=dict)  # recent load seconds per block, by medium
     shared_tier_available: bool = True
     tier_load_deadline_s: float = 0.0  # 0: no tier
+    tier_load_extension_s_per_block: float = 0.0  # a load's deadline moves back this much per block it brings
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +411,9 @@ class EngineCore:
         seconds = getattr(self.runner, "last_step_seconds", wall_s)
         if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
             self._prefill_cost.observe(seconds, num_tokens)
+            tier = self.kv_manager.tier
+            if tier is not None and self._prefill_cost.estimate is not None:
+                tier.compute_s_per_block = self._prefill_cost.estimate * self.config.block_size
         if self.proposer is not None and all(item.num_new_tokens - len(item.spec_token_ids) == 1
                                              for item in scheduled):  # fmt: skip
             self._step_cost.observe(num_tokens, seconds)  # the fit predicts decode and verify steps only
@@ -506,6 +510,7 @@ class EngineCore:
             tier_s_per_block=self._tier_load_costs(),
             shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,
             tier_load_deadline_s=kv.tier.load_deadline_s if kv.tier is not None else 0.0,
+            tier_load_extension_s_per_block=kv.tier.extension_s_per_block if kv.tier is not None else 0.0,
         )
 
     def _tier_load_costs(self) -> dict[str, float]:

@@ -26,7 +26,13 @@ LOAD_WAIT_IN_STEP_S = 0.005
 class BlockTier(BlockSource, Protocol):
     """A lower KV tier below the device pool (see kv_tier_link.KVTierLink)."""
 
-    load_deadline_s: float  # a load gives up this long after it was asked for
+    load_deadline_s: float  # a load gives up this long after it was asked for, unless it keeps bringing blocks
+    compute_s_per_block: float  # what computing a block costs here now (the engine keeps it current; 0: unknown)
+
+    @property
+    def extension_s_per_block(self) -> float:
+        """How much each block a load brings pushes its deadline back."""
+        ...
 
     def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[Any]]:
         """Load the longest available prefix of `keys` on another thread."""

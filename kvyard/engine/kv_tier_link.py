@@ -18,6 +18,7 @@ from typing import Protocol
 
 from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 from kvyard.kvcache.events import KVEventLog
+from kvyard.kvcache.tier import LoadDeadline
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
 
 
@@ -34,11 +35,20 @@ class TierDevice(Protocol):
 
 
 class KVTierLink:
-    def __init__(self, store: TieredStore, device: TierDevice, load_deadline_s: float) -> None:
+    """`load_min_speedup`: a load keeps going past `load_deadline_s` while it brings blocks at least this many times
+    faster than the engine computes them (0: it stops at the deadline). A fixed deadline alone cuts the loads that
+    save the most: a 100k-token history on a fast store takes longer than the deadline to load and far longer to
+    recompute, while a stalled store brings nothing and still stops on time."""
+
+    def __init__(
+        self, store: TieredStore, device: TierDevice, load_deadline_s: float, load_min_speedup: float = 0.0
+    ) -> None:
         self.store = store
         self.device = device
         self.format = device.format
         self.load_deadline_s = load_deadline_s
+        self.load_min_speedup = load_min_speedup
+        self.compute_s_per_block = 0.0
         # One thread: the store's tiers take one reader besides their writer; a stalled store then delays
         # other loads (each to its deadline) but never the engine's steps.
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-kv-loader")
@@ -46,8 +56,14 @@ class KVTierLink:
     def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[DecodedBlock]]:
         """Verified blocks for the longest prefix of `keys` the tiers return within the deadline, loaded on the
         loader thread."""
-        deadline = time.monotonic() + self.load_deadline_s
+        deadline = LoadDeadline(time.monotonic() + self.load_deadline_s, self.extension_s_per_block)
         return self._loader.submit(self.store.load_prefix, root_key, keys, self.format, deadline)
+
+    @property
+    def extension_s_per_block(self) -> float:
+        if self.load_min_speedup <= 0:
+            return 0.0
+        return self.compute_s_per_block / self.load_min_speedup
 
     def install(self, block_ids: Sequence[int], blocks: Sequence[DecodedBlock]) -> None:
         """Copy fetched blocks into the device cache at `block_ids`."""

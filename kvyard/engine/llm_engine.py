@@ -134,7 +134,7 @@ class LLMEngine(EngineCore):
         tier = self.engine_config.kv_tier
         if tier is None or not self.engine_config.enable_prefix_caching:
             return None
-        link = KVTierLink(tier.build(), self.device_blocks, tier.load_deadline_s)
+        link = KVTierLink(tier.build(), self.device_blocks, tier.load_deadline_s, tier.load_min_speedup)
         self.attach_tier(link)
         return link
 

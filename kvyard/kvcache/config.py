@@ -43,6 +43,9 @@ class KVTierConfig:
     redis_timeout_s: float = setting(1.0, flag="--kv-redis-timeout-s", help="longest wait for one Redis operation")
     load_deadline_s: float = setting(2.0, flag="--kv-load-deadline-s", help="longest wait for blocks at admission; "
                                      "what has not arrived by then is recomputed")  # fmt: skip
+    load_min_speedup: float = setting(2.0, flag="--kv-load-min-speedup", help="a load keeps going past its deadline "
+                                      "while it brings blocks at least this many times faster than the replica "
+                                      "computes them (its measured prefill rate); 0: stop at the deadline")  # fmt: skip
     queue_bytes: int = 512 << 20  # blocks waiting to be written beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,8 @@ class KVTierConfig:
             raise ValueError("the redis kv tier needs a URL (--kv-redis-url redis://host:port)")
         if self.load_deadline_s <= 0:
             raise ValueError(f"kv load deadline must be positive, got {self.load_deadline_s}")
+        if not self.load_min_speedup >= 0:
+            raise ValueError(f"kv load min speedup must be >= 0 (0: off), got {self.load_min_speedup}")
 
     @property
     def active_tiers(self) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvyard.kvcache.stats import TierStats
-from kvyard.kvcache.tier import PutResult
+from kvyard.kvcache.tier import LoadDeadline, PutResult
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +80,18 @@ class DiskTier:
             self._bytes += size
         self._evict_over_budget()
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
         start = time.perf_counter()
         found: list[bytes] = []
+        deadline = LoadDeadline.of(deadline)
         for key in keys:
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 break
             blob = self._read(key)
             if blob is None:
                 break
             found.append(blob)
+            deadline.count(1)
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
         return found
 

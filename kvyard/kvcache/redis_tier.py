@@ -33,7 +33,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvyard.kvcache.stats import TierStats
-from kvyard.kvcache.tier import PutResult
+from kvyard.kvcache.tier import LoadDeadline, PutResult
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,14 @@ class RedisTier:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
         if not self.available:
             return []
         start = time.perf_counter()
         found: list[bytes] = []
+        deadline = LoadDeadline.of(deadline)
         for offset in range(0, len(keys), self.batch_blocks):
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 break
             batch = keys[offset : offset + self.batch_blocks]
             values = self._pipeline(lambda pipe, key: pipe.get(self.redis_key(key)), batch)
@@ -101,6 +102,7 @@ class RedisTier:
                 break
             hits = _leading_values(values)
             found.extend(hits)
+            deadline.count(len(hits))
             if len(hits) < len(values):
                 break
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))

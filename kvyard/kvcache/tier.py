@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +18,27 @@ class PutResult:
     evicted: list[bytes] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class LoadDeadline:
+    """When a load gives up: at `at` (time.monotonic()), pushed back `extension_s_per_block` for every block it has
+    brought so far. A load that brings blocks faster than computing them would take keeps going, however large; a
+    stalled store brings none and stops on time."""
+
+    at: float
+    extension_s_per_block: float = 0.0
+    loaded: int = 0
+
+    @classmethod
+    def of(cls, deadline: LoadDeadline | float) -> LoadDeadline:
+        return deadline if isinstance(deadline, LoadDeadline) else cls(deadline)
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.at + self.loaded * self.extension_s_per_block
+
+    def count(self, blocks: int) -> None:
+        self.loaded += blocks
+
+
 class Tier(Protocol):
     name: str
     stats: TierStats
@@ -29,9 +51,10 @@ class Tier(Protocol):
         restarted (None: unknown yet, or not a shared tier)."""
         ...
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
-        """Blobs of the leading `keys` this tier holds, stopping at the first miss or at `deadline`
-        (time.monotonic()). Never raises for an unavailable backend: that is a miss."""
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+        """Blobs of the leading `keys` this tier holds, stopping at the first miss or once `deadline` has passed
+        (a bare float: time.monotonic()); each block read counts toward the deadline's extension. Never raises
+        for an unavailable backend: that is a miss."""
         ...
 
     def keys(self) -> list[bytes]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from kvyard.kvcache.codec import (
 )
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.kvcache.tier import PutResult, Tier
+from kvyard.kvcache.tier import LoadDeadline, PutResult, Tier
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +136,15 @@ class TieredStore:
 
     # ----------------------------------------------------------------- reads (caller's thread)
 
-    def load_prefix(self, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float) -> LoadedBlocks:
-        """Verified blocks for the longest prefix of `keys` found before `deadline`."""
+    def load_prefix(
+        self, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: LoadDeadline | float
+    ) -> LoadedBlocks:
+        """Verified blocks for the longest prefix of `keys` found before `deadline` (a bare float:
+        time.monotonic())."""
         blocks = LoadedBlocks()
+        deadline = LoadDeadline.of(deadline)
         for index, tier in enumerate(self.tiers):
-            if len(blocks) == len(keys) or time.monotonic() > deadline:
+            if len(blocks) == len(keys) or deadline.passed():
                 break
             wanted = keys[len(blocks) :]
             found = self._verified(tier, root_key, wanted, fmt, tier.get_prefix(wanted, deadline))

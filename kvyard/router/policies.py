@@ -425,16 +425,19 @@ class TierRates:
         return load.local_tier_s_per_block or self.local_s_per_block or shared, shared
 
     def loadable(self, replica: Replica, local: int, shared: int) -> tuple[int, int]:
-        """Of `local` then `shared` blocks in the replica's tiers, those its loader brings before the deadline."""
-        deadline = replica.load.tier_load_deadline_s
+        """Of `local` then `shared` blocks in the replica's tiers, those its loader brings before the deadline,
+        which each block brought pushes back by the replica's reported extension (the engine's LoadDeadline)."""
+        load = replica.load
+        deadline = load.tier_load_deadline_s
         if deadline <= 0 or not (local or shared):
             return local, shared
         local_s, shared_s = self.per_block(replica)
-        budget = max(0.0, deadline - replica.pending_load_s)
-        in_time = min(local, int(budget / local_s))
+        extension = load.tier_load_extension_s_per_block
+        budget = deadline - replica.pending_load_s
+        in_time = _blocks_in_time(local, budget, local_s, extension)
         if in_time < local:
             return in_time, 0
-        return local, min(shared, int((budget - local * local_s) / shared_s))
+        return local, _blocks_in_time(shared, budget + local * (extension - local_s), shared_s, extension)
 
     def load_seconds(self, replica: Replica, local_tokens: int, shared_tokens: int) -> float:
         """Time to load that many tokens' blocks from the replica's own tiers and from the shared store."""
@@ -443,6 +446,13 @@ class TierRates:
         return (local_tokens * local_s + shared_tokens * shared_s) / block_size
 
 
+def _blocks_in_time(blocks: int, budget_s: float, s_per_block: float, extension_s_per_block: float) -> int:
+    """How many of `blocks` arrive while the time spent stays within `budget_s` plus the extension they earn."""
+    if budget_s < 0:
+        return 0
+    if s_per_block <= extension_s_per_block:
+        return blocks
+    return min(blocks, int(budget_s / (s_per_block - extension_s_per_block)))
 
 
 def _tokens_of(held: tuple[int, int, int] | None) -> int:

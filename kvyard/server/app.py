@@ -310,6 +310,7 @@ class ReplicaApp:
             shared_tier_s_per_block=stats.tier_s_per_block.get("shared", 0.0),
             shared_tier_available=stats.shared_tier_available,
             tier_load_deadline_s=stats.tier_load_deadline_s,
+            tier_load_extension_s_per_block=stats.tier_load_extension_s_per_block,
         )
 
     async def load(self, request: HttpRequest, responder: Responder) -> None:

@@ -67,6 +67,10 @@ class SimConfig:
     tier_load_deadline_s: float = setting(2.0, help="longest simulated wait for tier blocks at admission; blocks "
                                           "that would arrive later are recomputed (kvyard serve's "
                                           "--kv-load-deadline-s default)")  # fmt: skip
+    tier_load_min_speedup: float = setting(2.0, help="a tier load keeps going past its deadline while its blocks "
+                                           "arrive at least this many times faster than the replica computes them "
+                                           "(kvyard serve's --kv-load-min-speedup default); 0: stop at the "
+                                           "deadline")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The pull deadline is a time of the modeled engine (scaled by time_scale). The lease and the idle timeout stay
     # wall times, like the transfer server's own (heartbeats, the wait for a transfer not yet known): a lease scaled
@@ -82,7 +86,7 @@ class SimConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("stream_interval_s", "tick_s", "transfer_latency_s", "shared_store_latency_s",
-                     "host_tier_blocks", "shared_store_blocks"):
+                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

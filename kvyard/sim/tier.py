@@ -27,7 +27,7 @@ from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.kvcache.codec import HEADER_BYTES, DecodedBlock
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.stats import StoreSnapshot, TierStats
-from kvyard.kvcache.tier import PutResult, Tier
+from kvyard.kvcache.tier import LoadDeadline, PutResult, Tier
 from kvyard.kvcache.tiered_store import LoadedBlocks, TieredStore
 from kvyard.sim.config import SimConfig
 from kvyard.sim.transfer import STAND_IN_FORMAT, StandInBlocks
@@ -74,7 +74,7 @@ class SharedStoreView:
     def keys(self) -> list[bytes]:
         return []
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
         start = time.perf_counter()
         found = self.store.get_prefix(keys, deadline)
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
@@ -113,6 +113,9 @@ def shared_store(configs: Sequence[SimConfig]) -> MemoryTier | None:
     return store
 
 
+WALL_GUARD_S = 1.0  # the least wall time a load's real reads get (the modeled deadline may be far shorter)
+
+
 @dataclass(frozen=True, slots=True)
 class TierTiming:
     """How long a tier takes to serve blocks, in simulated seconds."""
@@ -134,22 +137,29 @@ class TierCharge:
     seconds: float
 
 
-def model_load(served: Sequence[tuple[TierTiming, int]], block_bytes: int, budget_s: float) -> list[TierCharge]:
+def model_load(
+    served: Sequence[tuple[TierTiming, int]], block_bytes: int, budget_s: float, extension_s_per_block: float = 0.0
+) -> list[TierCharge]:
     """Charges of one load that asked the tiers of `served` in order (each with the blocks it served), within
-    `budget_s` simulated seconds: a tier whose blocks would not all arrive in time ends the load at the deadline with
-    those that did, and no later tier is asked."""
+    `budget_s` simulated seconds, pushed back `extension_s_per_block` for each block that arrived (the engine's
+    LoadDeadline): a tier whose blocks would not all arrive in time ends the load at the deadline with those that
+    did, and no later tier is asked."""
     charges: list[TierCharge] = []
     elapsed = 0.0
     for timing, blocks in served:
         left = budget_s - elapsed
         per_block = timing.block_seconds(block_bytes)
         seconds = timing.latency_s + blocks * per_block
-        if seconds <= left:
+        if left >= 0 and seconds <= left + blocks * extension_s_per_block:
             charges.append(TierCharge(timing.source, blocks, seconds))
             elapsed += seconds
+            budget_s += blocks * extension_s_per_block
             continue
-        in_time = min(blocks, int((left - timing.latency_s) // per_block)) if left > timing.latency_s else 0
-        charges.append(TierCharge(timing.source, in_time, max(left, 0.0)))
+        # Here per_block > extension_s_per_block: k blocks arrive in time while latency + k per_block <= left + k ext.
+        in_time = 0
+        if left > timing.latency_s:
+            in_time = min(blocks, int((left - timing.latency_s) // (per_block - extension_s_per_block)))
+        charges.append(TierCharge(timing.source, in_time, max(left + in_time * extension_s_per_block, 0.0)))
         break
     return charges
 
@@ -167,7 +177,7 @@ class ModeledTierLink(KVTierLink):
     """The engine's tier link, its loads held back by their modeled time. `timings`: one per tier of `store`."""
 
     def __init__(self, store: TieredStore, timings: Sequence[TierTiming], config: SimConfig) -> None:
-        super().__init__(store, TierStandInBlocks(), config.tier_load_deadline_s)
+        super().__init__(store, TierStandInBlocks(), config.tier_load_deadline_s, config.tier_load_min_speedup)
         self.timings = list(timings)
         self.config = config
         self._busy_until = 0.0  # wall time the modeled load before ends; loader thread only
@@ -176,7 +186,7 @@ class ModeledTierLink(KVTierLink):
 
     def start_fetch(self, root_key: bytes, keys: Sequence[bytes]) -> Future[Sequence[DecodedBlock]]:
         held: Future[Sequence[DecodedBlock]] = Future()
-        self._loader.submit(self._load, root_key, keys, time.monotonic(), held)
+        self._loader.submit(self._load, root_key, keys, time.monotonic(), self.extension_s_per_block, held)
         return held
 
     def modeled(self) -> dict[str, ModeledLoads]:
@@ -193,17 +203,18 @@ class ModeledTierLink(KVTierLink):
                 for source, loads in self.modeled().items()}  # fmt: skip
 
     def _load(
-        self, root_key: bytes, keys: Sequence[bytes], submitted: float, held: Future[Sequence[DecodedBlock]]
-    ) -> None:
+        self, root_key: bytes, keys: Sequence[bytes], submitted: float, extension_s_per_block: float,
+        held: Future[Sequence[DecodedBlock]],
+    ) -> None:  # fmt: skip
         try:
             before = self._tier_counts()
             # The tiers are process memory, so the real read takes microseconds: the deadline is applied to the
             # modeled times, and the wall bound only guards against a stalled process.
-            wall_deadline = submitted + self.load_deadline_s * max(1.0, self.config.time_scale)
+            wall_deadline = submitted + max(self.load_deadline_s, WALL_GUARD_S) * max(1.0, self.config.time_scale)
             blocks = self.store.load_prefix(root_key, keys, self.format, wall_deadline)
             served = [(timing, hits1 - hits0) for timing, (hits0, loads0), (hits1, loads1)
                       in zip(self.timings, before, self._tier_counts()) if loads1 > loads0]  # fmt: skip
-            kept, release_at = self._charge(served, submitted)
+            kept, release_at = self._charge(served, submitted, extension_s_per_block)
         except Exception as error:  # the engine logs it and computes the blocks: a miss, as on a real replica
             held.set_exception(error)
             return
@@ -214,13 +225,15 @@ class ModeledTierLink(KVTierLink):
         counts = [tier.stats.snapshot() for tier in self.store.tiers]
         return [(c.hits, c.loads) for c in counts]
 
-    def _charge(self, served: Sequence[tuple[TierTiming, int]], submitted: float) -> tuple[int, float]:
+    def _charge(
+        self, served: Sequence[tuple[TierTiming, int]], submitted: float, extension_s_per_block: float
+    ) -> tuple[int, float]:
         """Blocks that arrive in time, and the wall time the load ends: after the load before it, like the real
-        link's single loader thread, with the deadline counted from the request."""
+        link's single loader thread, with the deadline counted from the request and pushed back per block."""
         scale = self.config.time_scale
         begin = max(submitted, self._busy_until)
         budget_s = self.load_deadline_s - (begin - submitted) / scale
-        charges = model_load(served, self.config.kv_bytes_per_block, budget_s)
+        charges = model_load(served, self.config.kv_bytes_per_block, budget_s, extension_s_per_block)
         self._busy_until = begin + sum(charge.seconds for charge in charges) * scale
         with self._lock:
             for charge in charges:
