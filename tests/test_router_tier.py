@@ -10,6 +10,10 @@ from typing import Any
 
 import httpx
 
+from kvyard.router.config import RouterConfig
+from kvyard.router.keys import PromptKeys
+from kvyard.router.policies import CacheAware, RouteRequest
+from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStoreIndex
 from kvyard.sim.config import SimConfig
 from kvyard.sim.engine import SimEngine
@@ -138,3 +142,33 @@ def test_a_full_shared_store_index_forgets_its_oldest_keys_and_keeps_the_newest(
     assert 48 <= kept <= 64
     assert all(index.holds(key, 0.0) for key in [keys[0], *keys[-(kept - 1) :]])
     assert not any(index.holds(key, 0.0) for key in keys[1 : -(kept - 1)])
+
+
+def test_keys_a_request_reads_are_the_last_a_full_shared_store_index_forgets() -> None:
+    index = SharedStoreIndex(max_keys=64)
+    history = [i.to_bytes(8, "big") for i in range(8)]  # a conversation's first blocks, written once
+    index.stored(history, now=0.0)
+    others = [i.to_bytes(8, "big") for i in range(100, 1100)]
+    for start in range(0, len(others), 10):
+        index.stored(others[start : start + 10], now=0.0)
+        index.used([*history[:4], b"not held", *history[4:]])  # each turn reads its history; a miss ends it
+    assert all(index.holds(key, 0.0) for key in history[:4])
+    assert not any(index.holds(key, 0.0) for key in history[4:])  # past the miss: never read, so forgotten
+
+
+def test_the_router_marks_the_chosen_replicas_shared_blocks_as_read() -> None:
+    policy = CacheAware(RouterConfig())
+    stores = policy.shared_stores
+    stores.max_keys = 4
+    a = Replica("http://a")
+    a.shared_store_id = "store-1"
+    index = stores.joined("store-1", None)
+    tokens = list(range(64))
+    request = RouteRequest("completion", {"model": "m"}, None, tokens, None)
+    root, block_size = policy._root(request, a)
+    keys = PromptKeys.of(root, block_size, tokens).all()
+    index.stored(keys[:2], now=0.0)
+    index.stored([b"x", b"y"], now=0.0)
+    policy.choose(request, [a])  # reads keys[:2]: now newer than x and y
+    index.stored([b"z"], now=0.0)  # over the cap: the least recently used go
+    assert index.holds(keys[0], 0.0) and index.holds(keys[1], 0.0) and not index.holds(b"x", 0.0)

@@ -219,6 +219,9 @@ class CacheAware:
             self._remember_session(request.session_key, replica.url)
         if tokens:
             chosen.keys = keys_by_root[self._root(request, replica)].all()
+            store = self.shared_stores.get(replica.shared_store_id)
+            if store is not None:
+                store.used(chosen.keys)
         return chosen
 
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:

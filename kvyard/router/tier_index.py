@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-MAX_KEYS_PER_STORE = 1 << 22  # beyond it, the oldest entries are forgotten (a miss predicted, never a wrong hit)
+# Beyond this many keys, the least recently used are forgotten (a miss predicted, never a wrong hit).
+MAX_KEYS_PER_STORE = 1 << 22
 
 
 @dataclass(slots=True)
@@ -39,6 +40,18 @@ class SharedStoreIndex:
         oldest = list(islice(self._expires, count))
         for key in oldest:
             del self._expires[key]
+
+    def used(self, keys: Sequence[bytes]) -> None:
+        """A request will read the leading `keys` it holds: they become the newest entries, the last the cap
+        forgets. Without this the cap forgets by age of writing, so a long conversation's first blocks, written
+        once and read every turn, were the first forgotten, and every later turn looked like a recompute anywhere
+        but on its last replica."""
+        entries = self._expires
+        for key in keys:
+            expires = entries.pop(key, None)
+            if expires is None:
+                break
+            entries[key] = expires
 
     def removed(self, keys: Iterable[bytes]) -> None:
         for key in keys:
