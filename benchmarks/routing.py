@@ -11,7 +11,9 @@ arrival speed-up is chosen so the fleet's simulated work (sim cost model, ideal 
 `--utilisation` of its capacity, over the whole replay or, with `--utilisation-window-s`, in its busiest window
 of that length (each window's work at its own unlimited-cache hit ratio); each run reports the sim's lag, the
 time the replicas ran behind their cost model because the machine could not keep up (small against the replay
-span means the timing held).
+span means the timing held). Besides TTFT, each run reports the percentiles of TTFT minus each request's floor
+(`ttft_floors`: its prefill alone on an idle replica holding every block computed before it): the time lost to
+queues and recomputing, which the longest prompts' own prefill does not hide.
 
 Hit ratios are written next to two references computed from the requests alone, at the sim's block size: an
 unlimited cache, and one LRU cache as large as the whole fleet (`lru_hit_ratios`), which is about what a
@@ -380,16 +382,20 @@ def across_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for router, completed in by_router.items():
         row: dict[str, Any] = {"router": router, "rounds": len(completed)}
-        for metric in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "requests_per_s"):
+        for metric in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p99_s", "requests_per_s"):
             values = [run[metric] for run in completed]
             row[metric] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
         summary.append(row)
     return summary
 
 
-def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any]:
+def summarize(name: str, results: list[Result], elapsed: float, floors: list[float]) -> dict[str, Any]:
+    """`floors`: each request's TTFT floor (`ttft_floors`), in trace order like `results`. TTFT minus its floor is
+    the time a request lost to queueing and recomputing under this router; its percentiles are not bounded by the
+    longest prompts' prefill the way TTFT's are."""
     done = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in done]
+    excess = [r.ttft_s - floor for r, floor in zip(results, floors, strict=True) if r.ok]
     prompt = sum(r.prompt_tokens for r in done)
     by_source = {source: sum(r.cached_by_source.get(source, 0) for r in done) / max(1, prompt) for source in SOURCES}
     return {
@@ -402,6 +408,8 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, Any
         "failed_by_replay_minute": dict(sorted(Counter(int(r.sent_s // 60) for r in results if not r.ok).items())),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_excess_p50_s": percentile(excess, 0.5),
+        "ttft_excess_p99_s": percentile(excess, 0.99),
         "requests_per_s": len(done) / elapsed,
         "output_chunks_per_s": sum(r.output_chunks for r in done) / elapsed,
         "hit_ratio": sum(r.cached_tokens for r in done) / max(1, prompt),
@@ -454,7 +462,7 @@ def run_target(target: Target, args: argparse.Namespace, requests: list[TraceReq
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_ready(url, 90))
         results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
-        summary = summarize(target.name, results, elapsed)
+        summary = summarize(target.name, results, elapsed, floors)
         write_per_request(logs / f"requests-{slug}-round{round_number}.jsonl", results, floors)
         summary["sim_lag_s_max"] = asyncio.run(sim_lag(workers))
         if target.name.startswith("kvyard"):
