@@ -536,6 +536,22 @@ def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, 
                 process.wait()
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with the reason on a value the run cannot use (a zero count would silently replay the whole trace)."""
+    positive = {"--requests": args.requests, "--max-output": args.max_output, "--replicas": args.replicas,
+                "--capacity-blocks": args.capacity_blocks, "--time-scale": args.time_scale,
+                "--utilisation": args.utilisation, "--repeats": args.repeats}  # fmt: skip
+    for flag, value in positive.items():
+        if value <= 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    if args.utilisation_window_s < 0:
+        parser.error(f"--utilisation-window-s must be >= 0 (0: the whole replay), got {args.utilisation_window_s}")
+    if args.host_tier_blocks < 0:
+        parser.error(f"--host-tier-blocks must be >= 0 (0: none), got {args.host_tier_blocks}")
+    if not args.trace.is_file():
+        parser.error(f"--trace: no such file: {args.trace}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -564,8 +580,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "routing.json")
     args = parser.parse_args()
-    if args.utilisation_window_s < 0:
-        parser.error(f"--utilisation-window-s must be >= 0 (0: the whole replay), got {args.utilisation_window_s}")
+    check_args(parser, args)
 
     requests = load_trace(args.trace, args.requests, args.max_output)
     blocks: dict[int, str] = {}
