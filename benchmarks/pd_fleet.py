@@ -63,6 +63,7 @@ from routing import (
     service_seconds,
 )
 
+from kvyard.bench import provenance
 from kvyard.router.config import RouterConfig
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
@@ -541,6 +542,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         decode_share(requests, cost_model(args)), "router_policy": "cache_aware", "cpus": os.cpu_count(),
         "slo": {"ttft": f"max({args.ttft_slo_min_s:g} s, {args.ttft_slo_factor:g} x the prompt's prefill alone "
                 f"on an idle replica)", "tpot_s": args.tpot_slo_s, "attainment_target": args.attainment},
+        "provenance": provenance.of_run(),
     }  # fmt: skip
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from kvyard.bench import provenance
 from kvyard.sim.cost_model import CostModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -612,6 +613,7 @@ def main() -> int:
         "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
         "shared_store_blocks": args.shared_store_blocks,
         "ttft_floor_s": {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)},
+        "provenance": provenance.of_run(),
     }  # fmt: skip
     print(json.dumps(conditions), flush=True)
     if args.dry_run:

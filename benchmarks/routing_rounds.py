@@ -45,6 +45,7 @@ class Round:
     router: str
     metrics: dict[str, float]
     hit_ratio_by_source: dict[str, float]
+    provenance: dict[str, Any] | None  # command, commit, host and start time; runs before 2026-12-03 lack it
 
 
 def per_request_path(report: Path) -> Path:
@@ -103,7 +104,8 @@ def load_round(path: Path) -> tuple[dict[str, Any], Round]:
     metrics, by_source = recompute(lines)
     check_reported(path, run, metrics)
     metrics["sim_lag_s_max"] = float(run.get("sim_lag_s_max", float("nan")))
-    return report["conditions"], Round(path, run["router"], metrics, by_source)
+    conditions = report["conditions"]
+    return conditions, Round(path, run["router"], metrics, by_source, conditions.get("provenance"))
 
 
 def common_conditions(loaded: list[tuple[dict[str, Any], Round]]) -> dict[str, Any]:
@@ -114,6 +116,10 @@ def common_conditions(loaded: list[tuple[dict[str, Any], Round]]) -> dict[str, A
                 raise RunError(f"{one.path}: condition {key!r} is {conditions.get(key)!r}, but "
                                f"{first_round.path} has {first_conditions.get(key)!r}")  # fmt: skip
     return {key: value for key, value in first_conditions.items() if key not in FREE_CONDITIONS}
+
+
+def run_row(one: Round) -> dict[str, Any]:
+    return {"file": one.path.name, "router": one.router, **one.metrics, "provenance": one.provenance}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -182,7 +188,8 @@ def main() -> int:
         conditions = common_conditions(loaded)
         summary = summarize([one for _, one in loaded])
         unlimited = float(conditions["unlimited_cache_hit_ratio"])
-        report = {"conditions": conditions, "summary": summary, "bars": bars(summary, args.subject, unlimited)}
+        report = {"conditions": conditions, "summary": summary, "bars": bars(summary, args.subject, unlimited),
+                  "runs": [run_row(one) for _, one in loaded]}  # fmt: skip
     except RunError as error:
         print(f"routing_rounds.py: {error}", file=sys.stderr)
         return 2

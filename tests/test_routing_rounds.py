@@ -98,3 +98,13 @@ def test_committed_whole_trace_rounds_match_their_per_request_lines() -> None:
     routing_rounds.common_conditions(loaded)
     routers = {one.router for _, one in loaded}
     assert {"kvyard cache_aware", "sglang-router cache_aware", "smg cache_aware", "vllm-router cache_aware"} <= routers
+
+
+def test_routing_conditions_carry_the_run_provenance(tmp_path: Path) -> None:
+    command = [sys.executable, str(BENCHMARKS / "routing.py"), "--requests", "20", "--dry-run",
+               "--out", str(tmp_path / "routing.json")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    provenance = json.loads(result.stdout.splitlines()[0])["provenance"]
+    assert "--requests 20 --dry-run" in provenance["command"]
+    assert len(provenance["git"]["commit"]) == 40 and provenance["host"]["cpu_count"] >= 1
+    assert provenance["start_time"].startswith("20")

@@ -23,6 +23,11 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(sys.argv if argv is None else argv)
 
 
+def of_run() -> dict[str, Any]:
+    """What a benchmark script writes beside its conditions: its command line, kvyard's commit, the host, when."""
+    return {"command": command_line(), "git": git_state(), "host": host(), "start_time": utc_now()}
+
+
 def git_state() -> dict[str, Any]:
     """kvyard's commit and whether the working tree had uncommitted changes."""
     repo = Path(kvyard.__file__).resolve().parent.parent
