@@ -374,6 +374,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
 def across_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per router: mean, min and max of each headline number over the rounds it completed."""
     by_router: dict[str, list[dict[str, Any]]] = {}
@@ -384,8 +388,7 @@ def across_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for router, completed in by_router.items():
         row: dict[str, Any] = {"router": router, "rounds": len(completed)}
         for metric in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p99_s", "requests_per_s"):
-            values = [run[metric] for run in completed]
-            row[metric] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+            row[metric] = spread([run[metric] for run in completed])
         summary.append(row)
     return summary
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from routing import SOURCES, percentile
+from routing import SOURCES, percentile, spread
 
 METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p50_s", "ttft_excess_p99_s", "failed",
            "sim_lag_s_max")  # fmt: skip
@@ -120,10 +120,6 @@ def common_conditions(loaded: list[tuple[dict[str, Any], Round]]) -> dict[str, A
 
 def run_row(one: Round) -> dict[str, Any]:
     return {"file": one.path.name, "router": one.router, **one.metrics, "provenance": one.provenance}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
 def summarize(rounds: list[Round]) -> dict[str, dict[str, Any]]:
