@@ -176,7 +176,9 @@ def table(summary: dict[str, dict[str, Any]], unlimited: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", type=Path, help="routing.py reports of one round each")
-    parser.add_argument("--subject", default="kvyard cache_aware", help="the router the ratios are about")
+    parser.add_argument(
+        "--subject", default="kvyard cache_aware", help="the router the ratios are about (default: %(default)s)"
+    )
     parser.add_argument("--out", type=Path, help="write the combined report here (JSON)")
     args = parser.parse_args()
     try:
