@@ -1,17 +1,17 @@
 """Speculative decoding with real proposers on the bench model: how often each one's guesses are right, and what
 that does to decode speed, beside llama.cpp's prompt-lookup decoding on the same model and prompts.
 
-Proposers: `ngram` (prompt lookup), `draft` (the model cut to its first two layers, with its embeddings,
-final norm and head: the same tokenizer, about 45% of the bench model's weights read per token) and `self-int8`
-(the model's own weights in int8). Their acceptance is real: agreement between the proposer and the fp32 model on
-the model's own greedy continuations. The bench model has random weights, so with it this says how the engine and
-the proposers perform, not what a trained model's acceptance would be; `--model demo` runs the trained demo model
-(kvyard/testing/kvyard-demo, 8.5M parameters, trained on the standard library) on `code-edit` prompts: a
-function from a standard-library file held out of its training, then a comment asking for it rewritten and the
-function's first line, so the answer re-emits code it was shown, as a coding assistant's does. `--model large`
-runs a random-weight model of about 400M parameters (the `large` preset), whose weights no CPU cache holds, so
-its decode steps stream every weight from memory, the premise of speculative decoding on CPU (on a machine with a
-large last-level cache the bench model's steps read theirs from the cache: `weight_residency.py`).
+Proposers: `ngram` (prompt lookup), `draft` (the model cut to its first two layers, with its embeddings, final norm
+and head: the same tokenizer, about 45% of the bench model's weights read per token) and `self-int8` (the model's
+own weights in int8); `self-fp16` (its weights in fp16) on request. Their acceptance is real: agreement between the
+proposer and the fp32 model on the model's own greedy continuations. The bench model has random weights, so with it
+this says how the engine and the proposers perform, not what a trained model's acceptance would be; `--model demo`
+runs the trained demo model (kvyard/testing/kvyard-demo, 8.5M parameters, trained on the standard library) on
+`code-edit` prompts: a function from a standard-library file held out of its training, then a comment asking for it
+rewritten and the function's first line, so the answer re-emits code it was shown, as a coding assistant's does.
+`--model large` runs a random-weight model of about 400M parameters (the `large` preset), whose weights no CPU cache
+holds, so its decode steps stream every weight from memory, the premise of speculative decoding on CPU (on a machine
+with a large last-level cache the bench model's steps read theirs from the cache: `weight_residency.py`).
 
 Every speculative run's output is checked against the run without speculation (exact, token for token), and its
 decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
@@ -46,7 +46,8 @@ from kvyard.testing.model_presets import DEMO_MODEL_DIR
 from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
-PROPOSERS = ("ngram", "draft", "self-int8")
+PROPOSERS = ("ngram", "draft", "self-int8", "self-fp16")
+DEFAULT_PROPOSERS = ("ngram", "draft", "self-int8")
 PROMPT_SETS = {"bench": ("random", "repetitive"), "large": ("random", "repetitive"), "demo": ("code-edit",)}
 MODEL_DESCRIPTIONS = {
     "bench": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV",
@@ -70,8 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
                         "model; large: a random-weight model too large for the CPU's cache (created on first use, "
                         "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip
-    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(PROPOSERS), help="kvyard's, each "
-                        "measured against plain decoding")  # fmt: skip
+    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(DEFAULT_PROPOSERS),
+                        help="kvyard's, each measured against plain decoding")  # fmt: skip
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K at most (adaptive)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts decoded together")
     parser.add_argument("--prompt-sets", nargs="+", choices=tuple(PROMPT_DESCRIPTIONS), default=None,

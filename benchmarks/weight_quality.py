@@ -76,7 +76,7 @@ def bf16_matmul_reference(model_dir: Path, scheme: str) -> nn.Module:
                 rows = x.reshape(-1, x.shape[-1])
                 return bf16_linear(rows, weight16, bias, onednn).reshape(*x.shape[:-1], -1)
 
-            module.forward = forward  # type: ignore[method-assign]
+            module.forward = forward  # type: ignore[method-assign,assignment]
     return model
 
 
