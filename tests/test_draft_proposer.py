@@ -1,6 +1,7 @@
-"""Model proposers (draft, self-int8): the output under greedy decoding is the output without speculation, token
-for token; the draft keeps its own KV right across steps, evictions and long prompts; a draft that cannot
-propose for the served model is refused at load time with the reason."""
+"""Model proposers (draft, self-int8, self-fp16): the output under greedy decoding is the output
+without speculation, token for token; a self-draft computes with its scheme's weights; the draft keeps its own KV
+right across steps, evictions and long prompts; a draft that cannot propose for the served model is refused at
+load time with the reason."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.draft_proposer import DraftModelError, DraftModelProposer
 from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.models.quantization import HalfLinear, Int8Linear
 from kvyard.testing.create_model import create_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -54,6 +58,27 @@ def test_self_speculation_gives_the_output_without_it(
         stats = llm.engine.stats()
         # the converted weights mostly agree with fp32 on the next token (fp16 almost always): guesses are kept
         assert stats.spec_accepted_tokens > min_acceptance * stats.spec_proposed_tokens > 0
+
+
+@pytest.mark.parametrize(("method", "layer_dtype", "head_dtype"),
+                         [("self-int8", torch.int8, torch.int8), ("self-fp16", torch.float16, torch.float16)])
+def test_a_self_draft_computes_with_its_schemes_weights(
+    llama_dir: Path, method: str, layer_dtype: torch.dtype, head_dtype: torch.dtype
+) -> None:
+    with LLM(str(llama_dir), speculative=draft(method)) as llm:
+        proposer = llm.engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        model = proposer.paged.model
+        linears = [module for name, module in model.named_modules() if isinstance(module, (Int8Linear, HalfLinear))
+                   and name != "lm_head"]  # fmt: skip
+        assert linears and {weight_dtype(module) for module in linears} == {layer_dtype}
+        assert weight_dtype(model.lm_head) == head_dtype
+        assert not any(isinstance(module, nn.Linear) for module in model.modules())  # every linear converted
+
+
+def weight_dtype(module: nn.Module) -> torch.dtype:
+    assert isinstance(module, (Int8Linear, HalfLinear)), f"{type(module).__name__} is not a converted layer"
+    return module.qweight.dtype if isinstance(module, Int8Linear) else module.weight16.dtype
 
 
 def test_a_draft_model_with_other_weights_gives_the_output_without_it(llama_dir: Path, other_llama_dir: Path) -> None:
