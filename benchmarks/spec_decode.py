@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard import LLM, SamplingParams
+from kvyard.bench import provenance
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
 from kvyard.testing.oracle_proposer import OracleProposer
@@ -55,6 +56,7 @@ def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> 
 
 def main() -> int:
     args = parse_args()
+    run = provenance.of_run()
     model = str(cached_model(args.work_dir))
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     plain = LLM(model)
@@ -93,7 +95,7 @@ def main() -> int:
         "model": "kvyard bench preset (llama, 56M, random weights), fp32", "device": "cpu",
         "cpus": os.cpu_count(), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
         "proposer": "oracle (known greedy continuation, each token wrong with probability 1 - r)",
-        "adaptive_k": not args.no_adaptive, "prefix_cache": "reset before every run",
+        "adaptive_k": not args.no_adaptive, "prefix_cache": "reset before every run", "provenance": run,
     }  # fmt: skip
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
     return 0
