@@ -32,6 +32,7 @@ from typing import Any
 
 from offline_throughput import PEERS_DIR, ensure_gguf
 
+from kvyard.bench import provenance
 from kvyard.models.package import convert, is_package
 from kvyard.testing.create_model import cached_model
 
@@ -166,6 +167,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     args = parse_args()
+    run_provenance = provenance.of_run()
     model_dir = cached_model(args.work_dir)
     servers = kvyard_servers(model_dir, args.work_dir)
     peers = [peer for peer in args.peers.split(",") if peer]
@@ -194,6 +196,7 @@ def main() -> int:
         "model": "kvyard bench preset (llama, 56M, random weights), checkpoint fp32 safetensors (224 MB)",
         "cpus": os.cpu_count(), "repeats": args.repeats, "page_cache": "warm (every file read in an earlier turn)",
         "ready": "kvyard and vLLM: GET /health 200; llama.cpp server: GET /v1/models 200",
+        "provenance": run_provenance,
     }  # fmt: skip
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
