@@ -44,7 +44,6 @@ from kvyard.bench import provenance
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
-from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
 PROPOSERS = ("ngram", "draft", "self-int8", "self-fp16")
@@ -111,7 +110,9 @@ def prompts(kind: str, count: int, model_dir: Path, seed: int = 0) -> list[list[
 
 
 def code_edit_prompts(count: int, model_dir: Path, rng: random.Random) -> list[list[int]]:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # these two import transformers (2 s): only for the demo model's prompts
+
+    from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sources = [source for path in stdlib_sources() if held_out(path) for source, _ in definitions(path)

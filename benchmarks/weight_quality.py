@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_gguf
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from kvyard.models.layers import bf16_linear
 from kvyard.models.quantization import converts, round_trip_linears
@@ -57,6 +56,8 @@ def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM  # 1 s to import: not before --help has had its chance
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if scheme != "none":
         round_trip_linears(model, scheme)
@@ -120,6 +121,8 @@ def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, pro
 
 def reference_logits(model_dir: Path, num_prompts: int, prompt_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
     """Seeded prompts of random token ids, and the fp32 model's logits at every position (transformers)."""
+    from transformers import AutoModelForCausalLM
+
     reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = reference_model.config.vocab_size
     generator = torch.Generator().manual_seed(0)

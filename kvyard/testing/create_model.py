@@ -13,23 +13,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-
-import torch
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from typing import TYPE_CHECKING
 
 from kvyard.paths import cache_root
 from kvyard.testing.model_presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, DTYPES, PRESETS
@@ -41,6 +29,9 @@ from kvyard.testing.tokenizer_build import (
     train_tokenizer,
     write_tokenizer,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FORMAT_VERSION = 1  # bump when create_model's output changes, so cached default models are rebuilt
 
@@ -80,16 +71,18 @@ _PRESETS = MappingProxyType(
 
 @dataclass(frozen=True, slots=True)
 class _Arch:
-    config_class: Callable[..., PretrainedConfig]
-    model_class: Callable[..., PreTrainedModel]
+    # transformers' class names: transformers (about 2 s) and torch are imported only when a model is written, so
+    # a script that finds its model already cached, or only answers --help, does not wait for them
+    config_class: str
+    model_class: str
     chat: ChatFormat
 
 
 _ARCHS = MappingProxyType(
     {
-        "llama": _Arch(LlamaConfig, LlamaForCausalLM, LLAMA3),
-        "qwen2": _Arch(Qwen2Config, Qwen2ForCausalLM, CHATML),
-        "qwen3": _Arch(Qwen3Config, Qwen3ForCausalLM, CHATML),
+        "llama": _Arch("LlamaConfig", "LlamaForCausalLM", LLAMA3),
+        "qwen2": _Arch("Qwen2Config", "Qwen2ForCausalLM", CHATML),
+        "qwen3": _Arch("Qwen3Config", "Qwen3ForCausalLM", CHATML),
     }
 )
 
@@ -101,6 +94,9 @@ def create_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, 
     so do not create models from several threads at once. A `dtype` other than float32 rounds the
     float32 weights, so all dtypes of one seed hold the same model.
     """
+    import torch
+    import transformers
+
     spec, preset_spec = _lookup(arch, preset)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -114,9 +110,9 @@ def create_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, 
     config = _model_config(spec, preset_spec, tokenizer.get_vocab_size(), bos_id, eos_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = spec.model_class(config)
+        model = getattr(transformers, spec.model_class)(config)
     model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
+    model.generation_config = transformers.GenerationConfig(
         bos_token_id=bos_id, eos_token_id=[eos_id, text_end_id], pad_token_id=text_end_id
     )
     model.save_pretrained(out, safe_serialization=True)
@@ -138,7 +134,9 @@ def _lookup(arch: str, preset: str) -> tuple[_Arch, Preset]:
 
 
 def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> PretrainedConfig:
-    return spec.config_class(
+    import transformers
+
+    config: PretrainedConfig = getattr(transformers, spec.config_class)(
         vocab_size=vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
@@ -154,6 +152,7 @@ def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: 
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
+    return config
 
 
 def default_model_dir(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
