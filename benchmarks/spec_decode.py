@@ -18,13 +18,13 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvyard import LLM, SamplingParams
 from kvyard.bench import provenance
-from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
-from kvyard.testing.oracle_proposer import OracleProposer
+
+if TYPE_CHECKING:
+    from kvyard import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,10 @@ def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> 
 
 def main() -> int:
     args = parse_args()
+    from kvyard import LLM, SamplingParams  # PyTorch (1 s): after --help has been answered
+    from kvyard.engine.speculative import SpeculativeConfig
+    from kvyard.testing.oracle_proposer import OracleProposer
+
     run = provenance.of_run()
     model = str(cached_model(args.work_dir))
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)

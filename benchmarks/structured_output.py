@@ -19,11 +19,13 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvyard import LLM, SamplingParams
-from kvyard.engine.structured_output import StructuredOutput
 from kvyard.testing.create_model import cached_model
+
+if TYPE_CHECKING:  # imported where used: PyTorch (1 s) only after --help has been answered
+    from kvyard import LLM, SamplingParams
+    from kvyard.engine.structured_output import StructuredOutput
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -67,12 +69,17 @@ def run(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> tuple
 
 
 def params_for(count: int, max_tokens: int, structured: StructuredOutput | None) -> list[SamplingParams]:
+    from kvyard import SamplingParams
+
     return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=structured is None,
                            structured=structured) for seed in range(count)]  # fmt: skip
 
 
 def main() -> int:
     args = parse_args()
+    from kvyard import LLM
+    from kvyard.engine.structured_output import StructuredOutput
+
     llm = LLM(str(cached_model(args.work_dir)))
     results: list[dict[str, Any]] = []
     for batch_size in args.batch_sizes:

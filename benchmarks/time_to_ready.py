@@ -33,7 +33,6 @@ from typing import Any
 from offline_throughput import PEERS_DIR, ensure_gguf
 
 from kvyard.bench import provenance
-from kvyard.models.package import convert, is_package
 from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +65,8 @@ def free_port() -> int:
 
 
 def package(model_dir: Path, work_dir: Path, scheme: str) -> Path:
+    from kvyard.models.package import convert, is_package  # PyTorch (1 s): not before --help has been answered
+
     out = work_dir / "packages" / f"{model_dir.name}-{scheme}"
     if not is_package(out):
         print(f"converting {model_dir.name} to a {scheme} package ...", flush=True)
