@@ -60,20 +60,15 @@ def test_self_speculation_gives_the_output_without_it(
         assert stats.spec_accepted_tokens > min_acceptance * stats.spec_proposed_tokens > 0
 
 
-@pytest.mark.parametrize(("method", "layer_dtype", "head_dtype"),
-                         [("self-int8", torch.int8, torch.int8), ("self-fp16", torch.float16, torch.float16)])
-def test_a_self_draft_computes_with_its_schemes_weights(
-    llama_dir: Path, method: str, layer_dtype: torch.dtype, head_dtype: torch.dtype
-) -> None:
+@pytest.mark.parametrize(("method", "dtype"), [("self-int8", torch.int8), ("self-fp16", torch.float16)])
+def test_a_self_draft_computes_with_its_schemes_weights(llama_dir: Path, method: str, dtype: torch.dtype) -> None:
     with LLM(str(llama_dir), speculative=draft(method)) as llm:
         proposer = llm.engine.proposer
         assert isinstance(proposer, DraftModelProposer)
         model = proposer.paged.model
-        linears = [module for name, module in model.named_modules() if isinstance(module, (Int8Linear, HalfLinear))
-                   and name != "lm_head"]  # fmt: skip
-        assert linears and {weight_dtype(module) for module in linears} == {layer_dtype}
-        assert weight_dtype(model.lm_head) == head_dtype
-        assert not any(isinstance(module, nn.Linear) for module in model.modules())  # every linear converted
+        converted = [module for module in model.modules() if isinstance(module, (Int8Linear, HalfLinear))]
+        assert not any(isinstance(module, nn.Linear) for module in model.modules())  # every linear, the head too
+        assert model.lm_head in converted and {weight_dtype(module) for module in converted} == {dtype}
 
 
 def weight_dtype(module: nn.Module) -> torch.dtype:
