@@ -8,7 +8,9 @@ checkpoint. Each kvyard scheme is transformers on the weights kvyard's loader co
 to fp32: tests/test_quantization.py checks kvyard's converted engines equal to exactly that model, greedy tokens
 and logprobs to 1e-4), so its logits are kvyard's. The "bf16 matmul" rows are kvyard with --matmul-dtype
 bfloat16 on a prompt: every converted linear computes `bf16_linear` (kvyard's own function) on its weight in bf16
-(tests/test_quantization.py checks the engine's layers round as it does). llama.cpp runs its own GGUF
+(tests/test_quantization.py checks the engine's layers round as it does). The "decode kernel" row is int8 as
+kvyard's native kernel of few rows computes a decode step: activations rounded to int16 per group of 32 first.
+llama.cpp runs its own GGUF
 conversions in its peer venv (`bash benchmarks/setup_peers.sh llamacpp`) with its default f16 KV cache, through
 runners/llamacpp_logits.py.
 
@@ -31,7 +33,7 @@ from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_ggu
 from torch import nn
 
 from kvyard.models.layers import bf16_linear
-from kvyard.models.quantization import converts, round_trip_linears
+from kvyard.models.quantization import converts, round_activations_int16, round_trip_linears
 from kvyard.testing.create_model import cached_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +83,17 @@ def bf16_matmul_reference(model_dir: Path, scheme: str) -> nn.Module:
                 return bf16_linear(rows, weight16, bias, onednn).reshape(*x.shape[:-1], -1)
 
             module.forward = forward  # type: ignore[method-assign,assignment]
+    return model
+
+
+def int16_activation_reference(model_dir: Path) -> nn.Module:
+    """The int8 reference whose converted linears see their input as the native int8 kernel of few rows (decode,
+    verification) rounds it: `round_activations_int16` on each group of 32 (tests/test_quantization.py checks
+    the kernel against exactly that arithmetic)."""
+    model = converted_reference(model_dir, "int8")
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and converts(module, "int8"):
+            module.register_forward_pre_hook(lambda _module, args: (round_activations_int16(args[0]),))
     return model
 
 
@@ -150,6 +163,9 @@ def main() -> int:
     for scheme, name in (("int8", "kvyard int8 (group 32)"), ("fp16", "kvyard fp16"), ("bf16", "kvyard bf16")):
         results[name] = compare(reference, hf_logits(converted_reference(model_dir, scheme), prompts))
         print(json.dumps({name: results[name]}), flush=True)
+    name = "kvyard int8 (group 32), decode kernel: int16 activations"
+    results[name] = compare(reference, hf_logits(int16_activation_reference(model_dir), prompts))
+    print(json.dumps({name: results[name]}), flush=True)
     bf16_matmul_rows = (("int8", "kvyard int8 (group 32), bf16 matmul"), ("bf16", "kvyard bf16, bf16 matmul"),
                         ("none", "kvyard fp32 weights, bf16 matmul"))  # fmt: skip
     for scheme, name in bf16_matmul_rows:

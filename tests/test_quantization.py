@@ -29,6 +29,7 @@ from kvyard.models.quantization import (
     cpu_has_fast_bf16,
     dequantize_int8,
     quantize_int8,
+    round_activations_int16,
     round_trip_linears,
 )
 
@@ -48,22 +49,32 @@ def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
         quantize_int8(torch.randn(4, 40))
 
 
-# rows: one, a block of 8 and remainders of it; out_features: whole tiles of 8 weight rows and a partial one
+# rows: one, a block of 4 or 8 and remainders of it; out_features: whole tiles of 8 weight rows and a partial one
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (3, 130, 256), (32, 77, 512),
                                                                    (7, 4, 32), (9, 19, 64), (17, 1000, 96),
-                                                                   (64, 33, 128)])  # fmt: skip
+                                                                   (64, 33, 128), (2, 24, 1024)])  # fmt: skip
 @pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_the_int8_kernel_matches_a_float64_reference(
-    vector_kernels: NativeKernels, rows: int, out_features: int, in_features: int, bias: bool
+    request: pytest.FixtureRequest, build: str, rows: int, out_features: int, in_features: int, bias: bool
 ) -> None:
+    kernels: NativeKernels = request.getfixturevalue(f"{build}_kernels" if build != "portable" else build)
     generator = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, generator=generator)
+    x[0, :GROUP_SIZE] = 0.0  # an all-zero group of activations: scale 0
     q, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
     b = torch.randn(out_features, generator=generator) if bias else None
-    reference = x.double() @ dequantize_int8(q, scales).double().T + (b.double() if b is not None else 0.0)
-    out = vector_kernels.small_linear_int8(x, q, scales, b)
-    # fp32 accumulation over `in_features` terms of size ~|x|*|w|: a relative error of a few 1e-7 per term
+    weight = dequantize_int8(q, scales).double()
+    reference = round_activations_int16(x).double() @ weight.T + (b.double() if b is not None else 0.0)
+    out = kernels.small_linear_int8(x, q, scales, b)
+    # each group's sum is exact in integers; fp32 scaling and accumulation over `in_features` / 32 groups of size
+    # ~|x|*|w|*sqrt(32): a relative error of a few 1e-7 a term
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
+    # what rounding activations to int16 costs against fp32 x: a step of 1/32767 of the group's max at most
+    exact = x.double() @ weight.T + (b.double() if b is not None else 0.0)
+    group_max = x.abs().reshape(rows, -1, GROUP_SIZE).amax(dim=-1).double()
+    half_step = (group_max / 32767 / 2).repeat_interleave(GROUP_SIZE, 1)
+    assert bool(((out.double() - exact).abs() <= half_step @ weight.abs().T + 1e-5 * in_features**0.5).all())
 
 
 @pytest.mark.parametrize("out_features", [19, 130])  # a partial tile of weight rows: the kernel's row groups end early
@@ -88,14 +99,15 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
     x = torch.randn(8, 96)
     plain = layer(x)  # no kernel yet: dequantized weight, one matmul
     layer.use_native_kernel(native_kernels.small_linear_int8)
-    assert torch.allclose(layer(x), plain, atol=1e-5)
+    # the kernel rounds x to int16 steps of 1/32767 of each group's max: ~1e-5 here, far below int8 weights' error
+    assert torch.allclose(layer(x), plain, atol=1e-4)
     many = torch.randn(Int8Linear.max_small_rows + 8, 96)  # past the kernel's rows: the dequantized matmul
     expected = F.linear(many, dequantize_int8(layer.qweight, layer.scales), layer.bias)
     assert torch.allclose(layer(many), expected, atol=1e-6)
     if torch.backends.mkldnn.is_available():  # the same matmul through oneDNN, as CPU fast paths run it
         layer.use_native_kernel(native_kernels.small_linear_int8, onednn=True)
         assert torch.allclose(layer(many), expected, atol=1e-5)
-        assert torch.allclose(layer(x), plain, atol=1e-5)
+        assert torch.allclose(layer(x), plain, atol=1e-4)
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (9, 19, 64), (17, 130, 40),

@@ -4,8 +4,10 @@ int8: each linear layer's weight as int8 with one fp32 scale per 32 consecutive 
 
 Symmetric, round to nearest: scale = max |w| over the group / 127. A scale per group of 32 (llama.cpp's q8_0
 groups the same way) rather than per output row keeps one large weight from costing its whole row precision;
-it adds 4 bytes per 32 weights, 1.125 bytes a weight against fp32's 4. Decode reads every weight once per step
-and is bound by memory bandwidth, which is the point of the smaller format. Activations stay fp32.
+it adds 4 bytes per 32 weights, 1.125 bytes a weight against fp32's 4. Decode reads every weight once per step,
+a quarter of fp32's bytes. The native kernel for few rows (decode, verification) rounds each group of 32
+activations to int16 steps of the group's max / 32767 (`round_activations_int16`), so that a group's products
+sum exactly in integer units; many rows (prefill) multiply fp32 activations by the dequantized weight.
 
 fp16 / bf16: each linear layer's weight rounded to 16 bits (2 bytes a weight), widened back to fp32 in the
 kernel's registers: fp16 keeps 11 significant bits within its range (|w| < 65504, far above trained weights),
@@ -72,6 +74,16 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(groups / safe[..., None]).clamp_(-127, 127).to(torch.int8)
     return q.reshape(rows, columns).contiguous(), scales.contiguous()
+
+
+def round_activations_int16(x: torch.Tensor) -> torch.Tensor:
+    """x [..., k] as the int8 kernel multiplies it (kernels/csrc/small_linear_int8.c): each group of 32 rounded
+    to nearest even on a step of the group's max |x| / 32767, back in fp32 (tests, quality benchmarks)."""
+    groups = x.float().reshape(*x.shape[:-1], -1, GROUP_SIZE)
+    max_abs = groups.abs().amax(dim=-1, keepdim=True)
+    # tensor / tensor: `32767.0 / max_abs` multiplies by a reciprocal, which rounds differently from the kernel
+    inverse = torch.where(max_abs > 0, torch.full_like(max_abs, 32767.0) / max_abs, torch.zeros_like(max_abs))
+    return (torch.round(groups * inverse) * (max_abs / 32767.0)).reshape(x.shape)
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

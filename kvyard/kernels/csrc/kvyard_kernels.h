@@ -42,7 +42,7 @@ void kvyard_small_linear(const float *x, const float *w, const float *bias, floa
                          int64_t k, int num_threads);
 
 /* small_linear_int8.c: the same with w as int8 q [n, k] and one fp32 scale per 32 weights of a row,
- * scales [n, k / 32]; k a multiple of 32. */
+ * scales [n, k / 32]; k a multiple of 32. x is rounded to int16 per group of 32 (step: the group's max / 32767). */
 void kvyard_small_linear_int8(const float *x, const int8_t *q, const float *scales, const float *bias, float *y,
                               int64_t m, int64_t n, int64_t k, int num_threads);
 

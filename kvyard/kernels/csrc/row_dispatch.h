@@ -16,4 +16,13 @@
     default: CALL(8); break;                  \
     }
 
+/* The same for at most 4 rows. */
+#define FOR_CONSTANT_ROWS_UP_TO_4(rows, CALL) \
+    switch (rows) {                           \
+    case 1: CALL(1); break;                   \
+    case 2: CALL(2); break;                   \
+    case 3: CALL(3); break;                   \
+    default: CALL(4); break;                  \
+    }
+
 #endif
