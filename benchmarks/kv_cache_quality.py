@@ -20,16 +20,16 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from offline_throughput import LLAMA_CPP_VERSION
 from weight_quality import compare, llamacpp_gguf, reference_logits, run_llamacpp_logits, write_results
 
-from kvyard.engine.model_runner import PagedModel
-from kvyard.models.loader import load_model
 from kvyard.testing.create_model import cached_model
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
@@ -50,6 +50,11 @@ def parse_args() -> argparse.Namespace:
 
 def kvyard_logits(model_dir: Path, prompts: list[list[int]], kv_cache_dtype: str) -> torch.Tensor:
     """Logits at every position of each prompt, run as one prefill chunk over a cache in `kv_cache_dtype`."""
+    import torch  # 1 s to import: not before --help has had its chance
+
+    from kvyard.engine.model_runner import PagedModel
+    from kvyard.models.loader import load_model
+
     longest = max(len(p) for p in prompts)
     blocks = -(-longest // BLOCK_SIZE)
     model = load_model(model_dir, torch.float32, torch.device("cpu"), longest)
@@ -75,6 +80,8 @@ def llamacpp_logits(
 
 def main() -> int:
     args = parse_args()
+    import torch
+
     model_dir = cached_model(args.work_dir)
     prompts, reference = reference_logits(model_dir, args.prompts, args.prompt_tokens)
     vocab = reference.shape[-1]

@@ -34,16 +34,17 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from safetensors.torch import load_file, save_file
 from weight_quality import PEERS, RUNNERS, llamacpp_gguf
 
-from kvyard import LLM, SamplingParams
 from kvyard.bench import provenance
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
+
+if TYPE_CHECKING:
+    from kvyard import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 PROPOSERS = ("ngram", "draft", "self-int8", "self-fp16")
@@ -131,6 +132,8 @@ def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    from safetensors.torch import load_file, save_file  # imports torch (1 s): not before --help has had its chance
+
     tensors: dict[str, Any] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         for name, tensor in load_file(path).items():
@@ -157,6 +160,8 @@ def speculative_config(proposer: str, k: int, draft_dir: Path) -> SpeculativeCon
 
 
 def run_kvyard(args: argparse.Namespace, model: Path, draft_dir: Path) -> list[dict[str, Any]]:
+    from kvyard import LLM, SamplingParams
+
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     plain = LLM(str(model))
     rows: list[dict[str, Any]] = []

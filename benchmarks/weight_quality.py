@@ -25,16 +25,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_gguf
-from torch import nn
 
-from kvyard.models.layers import bf16_linear
-from kvyard.models.quantization import converts, round_activations_int16, round_trip_linears
 from kvyard.testing.create_model import cached_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS = PEERS_DIR
@@ -56,12 +56,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def hf_logits(model: nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    import torch  # 1 s to import, as transformers below: not before --help has had its chance
+
     with torch.no_grad():
         return torch.cat([model(torch.tensor([p])).logits[0].float() for p in prompts])
 
 
 def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
-    from transformers import AutoModelForCausalLM  # 1 s to import: not before --help has had its chance
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvyard.models.quantization import round_trip_linears
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if scheme != "none":
@@ -72,6 +77,12 @@ def converted_reference(model_dir: Path, scheme: str) -> nn.Module:
 def bf16_matmul_reference(model_dir: Path, scheme: str) -> nn.Module:
     """The converted reference whose converted linears multiply as kvyard's do with --matmul-dtype bfloat16 on
     many rows (every position of a prompt at once): `bf16_linear` on the converted weight in bf16."""
+    import torch
+    from torch import nn
+
+    from kvyard.models.layers import bf16_linear
+    from kvyard.models.quantization import converts
+
     model = converted_reference(model_dir, scheme)
     onednn = torch.backends.mkldnn.is_available()
     for module in model.modules():
@@ -90,6 +101,10 @@ def int16_activation_reference(model_dir: Path) -> nn.Module:
     """The int8 reference whose converted linears see their input as the native int8 kernel of few rows (decode,
     verification) rounds it: `round_activations_int16` on each group of 32 (tests/test_quantization.py checks
     the kernel against exactly that arithmetic)."""
+    from torch import nn
+
+    from kvyard.models.quantization import converts, round_activations_int16
+
     model = converted_reference(model_dir, "int8")
     for module in model.modules():
         if isinstance(module, nn.Linear) and converts(module, "int8"):
@@ -137,6 +152,7 @@ def llamacpp_logits(args: argparse.Namespace, model_dir: Path, outtype: str, pro
 
 def reference_logits(model_dir: Path, num_prompts: int, prompt_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
     """Seeded prompts of random token ids, and the fp32 model's logits at every position (transformers)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -156,6 +172,8 @@ def write_results(out: Path, conditions: dict[str, Any], results: dict[str, Any]
 
 def main() -> int:
     args = parse_args()
+    import torch
+
     model_dir = cached_model(args.work_dir)
     prompts, reference = reference_logits(model_dir, args.prompts, args.prompt_tokens)
     vocab = reference.shape[-1]
