@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kvyard.kernels.ops import NativeKernels, load_native_kernels
-from kvyard.models.kv_format import KVFormat, to_storage
+    from kvyard.kernels.ops import NativeKernels
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
@@ -37,7 +38,8 @@ CASES = [(batch, context) for batch in (1, 16, 64) for context in (512, 2048)]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # None: torch's own thread count, read in main() (torch takes 1 s to import: not before --help has had its chance)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_format_attention.json")
     return parser.parse_args()
 
@@ -54,6 +56,10 @@ class Case:
 
 
 def make_case(batch: int, context: int) -> Case:
+    import torch
+
+    from kvyard.models.kv_format import KVFormat, to_storage
+
     generator = torch.Generator().manual_seed(batch * 10_000 + context)
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 8
@@ -97,6 +103,13 @@ def speedup(baseline: list[float], times: list[float]) -> float:
 
 def main() -> int:
     args = parse_args()
+    import torch  # 1 s to import, as the kvyard modules below: not before --help has had its chance
+
+    from kvyard.kernels.ops import load_native_kernels
+    from kvyard.models.kv_format import KVFormat
+
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     kernels = load_native_kernels()
     results = []

@@ -22,15 +22,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvyard import SamplingParams  # the engine's LLM imports torch (1 s); SamplingParams alone does not
+from kvyard.testing.create_model import ensure_default_model
+
+if TYPE_CHECKING:
+    from kvyard import LLM
+    from kvyard.kvcache import KVTierConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from redis_utils import start_redis  # noqa: E402
-
-from kvyard import LLM, SamplingParams  # noqa: E402
-from kvyard.kvcache import KVTierConfig  # noqa: E402
-from kvyard.testing.create_model import ensure_default_model  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # for redis_utils, imported where used (it takes 0.5 s)
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -63,6 +65,8 @@ def timed_generate(llm: LLM, prompt: list[int]) -> tuple[float, int, list[int]]:
 
 
 def measure_recompute(model: Path, prompt: list[int], repeats: int, engine: dict[str, Any]) -> dict[str, Any]:
+    from kvyard import LLM  # imports torch (1 s): not before --help has had its chance
+
     with LLM(str(model), **engine) as llm:
         llm.generate([prompt[:256]], ONE_TOKEN)  # warm-up
         runs = []
@@ -76,6 +80,8 @@ def measure_recompute(model: Path, prompt: list[int], repeats: int, engine: dict
 def measure_tier(
     model: Path, prompt: list[int], repeats: int, engine: dict[str, Any], tier: KVTierConfig, cold_disk: bool
 ) -> dict[str, Any]:
+    from kvyard import LLM
+
     with LLM(str(model), kv_tier=tier, **engine) as llm:
         llm.generate([prompt[:256]], ONE_TOKEN)  # warm-up
         llm.generate([prompt], ONE_TOKEN)  # fills the tier
@@ -110,6 +116,10 @@ def main() -> None:
     parser.add_argument("--cold-disk", action="store_true", help="drop the page cache before each disk read")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier.json")
     args = parser.parse_args()
+    from redis_utils import start_redis
+
+    from kvyard.kvcache import KVTierConfig
+
     model = Path(args.model) if args.model else ensure_default_model()
     prompt = [random.Random(0).randrange(3, 30000) for _ in range(args.prompt_tokens)]
     engine = {"max_model_len": args.prompt_tokens + 64}

@@ -27,25 +27,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+from kvyard.testing.create_model import DEFAULT_ARCH, DEFAULT_PRESET, ensure_default_model
 
+if TYPE_CHECKING:
+    from kvyard.kvcache.codec import BlockFormat
+
+# The rest is imported where used, not before --help has had its chance: kvyard.models.loader imports torch (1 s),
+# the test helpers (redis_utils, server_utils) and kvyard.testing.sim_cluster take 0.4 to 0.5 s, httpx and the
+# kvcache modules (numpy, redis) 0.1 to 0.2 s.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from redis_utils import start_redis  # noqa: E402
-from server_utils import start_server  # noqa: E402
-
-from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys  # noqa: E402
-from kvyard.kvcache.codec import BlockFormat, decode_block  # noqa: E402
-from kvyard.kvcache.redis_tier import RedisTier  # noqa: E402
-from kvyard.kvcache.transfer import PullLimits, TransferHandle, pull_blocks  # noqa: E402
-from kvyard.models.loader import model_digest  # noqa: E402
-from kvyard.testing.create_model import DEFAULT_ARCH, DEFAULT_PRESET, ensure_default_model  # noqa: E402
-from kvyard.testing.sim_cluster import TEST_ADMIN_KEY  # noqa: E402
 
 BLOCK_SIZE = 16
-ADMIN = {"authorization": f"Bearer {TEST_ADMIN_KEY}"}
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -54,6 +49,10 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def prefill(url: str, tokens: list[int], transfer_id: str) -> None:
+    import httpx
+
+    from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
+
     body = {"prompt": tokens, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}  # fmt: skip
     response = httpx.post(f"{url}/v1/completions", json=body, headers={"x-kvyard-admin-key": TEST_ADMIN_KEY},
@@ -62,6 +61,17 @@ def prefill(url: str, tokens: list[int], transfer_id: str) -> None:
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from redis_utils import start_redis
+    from server_utils import start_server
+
+    from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
+    from kvyard.kvcache.codec import decode_block
+    from kvyard.kvcache.redis_tier import RedisTier
+    from kvyard.kvcache.transfer import PullLimits, TransferHandle, pull_blocks
+    from kvyard.models.loader import model_digest
+    from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
+
+    admin = {"authorization": f"Bearer {TEST_ADMIN_KEY}"}
     model = ensure_default_model(DEFAULT_ARCH, DEFAULT_PRESET)
     server = start_server(model, work, "--kv-tier", "none", "--kv-lease-s", "600", timeout=300)
     redis_server = start_redis(work)
@@ -78,7 +88,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             keys = chain_block_keys(root, tokens, BLOCK_SIZE)
             started = time.perf_counter()
             pulled = pull_blocks(TransferHandle(server.url, transfer_id), root, keys, 0, fmt,
-                                 PullLimits(600, 60, ADMIN))  # fmt: skip
+                                 PullLimits(600, 60, admin))  # fmt: skip
             pull_s = time.perf_counter() - started
             if pulled.failure is not None or len(pulled) != len(keys):
                 raise RuntimeError(f"pull failed: {pulled.failure}, {len(pulled)} of {len(keys)} blocks")
@@ -106,6 +116,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def block_format(model: Path) -> BlockFormat:
     """The format of the server's KV blocks: [layers, 2, block size, KV heads, head dim] in float32."""
+    from kvyard.kvcache.codec import BlockFormat
+
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     shape = (config["num_hidden_layers"], 2, BLOCK_SIZE, config["num_key_value_heads"], head_dim)

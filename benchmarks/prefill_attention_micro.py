@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvyard.kernels.build import KernelsUnavailable
-from kvyard.kernels.ops import load_native_kernels
-from kvyard.models.attention import AttentionMetadata, build_attention_metadata
-from kvyard.models.attention_backends import CPUNativeBackend, TorchSDPABackend
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvyard.models.attention import AttentionMetadata
+    from kvyard.models.attention_backends import CPUNativeBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
@@ -61,6 +63,11 @@ class Timing:
 
 
 def make_step(query_len: int, context_len: int, native: CPUNativeBackend, seed: int) -> Step:
+    import torch  # 1 s to import, as the kvyard modules below: not before --help has had its chance
+
+    from kvyard.models.attention import build_attention_metadata
+    from kvyard.models.attention_backends import TorchSDPABackend
+
     generator = torch.Generator().manual_seed(seed)
     used_blocks = -(-context_len // BLOCK_SIZE)
     num_blocks = 2 * used_blocks
@@ -164,6 +171,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only query_len 130 / context 2500")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json")
     args = parser.parse_args()
+    import torch
+
+    from kvyard.kernels.ops import load_native_kernels
+    from kvyard.models.attention_backends import CPUNativeBackend
+
     try:
         native = CPUNativeBackend(load_native_kernels())
     except KernelsUnavailable as error:
