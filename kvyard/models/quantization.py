@@ -94,9 +94,10 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights: few rows (decode) through the native int8 kernel, which reads the int8
-    weights directly; more rows (prefill, large batches) dequantize the weight for one fp32 matmul, through
-    oneDNN where PyTorch has it (as fp32 `Linear`: on AMD CPUs MKL's matmul was 2.1-2.2x slower at 512-2048 rows),
-    or widen it for one bf16 matmul (`use_native_kernel`'s `to_bf16`)."""
+    weights directly and rounds its input to int16 per group of 32 (`round_activations_int16`); more rows
+    (prefill, large batches) dequantize the weight for one fp32 matmul, through oneDNN where PyTorch has it (as
+    fp32 `Linear`: on AMD CPUs MKL's matmul was 2.1-2.2x slower at 512-2048 rows), or widen it for one bf16 matmul
+    (`use_native_kernel`'s `to_bf16`)."""
 
     # Up to 64 rows the kernel beats dequantizing for one matmul, MKL's or oneDNN's, once the dequantization of
     # every weight (lm_head too) is counted: a step's worth is 4 bytes written per weight.
