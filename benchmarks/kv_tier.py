@@ -108,13 +108,14 @@ def measure_tier(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-tokens", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default=None, help="model dir (default: the embedded bench model)")
-    parser.add_argument("--tiers", default="memory,disk,redis")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=4096, help="tokens of the stored prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="timed reads per tier (median reported)")
+    parser.add_argument("--model", default=None, help="model dir (None: the embedded bench model)")
+    parser.add_argument("--tiers", default="memory,disk,redis", help="comma-separated tiers to measure")
     parser.add_argument("--cold-disk", action="store_true", help="drop the page cache before each disk read")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier.json", help="JSON result file")
     args = parser.parse_args()
     from redis_utils import start_redis
 

@@ -111,11 +111,13 @@ def measure(model: Path, redis: RedisProcess, stored: list[list[int]], args: arg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=4, help="running greedy decodes (default 4)")
-    parser.add_argument("--phase-s", type=float, default=5.0, help="length of each phase and of the stall (5)")
-    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each stored prompt (2048)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier_stall.json")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--streams", type=int, default=4, help="running greedy decodes")
+    parser.add_argument("--phase-s", type=float, default=5.0, help="seconds of each phase and of the stall")
+    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each stored prompt")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier_stall.json",
+                        help="JSON result file")
     args = parser.parse_args()
     from redis_utils import start_redis
 
