@@ -59,8 +59,9 @@ class LLMEngine(EngineCore):
         fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
         bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme) and fast_paths_possible
         if bf16_matmul and not cpu_has_fast_bf16():
-            _LOG.warning("--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: oneDNN emulates bf16 matmuls "
-                         "here, which is likely slower than float32")  # fmt: skip
+            _LOG.warning("--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: bf16 matmuls are emulated "
+                         "here (by oneDNN, or by PyTorch where oneDNN has no bf16 path), likely slower than "
+                         "float32")  # fmt: skip
         digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = self._choose_num_blocks(max_model_len)

@@ -56,7 +56,18 @@ class Linear(nn.Linear):
         self.onednn = onednn
         self.packed_weight = onednn_layout(self.weight.detach()) if pack and not bf16_matmul else None
         weight16 = self.weight.detach().to(torch.bfloat16) if bf16_matmul else None
-        self.bf16_weight = onednn_layout(weight16) if weight16 is not None and onednn else weight16
+        self.bf16_weight = bf16_layout(weight16, onednn) if weight16 is not None else None
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 matrices on this CPU. It needs AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX and
+    refuses otherwise; an AVX2-only CPU takes PyTorch's own bf16 matmul instead (slower than fp32 there)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_layout(weight16: torch.Tensor, onednn: bool) -> torch.Tensor:
+    """A bf16 weight as `bf16_linear` reads it: in oneDNN's layout where oneDNN runs bf16, else as it is."""
+    return onednn_layout(weight16) if onednn and onednn_runs_bf16() else weight16
 
 
 def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -69,7 +80,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
     the product rounded to bf16; returned in fp32, the fp32 bias added."""
     rounded = x.to(torch.bfloat16)
-    if onednn:
+    if onednn and onednn_runs_bf16():
         product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
     else:
         product = F.linear(rounded, weight)

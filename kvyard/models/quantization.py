@@ -29,7 +29,7 @@ from torch import nn
 
 from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
-from kvyard.models.layers import bf16_linear, onednn_layout
+from kvyard.models.layers import bf16_layout, bf16_linear
 
 GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -146,7 +146,7 @@ class Int8Linear(nn.Module):
         self.bf16_weight = None
         if to_bf16 is not None and keep_bf16_copy:
             weight16 = to_bf16(self.qweight, self.scales)
-            self.bf16_weight = onednn_layout(weight16) if onednn else weight16
+            self.bf16_weight = bf16_layout(weight16, onednn)
         if to_bf16 is None:
             self.max_small_rows = Int8Linear.max_small_rows
         else:
