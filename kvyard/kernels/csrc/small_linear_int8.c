@@ -120,26 +120,45 @@ static void quantize_group(const float *x, int16_t *out, float *scale) {
     _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(second, 0xD8));
 }
 
+/* One group's 32 products against each of `rows` rows of x, scaled, added into acc[r]. The groups' combined scales
+ * are multiplied a chunk at a time beforehand and broadcast from memory (a load, not a shuffle), and the even and odd
+ * groups run unrolled, without a branch: one thread at one row of x took 0.77-0.82x the time of a loop that did both
+ * per group (2-core AMD EPYC Zen 2, the bench model's int8 linears; 0.91-0.97x at 2-64 rows; two threads at one row
+ * are bound by memory there, either way). */
+static inline __attribute__((always_inline)) void dot_group(QuantizedRows x, int64_t k, const int8_t *qg,
+                                                            int64_t offset, const float *combined, int64_t stride,
+                                                            __m256 *acc, const int rows) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qg));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qg + 16)));
+    for (int r = 0; r < rows; r++) {
+        const int16_t *xg = x.values + r * k + offset;
+        const __m256i pairs = _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xg), w0),
+                                               _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xg + 16)), w1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_broadcast_ss(combined + r * stride), acc[r]);
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_row(QuantizedRows x, int64_t k, const int8_t *q,
                                                           const float *scales, float *out, int64_t out_stride,
                                                           const int rows) {
     const int64_t groups = k / GROUP;
     __m256 even[X_ROWS_PER_BLOCK], odd[X_ROWS_PER_BLOCK];
+    float combined[X_ROWS_PER_BLOCK][SCALE_CHUNK] __attribute__((aligned(32)));
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *qg = q + g * GROUP;
-        if ((g & 1) == 0) prefetch_weights(qg + WEIGHT_PREFETCH_BYTES);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qg));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qg + 16)));
-        for (int r = 0; r < rows; r++) {
-            const int16_t *xg = x.values + r * k + g * GROUP;
-            const __m256i pairs = _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xg), w0),
-                                                   _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xg + 16)), w1));
-            const __m256 scale = _mm256_set1_ps(x.scales[r * groups + g] * scales[g]);
-            if (g & 1)
-                odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), scale, odd[r]);
-            else
-                even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), scale, even[r]);
+    for (int64_t g0 = 0; g0 < groups; g0 += SCALE_CHUNK) {
+        const int64_t chunk = groups - g0 < SCALE_CHUNK ? groups - g0 : SCALE_CHUNK;
+        for (int r = 0; r < rows; r++)
+            for (int64_t g = 0; g < chunk; g++) combined[r][g] = x.scales[r * groups + g0 + g] * scales[g0 + g];
+        int64_t g = 0;
+        for (; g + 1 < chunk; g += 2) {
+            const int64_t offset = (g0 + g) * GROUP;
+            prefetch_weights(q + offset + WEIGHT_PREFETCH_BYTES);
+            dot_group(x, k, q + offset, offset, &combined[0][g], SCALE_CHUNK, even, rows);
+            dot_group(x, k, q + offset + GROUP, offset + GROUP, &combined[0][g + 1], SCALE_CHUNK, odd, rows);
+        }
+        if (g < chunk) {
+            const int64_t offset = (g0 + g) * GROUP;
+            dot_group(x, k, q + offset, offset, &combined[0][g], SCALE_CHUNK, even, rows);
         }
     }
     for (int r = 0; r < rows; r++) out[r * out_stride] = hsum8(_mm256_add_ps(even[r], odd[r]));
