@@ -14,7 +14,7 @@ from kvyard.cli.sim import add_sim_arguments, sim_config
 from kvyard.sim.calibration import CalibrationError, _batch_lengths, _replay_seconds, attention_ratio, calibrate
 from kvyard.sim.calibration import calibrate_from_json as calibrate_file
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
-from kvyard.sim.roofline import roofline_preset
+from kvyard.sim.roofline import LLAMA3_8B_BF16, roofline_preset
 
 BENCHMARK_JSON = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "offline_throughput.json"
 MODEL = CostModel(step_base_s=0.03, prefill_token_s=5e-4, attention_pair_s=2e-7, decode_seq_s=2e-3,
@@ -129,6 +129,24 @@ def test_roofline_preset_has_the_gpu_shape_prefill_bound_by_compute_decode_by_ba
     # On the measured CPU model the same comparison is the other way round: decode is not bandwidth-bound there.
     cpu = CostModel()
     assert cpu.decode_step_seconds(64, 64 * 1000) > 3 * cpu.decode_step_seconds(1, 1000)
+
+
+def test_measured_h200_preset_takes_its_efficiencies_from_the_committed_calibration() -> None:
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    measured = json.loads((results / "gpu_roofline_calibration_2026-12-04_h200.json").read_text())["results"]
+    device = roofline_preset("h200-llama3-8b").device
+    prefill = {row["tokens"]: row for row in measured["prefill_linears"]}
+    assert device.compute_efficiency == pytest.approx(prefill[2048]["compute_efficiency"], abs=0.01)
+    attention = {row["tokens"]: row for row in measured["prefill_attention"]}
+    assert device.attention_efficiency == pytest.approx(attention[8192]["attention_efficiency"], abs=0.01)
+    weights = [row["bandwidth_efficiency"] for row in measured["decode_linears"] if row["rows"] <= 32]
+    assert min(weights) - 0.01 <= device.bandwidth_efficiency <= max(weights) + 0.01
+    kv = {row["rows"]: row for row in measured["decode_attention"]}
+    assert device.kv_bandwidth_efficiency == pytest.approx(kv[32]["bandwidth_efficiency"], abs=0.01)
+    # KV reads have their own efficiency: a decoding sequence's context costs its bytes at that rate.
+    cost, model = roofline_preset("h200-llama3-8b").cost, LLAMA3_8B_BF16
+    assert cost.decode_context_s == pytest.approx(model.kv_bytes_per_token / (4.8e12 * 0.75))
+    assert cost.step_base_s == pytest.approx(model.weight_bytes / (4.8e12 * 0.56) + device.launch_overhead_s)
 
 
 def test_unknown_roofline_preset_names_the_known_ones() -> None:

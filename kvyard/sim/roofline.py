@@ -11,8 +11,9 @@ prefill/decode disaggregation exploits. A roofline estimate gives the simulator 
     decode_seq_s      = prefill_token_s                                         the same linear layers
     decode_context_s  = KV bytes per token / (bandwidth x bandwidth efficiency)
 
-These are estimates from public specifications, not measurements: results of a simulator run on them say what the
-arithmetic implies, and their conditions must say so.
+`h100-llama3-8b` is an estimate from public specifications with guessed efficiencies; `h200-llama3-8b` takes its
+efficiencies from timings of the step's pieces on an H200 (below). Neither is a measured engine: results of a
+simulator run on them say what the arithmetic implies, and their conditions must say so.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class Device:
     bandwidth_bytes_per_s: float
     compute_efficiency: float = 0.5  # linear layers of a large prefill batch
     attention_efficiency: float = 0.4
-    bandwidth_efficiency: float = 0.75
+    bandwidth_efficiency: float = 0.75  # weights read by a decode step
     launch_overhead_s: float = 5e-4  # per forward pass, with graphs captured
+    kv_bandwidth_efficiency: float | None = None  # KV read by decode attention; None: bandwidth_efficiency
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class RooflinePreset:
 def roofline_cost(model: ModelShape, device: Device) -> CostModel:
     flops = device.peak_flops * device.compute_efficiency
     bandwidth = device.bandwidth_bytes_per_s * device.bandwidth_efficiency
+    kv_efficiency = device.kv_bandwidth_efficiency or device.bandwidth_efficiency
     token_s = 2 * model.parameters / flops
     pair_flops = 4 * model.layers * model.query_heads * model.head_dim
     return CostModel(
@@ -75,7 +78,7 @@ def roofline_cost(model: ModelShape, device: Device) -> CostModel:
         prefill_token_s=token_s,
         attention_pair_s=pair_flops / (device.peak_flops * device.attention_efficiency),
         decode_seq_s=token_s,
-        decode_context_s=model.kv_bytes_per_token / bandwidth,
+        decode_context_s=model.kv_bytes_per_token / (device.bandwidth_bytes_per_s * kv_efficiency),
     )
 
 
@@ -86,7 +89,19 @@ H100_LLAMA3_8B = RooflinePreset(
     "h100-llama3-8b", LLAMA3_8B_BF16, H100_SXM, transfer_gb_per_s=25.0,
     transfer_note="one 200 Gb/s RDMA NIC per replica",
 )  # fmt: skip
-ROOFLINE_PRESETS = (H100_LLAMA3_8B,)
+# The efficiencies measured on an NVIDIA H200 with PyTorch 2.11 (benchmarks/gpu_roofline_calibration.py,
+# results/gpu_roofline_calibration_2026-12-04_h200.json): one layer's linears over 2,048 prompt tokens at 0.78 of the
+# dense bf16 peak; over 1-32 decode rows, reading its weights at 0.55-0.57 of 4.8 TB/s; causal attention of an
+# 8,192-token prompt at 0.56 of the peak (0.30 at 2,048); decode attention over 4,096 tokens of KV at 0.75 (32
+# sequences) to 0.89 (128) of the bandwidth. Launch overhead and the link between replicas are still assumed.
+H200_SXM_MEASURED = Device("H200 SXM, efficiencies measured", peak_flops=989e12, bandwidth_bytes_per_s=4.8e12,
+                           compute_efficiency=0.78, attention_efficiency=0.56, bandwidth_efficiency=0.56,
+                           kv_bandwidth_efficiency=0.75)  # fmt: skip
+H200_LLAMA3_8B = RooflinePreset(
+    "h200-llama3-8b", LLAMA3_8B_BF16, H200_SXM_MEASURED, transfer_gb_per_s=25.0,
+    transfer_note="one 200 Gb/s RDMA NIC per replica (assumed, not measured)",
+)  # fmt: skip
+ROOFLINE_PRESETS = (H100_LLAMA3_8B, H200_LLAMA3_8B)
 
 
 def roofline_preset(name: str) -> RooflinePreset:

@@ -1,0 +1,136 @@
+"""Measure, on a CUDA GPU, the efficiency factors that `kvyard/sim/roofline.py` assumes for a model shape.
+
+The simulator's GPU cost presets are roofline estimates: peak FLOP/s and memory bandwidth from a datasheet, times
+efficiencies (compute 0.5, attention 0.4, bandwidth 0.75) that were guesses. This script times the pieces a step is
+made of, with PyTorch on the GPU at hand, for Llama-3-8B's shape in bf16 (random weights), and writes what fraction
+of the peaks each reached:
+
+- the linear layers of one decoder layer over T prompt tokens (compute-bound): compute efficiency;
+- the same over B decode rows (memory-bound: the layer's 436 MB of weights read once): bandwidth efficiency;
+- causal attention of a T-token prompt (`scaled_dot_product_attention`, flash where PyTorch has it);
+- decode attention of B sequences over C tokens of KV each (bandwidth).
+
+One layer's weights are 436 MB, far above any GPU's L2, so timing one layer repeatedly streams them as a whole
+model would. Timings are CUDA-event medians of 20 runs after 3 warm-ups.
+
+    python3 benchmarks/gpu_roofline_calibration.py --out benchmarks/results/gpu_roofline_calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+LINEAR_SHAPES = ((HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN), (HIDDEN, 2 * INTERMEDIATE),
+                 (INTERMEDIATE, HIDDEN))  # (in, out): qkv, o, gate_up, down  # fmt: skip
+LAYER_PARAMETERS = sum(n_in * n_out for n_in, n_out in LINEAR_SHAPES)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak the preset assumes "
+                        "(H100/H200 SXM datasheet)")  # fmt: skip
+    parser.add_argument("--bandwidth-tb-s", type=float, default=None, help="memory bandwidth the efficiencies are "
+                        "against (default: 4.8 for an H200, 3.35 for an H100, by the device's name)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--decode-context", type=int, default=4096, help="KV tokens per sequence in decode attention")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json")
+    return parser.parse_args()
+
+
+def median_seconds(fn: Callable[[], Any], warmup: int = 3, runs: int = 20) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def linear_layers(weights: list[Any], rows: int) -> float:
+    import torch
+
+    inputs = [torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16) for n_in, _ in LINEAR_SHAPES]
+    return median_seconds(lambda: [x @ w for x, w in zip(inputs, weights, strict=True)])
+
+
+def prefill_attention(tokens: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def decode_attention(rows: int, context: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(rows, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_roofline_calibration.py: needs a CUDA GPU (PyTorch sees none)")
+    name = torch.cuda.get_device_name()
+    bandwidth_tb_s = args.bandwidth_tb_s or (4.8 if "H200" in name else 3.35)
+    peak, bandwidth = args.peak_tflops * 1e12, bandwidth_tb_s * 1e12
+    weights = [torch.randn(n_in, n_out, device="cuda", dtype=torch.bfloat16) for n_in, n_out in LINEAR_SHAPES]
+    layer_bytes = 2 * LAYER_PARAMETERS
+    results: dict[str, Any] = {"prefill_linears": [], "decode_linears": [], "prefill_attention": [],
+                               "decode_attention": []}  # fmt: skip
+    for tokens in args.prompt_tokens:
+        seconds = linear_layers(weights, tokens)
+        flops = 2 * LAYER_PARAMETERS * tokens
+        results["prefill_linears"].append({"tokens": tokens, "seconds": seconds, "tflops": flops / seconds / 1e12,
+                                           "compute_efficiency": flops / seconds / peak})  # fmt: skip
+        seconds = prefill_attention(tokens)
+        flops = 4 * HEADS * HEAD_DIM * tokens * tokens / 2  # causal: half the (query, key) pairs
+        results["prefill_attention"].append({"tokens": tokens, "seconds": seconds, "tflops": flops / seconds / 1e12,
+                                             "attention_efficiency": flops / seconds / peak})  # fmt: skip
+    for rows in args.decode_rows:
+        seconds = linear_layers(weights, rows)
+        results["decode_linears"].append({"rows": rows, "seconds": seconds, "tb_s": layer_bytes / seconds / 1e12,
+                                          "bandwidth_efficiency": layer_bytes / seconds / bandwidth})  # fmt: skip
+        seconds = decode_attention(rows, args.decode_context)
+        kv_bytes = rows * 2 * KV_HEADS * args.decode_context * HEAD_DIM * 2
+        results["decode_attention"].append({"rows": rows, "context": args.decode_context, "seconds": seconds,
+                                            "tb_s": kv_bytes / seconds / 1e12,
+                                            "bandwidth_efficiency": kv_bytes / seconds / bandwidth})  # fmt: skip
+    conditions = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "model_shape": "Llama-3-8B, bf16, one decoder layer's linears (436 MB) and attention (GQA 32/8)",
+                  "peak_tflops_assumed": args.peak_tflops, "bandwidth_tb_s_assumed": bandwidth_tb_s,
+                  "timing": "CUDA events, median of 20 after 3 warm-ups",
+                  "preset_assumptions": {"compute_efficiency": 0.5, "attention_efficiency": 0.4,
+                                         "bandwidth_efficiency": 0.75}}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=1) + "\n")
+    for kind, rows in results.items():
+        for row in rows:
+            print(kind, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
