@@ -13,6 +13,10 @@ of the peaks each reached:
 One layer's weights are 436 MB, far above any GPU's L2, so timing one layer repeatedly streams them as a whole
 model would. Timings are CUDA-event medians of 20 runs after 3 warm-ups.
 
+Then whole steps of the 32-layer model (RMSNorm, the linears, attention, SiLU gate; no rotary embedding), to set
+beside what the `h200-llama3-8b` preset predicts for them: decode steps of B sequences with C tokens of KV each,
+replayed from a CUDA graph as a serving engine runs them, and prefills of T tokens.
+
     python3 benchmarks/gpu_roofline_calibration.py --out benchmarks/results/gpu_roofline_calibration.json
 """
 
@@ -42,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--decode-context", type=int, default=4096, help="KV tokens per sequence in decode attention")
+    parser.add_argument("--skip-full-model", action="store_true", help="time the pieces only, not whole steps of "
+                        "the 32-layer model (which needs about 17 GB of weights and up to 17 GB of KV)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json")
     return parser.parse_args()
 
@@ -87,6 +93,90 @@ def decode_attention(rows: int, context: int) -> float:
     return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
+class DecoderStack:
+    """Llama-3-8B's 32 layers with random bf16 weights: enough to time whole steps, not to produce text."""
+
+    def __init__(self, layers: int = 32, vocab: int = 128256) -> None:
+        import torch
+
+        def weights() -> list[Any]:
+            return [torch.randn(n_in, n_out, device="cuda", dtype=torch.bfloat16) * 0.02
+                    for n_in, n_out in LINEAR_SHAPES]  # fmt: skip
+
+        self.layers = [weights() for _ in range(layers)]
+        self.head = torch.randn(HIDDEN, vocab, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def forward(self, x: Any, caches: list[tuple[Any, Any]] | None, causal: bool) -> Any:
+        """x [B, T, hidden]. With caches (one (K, V) of [B, kv_heads, C, head_dim] a layer) the T queries attend
+        to them, else to their own keys (a prompt)."""
+        import torch.nn.functional as F
+
+        batch, tokens, _ = x.shape
+        for index, (qkv_w, o_w, gate_up_w, down_w) in enumerate(self.layers):
+            qkv = F.rms_norm(x, (HIDDEN,)) @ qkv_w
+            q, k, v = qkv.split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=-1)
+            q = q.view(batch, tokens, HEADS, HEAD_DIM).transpose(1, 2)
+            if caches is None:
+                k = k.view(batch, tokens, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                v = v.view(batch, tokens, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            else:
+                k, v = caches[index]
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            x = x + attention.transpose(1, 2).reshape(batch, tokens, HEADS * HEAD_DIM) @ o_w
+            gate, up = (F.rms_norm(x, (HIDDEN,)) @ gate_up_w).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ down_w
+        return F.rms_norm(x[:, -1], (HIDDEN,)) @ self.head
+
+
+def decode_step_seconds(stack: DecoderStack, rows: int, context: int) -> float:
+    import torch
+
+    caches = [tuple(torch.randn(rows, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2)) for _ in stack.layers]  # fmt: skip
+    x = torch.randn(rows, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            stack.forward(x, caches, causal=False)  # type: ignore[arg-type]
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stack.forward(x, caches, causal=False)  # type: ignore[arg-type]
+    seconds = median_seconds(graph.replay)
+    del graph, caches
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def prefill_seconds(stack: DecoderStack, tokens: int) -> float:
+    import torch
+
+    x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    return median_seconds(lambda: stack.forward(x, None, causal=True), warmup=2, runs=5)
+
+
+def full_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """Whole-model steps measured, beside the preset's prediction of each."""
+    from kvyard.sim.roofline import roofline_preset
+
+    cost = roofline_preset("h200-llama3-8b").cost
+    stack = DecoderStack()
+    decode = []
+    for rows in args.decode_rows:
+        measured = decode_step_seconds(stack, rows, args.decode_context)
+        predicted = cost.decode_step_seconds(rows, rows * args.decode_context)
+        decode.append({"rows": rows, "context": args.decode_context, "seconds": measured, "preset_seconds": predicted,
+                       "preset_over_measured": predicted / measured})  # fmt: skip
+    prefill = []
+    for tokens in args.prompt_tokens:
+        measured = prefill_seconds(stack, tokens)
+        predicted = cost.prefill_seconds(tokens)
+        prefill.append({"tokens": tokens, "seconds": measured, "preset_seconds": predicted,
+                        "preset_over_measured": predicted / measured})  # fmt: skip
+    return {"decode_steps_cuda_graph": decode, "prefills": prefill}
+
+
 def main() -> None:
     args = parse_args()
     import torch
@@ -118,6 +208,8 @@ def main() -> None:
         results["decode_attention"].append({"rows": rows, "context": args.decode_context, "seconds": seconds,
                                             "tb_s": kv_bytes / seconds / 1e12,
                                             "bandwidth_efficiency": kv_bytes / seconds / bandwidth})  # fmt: skip
+    if not args.skip_full_model:
+        results.update(full_steps(args))
     conditions = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
                   "model_shape": "Llama-3-8B, bf16, one decoder layer's linears (436 MB) and attention (GQA 32/8)",
                   "peak_tflops_assumed": args.peak_tflops, "bandwidth_tb_s_assumed": bandwidth_tb_s,

@@ -89,14 +89,15 @@ H100_LLAMA3_8B = RooflinePreset(
     "h100-llama3-8b", LLAMA3_8B_BF16, H100_SXM, transfer_gb_per_s=25.0,
     transfer_note="one 200 Gb/s RDMA NIC per replica",
 )  # fmt: skip
-# The efficiencies measured on an NVIDIA H200 with PyTorch 2.11 (benchmarks/gpu_roofline_calibration.py,
-# results/gpu_roofline_calibration_2026-12-04_h200.json): one layer's linears over 2,048 prompt tokens at 0.78 of the
-# dense bf16 peak; over 1-32 decode rows, reading its weights at 0.55-0.57 of 4.8 TB/s; causal attention of an
-# 8,192-token prompt at 0.56 of the peak (0.30 at 2,048); decode attention over 4,096 tokens of KV at 0.75 (32
-# sequences) to 0.89 (128) of the bandwidth. Launch overhead and the link between replicas are still assumed.
+# Measured on an NVIDIA H200 with PyTorch 2.11 (benchmarks/gpu_roofline_calibration.py,
+# results/gpu_roofline_calibration_2026-12-04_h200.json). Whole decode steps of the 32-layer model replayed from a
+# CUDA graph (launches included, so no separate launch overhead) fit a weight read at 0.68 of 4.8 TB/s and KV reads
+# at 0.87 (5.0 ms at 1 sequence, 21.4 ms at 128 with 4,096 tokens of KV each); one layer's linears over 2,048
+# prompt tokens ran at 0.78 of the dense bf16 peak, causal attention of an 8,192-token prompt at 0.59. Only the
+# link between replicas is still assumed.
 H200_SXM_MEASURED = Device("H200 SXM, efficiencies measured", peak_flops=989e12, bandwidth_bytes_per_s=4.8e12,
-                           compute_efficiency=0.78, attention_efficiency=0.56, bandwidth_efficiency=0.56,
-                           kv_bandwidth_efficiency=0.75)  # fmt: skip
+                           compute_efficiency=0.78, attention_efficiency=0.59, bandwidth_efficiency=0.68,
+                           launch_overhead_s=0.0, kv_bandwidth_efficiency=0.87)  # fmt: skip
 H200_LLAMA3_8B = RooflinePreset(
     "h200-llama3-8b", LLAMA3_8B_BF16, H200_SXM_MEASURED, transfer_gb_per_s=25.0,
     transfer_note="one 200 Gb/s RDMA NIC per replica (assumed, not measured)",
