@@ -525,7 +525,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         "times": "simulated seconds (wall / time_scale); rates per simulated second",
         "cost_preset": args.cost_preset,
         "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores" if preset is None else
-        f"roofline estimate, not a measurement: {preset.model.name} on {preset.device.name} "
+        f"roofline model, not a serving engine measured: {preset.model.name} on {preset.device.name} "
         f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
         "max_num_batched_tokens": sim.scheduler.max_num_batched_tokens,
         "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else

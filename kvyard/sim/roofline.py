@@ -9,11 +9,11 @@ prefill/decode disaggregation exploits. A roofline estimate gives the simulator 
     prefill_token_s   = 2 x parameters / (peak FLOP/s x compute efficiency)     linear layers of one token
     attention_pair_s  = 4 x layers x query heads x head dim / (peak FLOP/s x attention efficiency)
     decode_seq_s      = prefill_token_s                                         the same linear layers
-    decode_context_s  = KV bytes per token / (bandwidth x bandwidth efficiency)
+    decode_context_s  = KV bytes per token / (bandwidth x KV bandwidth efficiency, else bandwidth efficiency)
 
-`h100-llama3-8b` is an estimate from public specifications with guessed efficiencies; `h200-llama3-8b` takes its
-efficiencies from timings of the step's pieces on an H200 (below). Neither is a measured engine: results of a
-simulator run on them say what the arithmetic implies, and their conditions must say so.
+`h100-llama3-8b` is an estimate from public specifications with guessed efficiencies; `h200-llama3-8b` is fitted to
+whole steps of a PyTorch Llama-3-8B stack timed on an H200 (below). Neither is a serving engine measured: results of
+a simulator run on them say what the arithmetic implies, and their conditions must say so.
 """
 
 from __future__ import annotations
