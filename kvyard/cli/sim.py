@@ -54,8 +54,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-engine", default="kvyard", help="which engine of that JSON to fit")
     parser.add_argument("--cost-preset", default=None, choices=[p.name for p in ROOFLINE_PRESETS],
                         help="a roofline cost model of a GPU and model this machine lacks (kvyard/sim/roofline.py: "
-                        "estimates from public specifications, not measurements); it also sets the KV bytes per "
-                        "token and transfer bandwidth unless given")  # fmt: skip
+                        "h100 from public specifications, h200 fitted to steps timed on an H200; neither a serving "
+                        "engine measured); it also sets the KV bytes per token and transfer bandwidth unless "
+                        "given")  # fmt: skip
     add_log_level_option(parser)
     add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None,
                                                     "kv_bytes_per_token": None, "transfer_gb_per_s": None},
