@@ -80,11 +80,11 @@ def bf16_matmul_reference(model_dir: Path, scheme: str) -> nn.Module:
     import torch
     from torch import nn
 
-    from kvyard.models.layers import bf16_linear
+    from kvyard.models.layers import bf16_linear, onednn_runs_bf16
     from kvyard.models.quantization import converts
 
     model = converted_reference(model_dir, scheme)
-    onednn = torch.backends.mkldnn.is_available()
+    onednn = torch.backends.mkldnn.is_available() and onednn_runs_bf16()
     for module in model.modules():
         if isinstance(module, nn.Linear) and converts(module, scheme):
             weight16 = module.weight.detach().to(torch.bfloat16)  # the converted weight, exactly (int8: as widened)
@@ -191,7 +191,7 @@ def main() -> int:
         print(json.dumps({name: results[name]}), flush=True)
     prompts_file = args.work_dir / "weight_quality_prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    for outtype in args.gguf_types.split(","):
+    for outtype in filter(None, args.gguf_types.split(",")):
         logits = llamacpp_logits(args, model_dir, outtype, prompts_file)
         name = f"llama.cpp {outtype}"
         results[name] = logits if isinstance(logits, str) else compare(reference, torch.from_numpy(logits)[:, :vocab])

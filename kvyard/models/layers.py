@@ -30,6 +30,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
         self.onednn = False
+        self.bf16_onednn = False  # bf16 matmuls through oneDNN (where it runs bf16), else PyTorch's
         self.small_kernel: SmallLinearKernel | None = None
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of `weight`; a second copy
         self.bf16_weight: torch.Tensor | None = None  # `weight` in bf16 (oneDNN's layout with it) for bf16 matmuls
@@ -39,7 +40,7 @@ class Linear(nn.Linear):
         if self.small_kernel is not None and rows <= self.max_small_rows:
             return self.small_kernel(x, self.weight, self.bias)
         if self.bf16_weight is not None and rows > self.max_small_rows:
-            return bf16_linear(x, self.bf16_weight, self.bias, self.onednn)
+            return bf16_linear(x, self.bf16_weight, self.bias, self.bf16_onednn)
         if self.onednn:
             weight = self.packed_weight if self.packed_weight is not None else self.weight
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
@@ -54,20 +55,16 @@ class Linear(nn.Linear):
         in place of the fp32 packed copy (half its size)."""
         self.small_kernel = small_kernel
         self.onednn = onednn
+        self.bf16_onednn = onednn and onednn_runs_bf16()
         self.packed_weight = onednn_layout(self.weight.detach()) if pack and not bf16_matmul else None
         weight16 = self.weight.detach().to(torch.bfloat16) if bf16_matmul else None
-        self.bf16_weight = bf16_layout(weight16, onednn) if weight16 is not None else None
+        self.bf16_weight = onednn_layout(weight16) if weight16 is not None and self.bf16_onednn else weight16
 
 
 def onednn_runs_bf16() -> bool:
     """Whether oneDNN multiplies bf16 matrices on this CPU. It needs AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX and
     refuses otherwise; an AVX2-only CPU takes PyTorch's own bf16 matmul instead (slower than fp32 there)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def bf16_layout(weight16: torch.Tensor, onednn: bool) -> torch.Tensor:
-    """A bf16 weight as `bf16_linear` reads it: in oneDNN's layout where oneDNN runs bf16, else as it is."""
-    return onednn_layout(weight16) if onednn and onednn_runs_bf16() else weight16
 
 
 def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -78,9 +75,9 @@ def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
     """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
-    the product rounded to bf16; returned in fp32, the fp32 bias added."""
+    the product rounded to bf16; returned in fp32, the fp32 bias added. `onednn` only where `onednn_runs_bf16()`."""
     rounded = x.to(torch.bfloat16)
-    if onednn and onednn_runs_bf16():
+    if onednn:
         product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
     else:
         product = F.linear(rounded, weight)

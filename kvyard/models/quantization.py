@@ -29,7 +29,7 @@ from torch import nn
 
 from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
-from kvyard.models.layers import bf16_layout, bf16_linear
+from kvyard.models.layers import bf16_linear, onednn_layout, onednn_runs_bf16
 
 GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -113,6 +113,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.kernel: SmallLinearInt8Kernel | None = None
         self.onednn = False
+        self.bf16_onednn = False  # bf16 matmuls through oneDNN (where it runs bf16), else PyTorch's
         self.to_bf16: Int8ToBf16Kernel | None = None
         self.bf16_weight: torch.Tensor | None = None  # the weight widened once, in oneDNN's layout if it has one
 
@@ -126,7 +127,7 @@ class Int8Linear(nn.Module):
             return self.kernel(x, self.qweight, self.scales, self.bias)
         if self.to_bf16 is not None and x.dtype == torch.float32:
             weight16 = self.bf16_weight if self.bf16_weight is not None else self.to_bf16(self.qweight, self.scales)
-            return bf16_linear(x, weight16, self.bias, self.onednn)
+            return bf16_linear(x, weight16, self.bias, self.bf16_onednn)
         weight = dequantize_int8(self.qweight, self.scales).to(x.dtype)
         return widened_linear(x, weight, self.bias, self.onednn)
 
@@ -142,11 +143,12 @@ class Int8Linear(nn.Module):
         or once, now, with `keep_bf16_copy` (2 more bytes a weight; then from as few rows as bf16 weights)."""
         self.kernel = kernel
         self.onednn = onednn
+        self.bf16_onednn = onednn and to_bf16 is not None and onednn_runs_bf16()
         self.to_bf16 = to_bf16
         self.bf16_weight = None
         if to_bf16 is not None and keep_bf16_copy:
             weight16 = to_bf16(self.qweight, self.scales)
-            self.bf16_weight = bf16_layout(weight16, onednn)
+            self.bf16_weight = onednn_layout(weight16) if self.bf16_onednn else weight16
         if to_bf16 is None:
             self.max_small_rows = Int8Linear.max_small_rows
         else:
@@ -168,6 +170,7 @@ class HalfLinear(nn.Module):
         self.in_features, self.out_features = weight16.shape[1], weight16.shape[0]
         self.kernel: SmallLinearHalfKernel | None = None
         self.onednn = False
+        self.bf16_onednn = False  # bf16 matmuls through oneDNN (where it runs bf16), else PyTorch's
         self.bf16_matmul = False
 
     @classmethod
@@ -178,7 +181,7 @@ class HalfLinear(nn.Module):
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.weight16, self.bias)
         if self.bf16_matmul and x.dtype == torch.float32:
-            return bf16_linear(x, self.weight16, self.bias, self.onednn)
+            return bf16_linear(x, self.weight16, self.bias, self.bf16_onednn)
         return widened_linear(x, self.weight16.to(x.dtype), self.bias, self.onednn)
 
     def use_native_kernel(
@@ -190,6 +193,7 @@ class HalfLinear(nn.Module):
             raise ValueError(f"a bf16 matmul needs bf16 weights, not {self.weight16.dtype}")
         self.kernel = kernel
         self.onednn = onednn
+        self.bf16_onednn = onednn and bf16_matmul and onednn_runs_bf16()
         self.bf16_matmul = bf16_matmul
         self.max_small_rows = BF16_MATMUL_FROM_ROWS["bf16"] - 1 if bf16_matmul else HalfLinear.max_small_rows
 
