@@ -42,13 +42,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak the preset assumes "
                         "(H100/H200 SXM datasheet)")  # fmt: skip
     parser.add_argument("--bandwidth-tb-s", type=float, default=None, help="memory bandwidth the efficiencies are "
-                        "against (default: 4.8 for an H200, 3.35 for an H100, by the device's name)")  # fmt: skip
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32, 128])
+                        "against (none: 4.8 for an H200, 3.35 for any other GPU)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192],
+                        help="prompt lengths of the prefill timings")  # fmt: skip
+    parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32, 128],
+                        help="sequences per decode step of the decode timings")  # fmt: skip
     parser.add_argument("--decode-context", type=int, default=4096, help="KV tokens per sequence in decode attention")
     parser.add_argument("--skip-full-model", action="store_true", help="time the pieces only, not whole steps of "
                         "the 32-layer model (which needs about 17 GB of weights and up to 17 GB of KV)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json",
+                        help="JSON result file")  # fmt: skip
     return parser.parse_args()
 
 
