@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from torch import nn
 
 from kvyard.kernels.ops import ElementwiseKernels, SmallLinearKernel
 from kvyard.models.config import RopeConfig
+from kvyard.models.rope_tables import rotary_tables
 
 
 class Linear(nn.Linear):
@@ -165,29 +165,6 @@ class GatedMLP(nn.Module, NativeElementwise):
         return self.down_proj(F.silu(gate) * up)
 
 
-def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scaled(inv_freq, rope)
-    return inv_freq
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
-    """Llama 3.1 long-context scaling: slow down low frequencies, keep high ones, blend between."""
-    old_len = rope.original_max_position_embeddings
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
-
-
 class RotaryEmbedding(nn.Module, NativeElementwise):
     """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
 
@@ -201,18 +178,9 @@ class RotaryEmbedding(nn.Module, NativeElementwise):
         self.sin_table = torch.empty(0)
 
     def build(self, device: torch.device) -> None:
-        inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
-        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # the table covers half a head: both halves share it
-        if angles.device.type == "cpu":
-            # PyTorch's CPU cos and sin call MKL's vector math, which picks each function's kernel on its first call.
-            # When that first call was this table, split between threads, one thread sometimes ran a low-accuracy
-            # kernel on its half (entries off by up to 1.5e-4 for as long as the model was loaded; torch 2.13 CPU,
-            # about 1 load in 5 in a fresh process). A one-element call first settles the choice on one thread.
-            torch.zeros(1).cos()
-            torch.zeros(1).sin()
-        self.cos_table = angles.cos()
-        self.sin_table = angles.sin()
+        cos, sin = rotary_tables(self.rope, self.head_dim, self.max_positions)
+        self.cos_table = torch.from_numpy(cos).to(device)
+        self.sin_table = torch.from_numpy(sin).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]. The native path rotates q and k in place."""
