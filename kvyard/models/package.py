@@ -11,53 +11,38 @@ foreign package is refused with the reason, never served.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kvyard.models import PACKAGE_SCHEMES
 from kvyard.models.config import load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model, materialize, model_digest
-from kvyard.models.quantization import GROUP_SIZE, quantize_model, scheme_suffix
+from kvyard.models.package_info import (
+    FORMAT_VERSION,
+    PACKAGE_FILE,
+    PACKAGE_FORMAT,
+    TENSORS_FILE,
+    PackageError,
+    PackageInfo,
+    checked_tensors_file,
+    group_size,
+    is_package,
+    read_info,
+    sha256_of,
+)
+from kvyard.models.quantization import quantize_model
 
-PACKAGE_FILE = "kvyard_package.json"
-PACKAGE_FORMAT = "kvyard-weights"
-FORMAT_VERSION = 1
-TENSORS_FILE = "model.safetensors"
+__all__ = ["PackageError", "PackageInfo", "convert", "is_package", "load_package", "read_info"]
+
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
-
-
-class PackageError(ValueError):
-    """A package that cannot be loaded: the message says what is wrong with it."""
-
-
-@dataclass(frozen=True, slots=True)
-class PackageInfo:
-    format: str
-    format_version: int
-    weights: str  # the scheme: "int8", "fp16" or "bf16"
-    group_size: int  # weights per int8 scale; 0 for the 16-bit schemes
-    source_digest: str  # model_digest of the directory it was converted from
-    tensors_sha256: str
-
-    @property
-    def weights_digest(self) -> str:
-        """What the block-key namespace calls these weights: the same as converting the source at load time."""
-        return self.source_digest + scheme_suffix(self.weights)
-
-
-def is_package(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / PACKAGE_FILE).is_file()
 
 
 def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> PackageInfo:
@@ -75,8 +60,8 @@ def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> Package
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
-    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, _group_size(weights), model_digest(source),
-                       _sha256(out / TENSORS_FILE))  # fmt: skip
+    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, group_size(weights), model_digest(source),
+                       sha256_of(out / TENSORS_FILE))  # fmt: skip
     (out / PACKAGE_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
@@ -88,39 +73,10 @@ def _own_tensors(model: CausalLM, tied: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_info(package_dir: str | Path) -> PackageInfo:
-    """The package's description, checked: PackageError naming what is wrong."""
-    path = Path(package_dir) / PACKAGE_FILE
-    try:
-        raw: Any = json.loads(path.read_text())
-        info = PackageInfo(**raw)
-    except (OSError, json.JSONDecodeError, TypeError) as error:
-        raise PackageError(f"{path} is not a kvyard package description: {error}") from None
-    if info.format != PACKAGE_FORMAT:
-        raise PackageError(f"{path}: format {info.format!r} is not {PACKAGE_FORMAT!r}")
-    if info.format_version != FORMAT_VERSION:
-        raise PackageError(f"{path}: format version {info.format_version} is not the one this kvyard reads "
-                           f"({FORMAT_VERSION}); convert the model again with this version")  # fmt: skip
-    if info.weights not in PACKAGE_SCHEMES or info.group_size != _group_size(info.weights):
-        raise PackageError(f"{path}: weights {info.weights!r} with groups of {info.group_size} cannot run here "
-                           f"(this kvyard runs {', '.join(PACKAGE_SCHEMES)}; int8 with groups of "
-                           f"{GROUP_SIZE})")  # fmt: skip
-    return info
-
-
-def _group_size(scheme: str) -> int:
-    return GROUP_SIZE if scheme == "int8" else 0
-
-
 def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
     """The packaged model, its tensors checked against the description before any is used."""
     info = read_info(package_dir)
-    tensors_path = Path(package_dir) / TENSORS_FILE
-    if not tensors_path.is_file():
-        raise PackageError(f"{tensors_path} is missing")
-    if _sha256(tensors_path) != info.tensors_sha256:
-        raise PackageError(f"{tensors_path} does not match its SHA-256 in {PACKAGE_FILE}: the file is corrupt or "
-                           "truncated")  # fmt: skip
+    tensors_path = checked_tensors_file(package_dir, info)
     config = load_model_config(package_dir)
     with torch.device("meta"):
         model = CausalLM(config, max_positions).to(dtype)
@@ -153,11 +109,3 @@ def _load_tensors(model: CausalLM, path: Path, tied: bool) -> None:
     missing = sorted(set(targets) - loaded)
     if missing:
         raise PackageError(f"{path} lacks tensors: {', '.join(missing[:8])}")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

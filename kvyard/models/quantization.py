@@ -30,8 +30,8 @@ from torch import nn
 from kvyard.kernels.ops import Int8ToBf16Kernel, SmallLinearHalfKernel, SmallLinearInt8Kernel
 from kvyard.models import MATMUL_DTYPES, QUANTIZATION_SCHEMES
 from kvyard.models.layers import bf16_linear, onednn_layout, onednn_runs_bf16
+from kvyard.models.package_info import GROUP_SIZE
 
-GROUP_SIZE = 32
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # "none": an fp32 checkpoint's layers keep a bf16 copy of their weights for it. fp16 weights would lose 3
 # significant bits to bf16.
@@ -55,13 +55,6 @@ def matmul_in_bf16(matmul_dtype: str, scheme: str) -> bool:
     if scheme not in BF16_MATMUL_SCHEMES:
         return False
     return matmul_dtype == "bfloat16" or (matmul_dtype == "auto" and cpu_has_fast_bf16())
-
-
-def scheme_suffix(scheme: str) -> str:
-    """What a weight scheme adds to the checkpoint's digest in block keys ("" for the stored weights)."""
-    if scheme == "none":
-        return ""
-    return f"+{scheme}-g{GROUP_SIZE}" if scheme == "int8" else f"+{scheme}"
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
