@@ -16,7 +16,7 @@ import jinja2
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from kvyard.engine.llm_engine import _load_tokenizer
+from kvyard.engine.model_setup import load_tokenizer as _load_tokenizer
 from kvyard.models.tokenizer import PlainTokenizer
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "kvyard" / "testing" / "kvyard-demo"

@@ -209,6 +209,13 @@ class EngineCore:
         self._tier_costs: dict[str, RecentCost] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
 
+    def adopt_core_state(self, other: EngineCore) -> None:
+        """Take over another core's requests, blocks, prefix cache, event log and counters, as they are between
+        two of its steps: this core steps on from there with its own runner (which must read the same KV
+        memory). The other core must not step again."""
+        for name in _CORE_STATE:
+            setattr(self, name, getattr(other, name))
+
     @property
     def model_name(self) -> str:
         return self.namespace.model_name
@@ -577,6 +584,13 @@ class EngineCore:
         self.kv_manager.tier = tier if self.config.enable_prefix_caching else None
         if self.kv_manager.tier is not None:
             self.kv_manager.tier.publish_events(self._events)
+
+
+# What adopt_core_state moves: everything EngineCore.__init__ builds but the runner, the proposer, the block reader
+# and what both cores were configured with.
+_CORE_STATE = ("_events", "block_pool", "kv_manager", "scheduler", "kv_exports", "_requests", "_detokenizers",
+               "_root_keys", "num_spec_proposed", "num_spec_accepted", "num_spec_verifications", "_spec_acceptance",
+               "_step_cost", "_prefill_cost", "_tier_costs", "_grammar_compiler")  # fmt: skip
 
 
 def _output(request: Request, new_token_ids: list[int], text: str, new_text: str) -> RequestOutput:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,29 +11,35 @@ import torch
 
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.core import CoreConfig, EngineCore, RequestOutput, RequestTimes
+from kvyard.engine.core import EngineCore, RequestOutput, RequestTimes
 from kvyard.engine.draft_proposer import DraftModelProposer, load_draft_model
 from kvyard.engine.kv_pull_link import KVPullLink
 from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.kv_transfer import DeviceBlocks
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
+from kvyard.engine.model_setup import (
+    core_config_of,
+    eos_token_ids,
+    load_tokenizer,
+    max_model_len_of,
+    num_kv_blocks_of,
+)
 from kvyard.engine.speculative import MODEL_METHODS
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
-from kvyard.models.config import ModelConfig, UnsupportedModelError, load_model_config
+from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
+from kvyard.models.package_info import scheme_suffix
 from kvyard.models.quantization import (
     BF16_MATMUL_SUFFIX,
     cpu_has_fast_bf16,
     matmul_in_bf16,
     quantize_model,
-    scheme_suffix,
 )
-from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestTimes"]
 
@@ -43,17 +49,15 @@ _LOG = logging.getLogger(__name__)
 class LLMEngine(EngineCore):
     tokenizer: Any  # a PlainTokenizer or a Hugging Face tokenizer (encode, chat template); None without tokenizer files
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_buffers: Sequence[Any] | None = None) -> None:
+        """`kv_buffers`: memory for the layers' KV caches, one buffer each, as a fast-start engine's runner holds
+        them (`take_over`); by default the runner allocates its own."""
         self.engine_config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.model_config)
-        max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        _check_window(self.model_config, max_model_len)
-        tokenizer = _load_tokenizer(config.model)
+        max_model_len = max_model_len_of(config, self.model_config)
+        tokenizer = load_tokenizer(config.model)
         model, digest, scheme = self._load_weights(config, max_model_len)
         # Only the fp32 CPU fast paths have bf16 matmuls (quantization.matmul_in_bf16 checks the option's value).
         fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
@@ -64,16 +68,9 @@ class LLMEngine(EngineCore):
                          "float32")  # fmt: skip
         digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
-        num_kv_blocks = self._choose_num_blocks(max_model_len)
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_format)
+        num_kv_blocks = num_kv_blocks_of(config, max_model_len, block_bytes)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
-        core_config = CoreConfig(
-            limits=limits,
-            scheduler=config.scheduler,
-            enable_prefix_caching=config.enable_prefix_caching,
-            record_kv_events=config.record_kv_events,
-            kv_lease_s=config.kv_transfer.kv_lease_s,
-            speculative=config.speculative,
-        )
         namespace = KeyNamespace(
             model_name=config.served_model_name or Path(config.model).name,
             model_digest=digest,
@@ -82,14 +79,28 @@ class LLMEngine(EngineCore):
         )
         self.runner: ModelRunner = ModelRunner(model, num_kv_blocks, config.block_size, self.dtype, self.device,
                                                config.attention_backend, config.kv_cache_dtype,
-                                               bf16_matmul)  # fmt: skip
-        eos_token_ids = _eos_token_ids(self.model_config, tokenizer)
+                                               bf16_matmul, kv_buffers)  # fmt: skip
         proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
-        super().__init__(core_config, namespace, self.runner, tokenizer, eos_token_ids, proposer)
+        super().__init__(core_config_of(config, limits), namespace, self.runner, tokenizer,
+                         eos_token_ids(self.model_config, tokenizer), proposer)  # fmt: skip
         self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size, self.kv_format.codec_name)
         self.block_reader = self.device_blocks
         self.kv_tier = self._attach_kv_tier()
         self.kv_puller: KVPullLink | None = None
+
+    def take_over(self, started: EngineCore) -> None:
+        """Continue the requests, blocks and prefix cache of a fast-start engine whose KV memory this engine's
+        runner was built on (`kv_buffers`), from its next step on; call it on the engine thread, between steps.
+        The two must agree on everything a block key or a block id means."""
+        if (started.namespace, started.limits) != (self.namespace, self.limits):
+            raise RuntimeError(f"the PyTorch engine cannot take over: its namespace and limits "
+                               f"{self.namespace}, {self.limits} differ from the fast-start engine's "
+                               f"{started.namespace}, {started.limits}")  # fmt: skip
+        self.adopt_core_state(started)
+        if self.kv_tier is not None:  # attached to this engine's own KV manager until now
+            self.attach_tier(self.kv_tier)
+        if self.kv_puller is not None:
+            self.attach_puller(self.kv_puller)
 
     def _load_weights(self, config: EngineConfig, max_model_len: int) -> tuple[CausalLM, str, str]:
         """The model, converted as `quantization` asks, the digest naming its weights in block keys and their
@@ -112,7 +123,7 @@ class LLMEngine(EngineCore):
         spec = config.speculative
         if spec.method not in MODEL_METHODS:
             return None
-        draft_tokenizer = _load_tokenizer(spec.draft_model) if spec.draft_model else None
+        draft_tokenizer = load_tokenizer(spec.draft_model) if spec.draft_model else None
         model = load_draft_model(spec.method, spec.draft_model, config.model, self.model_config, config.quantization,
                                  max_model_len, self.dtype, self.device, (tokenizer, draft_tokenizer))  # fmt: skip
         return DraftModelProposer(model, num_kv_blocks, config.block_size, self.device, config.attention_backend,
@@ -121,15 +132,6 @@ class LLMEngine(EngineCore):
     @property
     def num_kv_blocks(self) -> int:
         return self.limits.num_kv_blocks
-
-    def _choose_num_blocks(self, max_model_len: int) -> int:
-        config = self.engine_config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        blocks_per_seq = -(-max_model_len // config.block_size)
-        per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_format)
-        by_memory = int(config.kv_cache_memory_gb * (1 << 30)) // per_block
-        return max(1, min(by_memory, blocks_per_seq * config.scheduler.max_num_seqs))
 
     def _attach_kv_tier(self) -> KVTierLink | None:
         tier = self.engine_config.kv_tier
@@ -164,51 +166,7 @@ class LLMEngine(EngineCore):
             self.kv_tier = None
 
 
-def _check_window(model_config: ModelConfig, max_model_len: int) -> None:
-    """kvyard's attention sees the whole context: serving a sliding-window model past its window would be wrong."""
-    window = model_config.sliding_window
-    if window is not None and max_model_len > window:
-        raise UnsupportedModelError(
-            f"config.json sliding_window={window}: sliding-window attention is not implemented, so output past "
-            f"{window} tokens would differ from the model's; serve it with --max-model-len {window} (or less)"
-        )
-
-
 def weights_digest(model_dir: str, quantization: str) -> str:
     """The checkpoint's digest, with the weight scheme when it is not the stored one: KV computed with other
     weights lands under other block keys."""
     return model_digest(model_dir) + scheme_suffix(quantization)
-
-
-def _eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
-    ids = set(model_config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def _load_tokenizer(model_dir: str) -> Any:
-    if not any((Path(model_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    loaded = PlainTokenizer.load(model_dir)
-    if loaded.tokenizer is not None:
-        return loaded.tokenizer
-    _LOG.info("tokenizer loads through transformers: %s", loaded.reason)
-    if _tokenizer_class(model_dir) in GENERIC_TOKENIZER_CLASSES and (Path(model_dir) / "tokenizer.json").is_file():
-        # The class AutoTokenizer would pick, without the model config and modeling imports it loads first
-        # (about 2 s of start-up).
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _tokenizer_class(model_dir: str) -> str | None:
-    path = Path(model_dir) / "tokenizer_config.json"
-    try:
-        name = json.loads(path.read_text()).get("tokenizer_class") if path.is_file() else None
-    except (OSError, ValueError):
-        return None  # AutoTokenizer reads it again and says what is wrong
-    return name if isinstance(name, str) else None

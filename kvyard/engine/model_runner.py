@@ -7,6 +7,7 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -24,13 +25,19 @@ from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
 
 
-def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeroed_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, buffer: Any | None = None
+) -> torch.Tensor:
     """A zero-filled KV cache tensor. On CPU an anonymous memory mapping: the OS hands out zeroed pages as they
-    are first written, so a large pool costs neither start-up time nor resident memory before it is used."""
+    are first written, so a large pool costs neither start-up time nor resident memory before it is used.
+    `buffer`: CPU memory to view instead (a fast-start engine's cache, with what it holds), of exactly that size."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8).view(dtype).view(shape)
+    memory = mmap.mmap(-1, num_bytes) if buffer is None else buffer
+    if len(memory) != num_bytes:
+        raise ValueError(f"a KV cache of shape {shape} and dtype {dtype} takes {num_bytes} bytes, not {len(memory)}")
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat) -> int:
@@ -64,12 +71,14 @@ class PagedModel:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         bf16_matmul: bool = False,
+        kv_buffers: Sequence[Any] | None = None,
     ) -> None:
         """`dtype`: the model's. `attention_backend`: "torch" (PyTorch SDPA, and no native code at all),
         "native" (the native CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error
         saying why), or "auto" (native where it can run, else torch). Chosen here, once:
         `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`).
-        `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16)."""
+        `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16).
+        `kv_buffers`: one CPU buffer per layer to hold its cache (see zeroed_cache); None: allocated here."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -79,7 +88,10 @@ class PagedModel:
         shape = (2, num_blocks * block_size, config.num_kv_heads, self.kv_format.row_width(config.head_dim))
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         storage = self.kv_format.storage_dtype
-        self.kv_caches = [zeroed_cache(shape, storage, device) for _ in range(config.num_layers)]
+        buffers = kv_buffers if kv_buffers is not None else [None] * config.num_layers
+        if len(buffers) != config.num_layers:
+            raise ValueError(f"{len(buffers)} KV buffers for {config.num_layers} layers")
+        self.kv_caches = [zeroed_cache(shape, storage, device, buffer) for buffer in buffers]
         self._keys_from_cache = not self.kv_format.is_exact_for(dtype)
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         backend = self.attention_backend

@@ -13,19 +13,24 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
 from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
-from kvyard.engine.llm_engine import LLMEngine
+from kvyard.engine.fast_start import NativeStartEngine
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
 from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
+
+if TYPE_CHECKING:  # PyTorch: the server answers before it loads (kvyard.engine.fast_start)
+    from kvyard.engine.llm_engine import LLMEngine
+
+    Engine = LLMEngine | NativeStartEngine
 
 
 class EngineDeadError(APIError):
@@ -37,15 +42,17 @@ class EngineDeadError(APIError):
 
 @dataclass(slots=True)
 class _Command:
-    run: Callable[[LLMEngine], Any]
+    run: Callable[[Engine], Any]
     future: asyncio.Future[Any] | None = None
 
 
 @dataclass(slots=True)
 class AsyncEngine:
-    engine: LLMEngine
+    engine: Engine
     loop: asyncio.AbstractEventLoop
     error: BaseException | None = None
+    # While a fast-start engine serves: done once LLMEngine has taken over (or with the error it failed with).
+    _takeover: asyncio.Future[None] | None = None
     _stats: EngineStats | None = None
     _commands: queue.Queue[_Command | None] = field(default_factory=queue.Queue)
     _streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = field(default_factory=dict)
@@ -58,6 +65,8 @@ class AsyncEngine:
     )
 
     def start(self) -> None:
+        if isinstance(self.engine, NativeStartEngine):
+            self._takeover = self.loop.create_future()
         if self.engine.tokenizer is not None:
             self._vocabulary = HFVocabulary(self.engine.tokenizer)
         self._publish_stats()
@@ -104,6 +113,7 @@ class AsyncEngine:
         resumed_output_ids: Sequence[int] = (),
         kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        await self._engine_that_runs(params)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
@@ -124,6 +134,33 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _engine_that_runs(self, params: SamplingParams) -> None:
+        """Wait for LLMEngine when the fast-start engine serving now cannot sample these params as it would."""
+        engine, takeover = self.engine, self._takeover
+        if takeover is None or not isinstance(engine, NativeStartEngine) or engine.runs_natively(params):
+            return
+        await asyncio.shield(takeover)  # raises why LLMEngine never took over, if it did not
+
+    async def take_over(self, engine: LLMEngine) -> None:
+        """Let `engine` continue the fast-start engine's requests and blocks from its next step on."""
+
+        def swap(current: Engine) -> None:
+            engine.take_over(current)
+            self.engine = engine
+            self._publish_stats()
+
+        await self.call(swap)
+        if self._takeover is not None and not self._takeover.done():
+            self._takeover.set_result(None)
+
+    def fail_takeover(self, error: BaseException) -> None:
+        """LLMEngine will not take over: requests waiting for it get a 503 saying why."""
+        if self._takeover is not None and not self._takeover.done():
+            self._takeover.set_exception(APIError(503, f"this replica serves only greedy and plain sampling: its "
+                                                       f"PyTorch engine failed to load: {error}",
+                                                  code="engine_unavailable"))  # fmt: skip
+            self._takeover.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
     def abort(self, request_id: str) -> None:
         self._submit(_Command(lambda engine: engine.abort_request(request_id)))
@@ -153,15 +190,17 @@ class AsyncEngine:
         return snapshot
 
     def collectors(self) -> list[Collector]:
-        engine = self.engine
-        return [KVTierCollector(engine.kv_tier_snapshot),
-                KVTransferCollector(lambda: engine.kv_exports,
-                                    lambda: engine.kv_puller.counters() if engine.kv_puller else None)]  # fmt: skip
+        # Read through self.engine on every scrape: LLMEngine may take over from a fast-start engine.
+        def puller_counters() -> Any:
+            return self.engine.kv_puller.counters() if self.engine.kv_puller else None
+
+        return [KVTierCollector(lambda: self.engine.kv_tier_snapshot()),
+                KVTransferCollector(lambda: self.engine.kv_exports, puller_counters)]  # fmt: skip
 
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.engine.engine_config.model, "dtype": str(self.engine.dtype).removeprefix("torch.")}
 
-    async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
+    async def call(self, function: Callable[[Engine], Any]) -> Any:
         """Run `function(engine)` on the engine thread between steps and return its result."""
         self.check_ready()
         future: asyncio.Future[Any] = self.loop.create_future()

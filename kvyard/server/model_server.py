@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING, Any
 
 from kvyard.api.auth import admin_key_of
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.llm_engine import LLMEngine
+from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
 from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.options import ServerOptions
 from kvyard.server.serve import host, say, wait_for_stop_signal
+
+if TYPE_CHECKING:
+    from kvyard.engine.llm_engine import LLMEngine
 
 
 def serve_model(engine: EngineConfig, options: ServerOptions, host_name: str, port: int) -> int:
@@ -56,15 +60,31 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
 async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> None:
     say(f"loading {config.model} ...")
     started = time.monotonic()
+    native = await _native_start(app, config, engine_box) if app.options.fast_start else None
     try:
-        engine = await asyncio.to_thread(LLMEngine, config)
+        kv_buffers = native.engine.kv_buffers if native and isinstance(native.engine, NativeStartEngine) else None
+        engine = await asyncio.to_thread(_torch_engine, config, kv_buffers)
     except Exception as error:
+        if native is not None:
+            native.fail_takeover(error)
+            say(f"error: the PyTorch engine failed to load: {error}; serving on the native kernels only")
+            return
         app.load_error = error
         say(f"error: the model failed to load: {error}")
         return
     admin_key = admin_key_of(app.options.access.admin_key)
     if admin_key is not None:  # prefill replicas share the fleet's admin key; without one there is no PD
         engine.enable_pulls({"authorization": f"Bearer {admin_key}"})
+    if native is not None:
+        try:
+            await native.take_over(engine)
+        except Exception as error:
+            native.fail_takeover(error)
+            engine.close()
+            say(f"error: the PyTorch engine could not take over: {error}; serving on the native kernels only")
+            return
+        say(f"PyTorch engine loaded and took over in {time.monotonic() - started:.1f} s")
+        return
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     async_engine.start()
     engine_box.append(async_engine)
@@ -73,3 +93,28 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready")  # fmt: skip
 
 
+def _torch_engine(config: EngineConfig, kv_buffers: list[Any] | None) -> LLMEngine:
+    from kvyard.engine.llm_engine import LLMEngine  # PyTorch, imported off the event loop: /health answers meanwhile
+
+    return LLMEngine(config, kv_buffers)
+
+
+async def _native_start(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> AsyncEngine | None:
+    """Serve from the native fast-start engine, where the configuration allows it (None: it does not)."""
+    started = time.monotonic()
+    try:
+        blocker = fast_start_blocker(config)
+        if blocker is not None:
+            say(f"no fast start: {blocker}")
+            return None
+        engine = await asyncio.to_thread(NativeStartEngine, config)
+    except Exception as error:  # the PyTorch engine loads next and says what is wrong, if anything is
+        say(f"no fast start: {error}")
+        return None
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
+    async_engine.start()
+    engine_box.append(async_engine)
+    app.set_engine(async_engine)
+    say(f"model {engine.model_name} ready in {time.monotonic() - started:.1f} s on the native kernels "
+        f"({engine.num_kv_blocks} KV blocks of {config.block_size} tokens); PyTorch loading")  # fmt: skip
+    return async_engine

@@ -1,0 +1,109 @@
+"""Serve a weight package before PyTorch has loaded.
+
+Importing PyTorch takes 1.5-2 s on a small CPU machine, longer than reading a package. So `kvyard serve
+PACKAGE` first builds this engine: the same scheduler, block pool, prefix cache and block keys as LLMEngine, with
+a runner that computes on the native CPU kernels over the package's memory-mapped tensors (numpy, no PyTorch).
+It answers while LLMEngine loads in the background on the same KV memory; LLMEngine then takes over its requests
+and blocks between two steps (LLMEngine.take_over) and serves everything from there: the PyTorch runner's
+large-batch matmuls, speculative decoding, the KV tier, transfers. Requests whose sampling the native runner
+does not reproduce wait for it (native_runner.runs_natively).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvyard.api.checks import ContextLimits
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.core import EngineCore
+from kvyard.engine.model_setup import core_config_of, eos_token_ids, load_tokenizer, max_model_len_of, num_kv_blocks_of
+from kvyard.engine.native_runner import NativeRunner, runs_natively
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.models.config import ModelConfig, load_model_config
+from kvyard.models.native_model import KV_STORAGE, NativeModel, default_num_threads, kernel_functions
+from kvyard.models.package_info import is_package, read_info
+
+_LOG = logging.getLogger(__name__)
+
+
+def fast_start_blocker(config: EngineConfig) -> str | None:
+    """Why this configuration cannot be served before PyTorch loads (None: it can). It can when it is a weight
+    package computed in fp32 on this CPU through the native kernels, as LLMEngine would run it on its fast paths,
+    without what only PyTorch runs (speculative decoding, bf16 matmuls)."""
+    if not is_package(config.model):
+        return "not a weight package (kvyard convert)"
+    if config.device not in (None, "cpu") or (config.device is None and Path("/proc/driver/nvidia/gpus").is_dir()):
+        return "the engine may run on a GPU"
+    model_config = load_model_config(config.model)
+    dtype = model_config.torch_dtype if config.dtype in (None, "auto") else config.dtype
+    reasons = {
+        f"computes in {dtype}, not float32": dtype != "float32",
+        "attention backend torch": config.attention_backend == "torch",
+        "speculative decoding": config.speculative.method is not None,
+        f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
+        f"quantization {config.quantization} of a package": config.quantization not in ("none",
+                                                                                         read_info(config.model).weights),
+    }  # fmt: skip
+    return next((reason for reason, applies in reasons.items() if applies), None)
+
+
+def kv_block_bytes_native(model_config: ModelConfig, block_size: int, kv_name: str) -> int:
+    """Bytes of one KV block in format `kv_name`, as kvyard.engine.model_runner.kv_block_bytes counts them."""
+    storage, _, extra = KV_STORAGE[kv_name]
+    row_bytes = model_config.head_dim * np.dtype(storage).itemsize + extra
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * row_bytes
+
+
+class NativeStartEngine(EngineCore):
+    """The engine LLMEngine takes over once PyTorch has loaded (see the module's docstring)."""
+
+    kv_tier = None
+    kv_puller = None
+    dtype = "float32"
+
+    def __init__(self, config: EngineConfig) -> None:
+        blocker = fast_start_blocker(config)
+        if blocker is not None:
+            raise ValueError(f"{config.model} cannot start before PyTorch: {blocker}")
+        self.engine_config = config
+        self.model_config = load_model_config(config.model)
+        max_model_len = max_model_len_of(config, self.model_config)
+        tokenizer = load_tokenizer(config.model)
+        kv_name = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        model = NativeModel(config.model, max_model_len, kernel_functions(), default_num_threads())
+        block_bytes = kv_block_bytes_native(self.model_config, config.block_size, kv_name)
+        num_kv_blocks = num_kv_blocks_of(config, max_model_len, block_bytes)
+        limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)
+        namespace = KeyNamespace(
+            model_name=config.served_model_name or Path(config.model).name,
+            model_digest=read_info(config.model).weights_digest,
+            dtype="float32" if kv_name == "fp32" else f"float32+kv-{kv_name}",  # as KVFormat.namespace_dtype
+            block_size=config.block_size,
+        )
+        self.native_runner = NativeRunner(model, num_kv_blocks, config.block_size, kv_name)
+        super().__init__(core_config_of(config, limits), namespace, self.native_runner, tokenizer,
+                         eos_token_ids(self.model_config, tokenizer))  # fmt: skip
+
+    @property
+    def kv_buffers(self) -> list[Any]:
+        """The layers' KV memory, which the engine taking over builds its caches on."""
+        return list(self.native_runner.kv_buffers)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.limits.num_kv_blocks
+
+    @staticmethod
+    def runs_natively(params: SamplingParams) -> bool:
+        return runs_natively(params)
+
+    def kv_tier_snapshot(self) -> None:
+        return None
+
+    def close(self) -> None:
+        """Nothing to finish: the KV memory passes to the engine that takes over."""

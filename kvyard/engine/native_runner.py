@@ -1,0 +1,128 @@
+"""The runner of the fast-start engine: a step computed by kvyard.models.native_model, tokens sampled in numpy.
+
+It runs what the PyTorch runner runs for requests whose sampling it reproduces: greedy (by the same argmax
+kernel) and unseeded temperature / top-k / top-p / min-p sampling, with EOS banned before `min_tokens`. A
+request that asks for more (a seed, penalties, a logit bias, logprobs, prompt logprobs, a grammar) waits for the
+PyTorch engine (`runs_natively`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvyard.engine.core import SampledToken
+from kvyard.engine.request import Request
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.models.native_model import KV_STORAGE, NativeModel, NativeStep, kv_cache_buffers, kv_cache_views
+
+PIECE_ROWS = 64  # prompt rows per native call: the int8 kernels' few-rows range (Int8Linear.max_small_rows)
+
+
+def runs_natively(params: SamplingParams) -> bool:
+    """Whether the native runner samples these params as the PyTorch runner does (else the request waits)."""
+    unseeded = params.is_greedy or params.seed is None
+    return (unseeded and not params.has_penalties and not params.logit_bias and params.logprobs is None
+            and params.prompt_logprobs is None and params.structured is None)  # fmt: skip
+
+
+class NativeRunner:
+    def __init__(self, model: NativeModel, num_blocks: int, block_size: int, kv_name: str) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_name = kv_name
+        self.kv_buffers = kv_cache_buffers(model.config, num_blocks, block_size, kv_name)
+        self.kv_caches = kv_cache_views(self.kv_buffers, model.config, kv_name)
+        self.kv_code = KV_STORAGE[kv_name][1]
+        self.rng = np.random.default_rng()
+
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
+        if any(item.spec_token_ids or item.request.needs_prompt_logprobs for item in scheduled):
+            raise ValueError("the native runner does not speculate or score prompts")
+        decodes = [item for item in scheduled if item.num_new_tokens == 1]
+        chunks = [item for item in scheduled if item.num_new_tokens > 1]
+        sampled: list[tuple[Request, np.ndarray]] = []
+        if decodes:
+            hidden = self._run_decodes(decodes)
+            sampled += [(item.request, hidden[row]) for row, item in enumerate(decodes) if item.completes_sequence]
+        for item in chunks:
+            last = self._run_chunk(item)
+            if item.completes_sequence:
+                sampled.append((item.request, last))
+        if not sampled:
+            return []
+        logits = self.model.logits(np.stack([hidden for _, hidden in sampled]))
+        return [SampledToken(request, token_id) for (request, _), token_id in
+                zip(sampled, self._sample(logits, [request for request, _ in sampled]))]  # fmt: skip
+
+    def release(self, request: Request) -> None:
+        pass
+
+    def _run_decodes(self, decodes: list[ScheduledRequest]) -> np.ndarray:
+        positions = np.array([item.request.num_computed_tokens for item in decodes], dtype=np.int64)
+        max_blocks = max(len(item.request.block_table) for item in decodes)
+        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)  # padding reads block 0, which is zeroed
+        for row, item in enumerate(decodes):
+            tables[row, : len(item.request.block_table)] = item.request.block_table
+        step = NativeStep(positions, self._slots(tables, positions), len(decodes), tables, positions + 1,
+                          np.zeros((0, 4), dtype=np.int64), np.zeros(0, dtype=np.int64), self.block_size,
+                          max_blocks)  # fmt: skip
+        input_ids = np.array([item.request.all_token_ids[item.request.num_computed_tokens] for item in decodes])
+        return self.model.forward(input_ids, step, self.kv_caches, self.kv_code)
+
+    def _run_chunk(self, item: ScheduledRequest) -> np.ndarray:
+        """Run a prompt chunk in pieces of PIECE_ROWS, each reading the earlier ones' keys from the cache; the
+        final hidden state of its last token."""
+        request = item.request
+        table = np.array(request.block_table, dtype=np.int64)
+        start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+        hidden = np.empty(0, dtype=np.float32)
+        for first in range(start, end, PIECE_ROWS):
+            count = min(PIECE_ROWS, end - first)
+            positions = np.arange(first, first + count, dtype=np.int64)
+            chunks = np.array([[0, count, first + count, 0]], dtype=np.int64)
+            step = NativeStep(positions, self._slots(table[None, :], positions), 0, np.zeros((0, 1), dtype=np.int64),
+                              np.zeros(0, dtype=np.int64), chunks, table, self.block_size, 1)  # fmt: skip
+            input_ids = np.array(request.all_token_ids[first : first + count], dtype=np.int64)
+            hidden = self.model.forward(input_ids, step, self.kv_caches, self.kv_code)[-1]
+        return hidden
+
+    def _slots(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The cache slot of each row's position: one table per row, or one shared by all rows."""
+        rows = np.arange(positions.shape[0]) if tables.shape[0] > 1 else np.zeros(positions.shape[0], dtype=np.int64)
+        blocks = tables[rows, positions // self.block_size]
+        return np.ascontiguousarray(blocks * self.block_size + positions % self.block_size, dtype=np.int64)
+
+    def _sample(self, logits: np.ndarray, requests: list[Request]) -> list[int]:
+        for row, request in enumerate(requests):
+            banned = list(request.banned_token_ids())
+            if banned:
+                logits[row, banned] = -np.inf
+        token_ids = self.model.argmax(logits)
+        for row, request in enumerate(requests):
+            if not request.sampling_params.is_greedy:
+                token_ids[row] = self._draw(logits[row], request.sampling_params)
+        return [int(token_id) for token_id in token_ids]
+
+    def _draw(self, logits: np.ndarray, params: SamplingParams) -> int:
+        """A draw from the processed distribution, as kvyard.engine.sampler processes it: temperature, then
+        top-k, then top-p over what is left, then min-p."""
+        scaled = logits.astype(np.float64) / params.temperature
+        if 0 < params.top_k < scaled.shape[0]:
+            threshold = np.partition(scaled, -params.top_k)[-params.top_k]
+            scaled[scaled < threshold] = -np.inf
+        if params.top_p < 1:
+            order = np.argsort(-scaled, kind="stable")
+            probs = _softmax(scaled[order])
+            mass_before = np.cumsum(probs) - probs
+            scaled[order[mass_before >= params.top_p]] = -np.inf
+        probs = _softmax(scaled)
+        if params.min_p > 0:
+            probs[probs < params.min_p * probs.max()] = 0.0
+        return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    shifted = np.exp(x - x.max())
+    return shifted / shifted.sum()

@@ -1,0 +1,221 @@
+"""A weight package run by the native CPU kernels alone, over numpy arrays: no PyTorch.
+
+`kvyard serve` answers from this model while PyTorch loads (kvyard.engine.fast_start): importing PyTorch takes
+longer than loading a package. It computes what the PyTorch model computes on its fused few-rows path
+(kvyard.models.fused_decode), calling `kvyard_decode_layer` once per layer with the same weights, tables and
+cache layout, so the KV cache it fills is the one the PyTorch model later continues from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvyard.kernels.bindings import bind_functions
+from kvyard.kernels.build import HEADER, KernelsUnavailable, compiled_library
+from kvyard.models.config import ModelConfig, load_model_config
+from kvyard.models.mapped_safetensors import map_tensors
+from kvyard.models.package_info import PackageError, checked_tensors_file, read_info
+from kvyard.models.rope_tables import rotary_tables
+
+# KV formats the kernels store (kv_rows.h): numpy storage dtype, the kernels' code, extra bytes per row.
+KV_STORAGE = {"fp32": (np.float32, 0, 0), "fp16": (np.float16, 1, 0), "bf16": (np.uint16, 2, 0),
+              "int8": (np.uint8, 3, 4)}  # fmt: skip
+_WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.float16): 2}
+_BF16_KIND = 3
+
+
+def kernel_functions() -> dict[str, Any]:
+    """The kernel library's functions, typed from its header (KernelsUnavailable where it cannot be built)."""
+    path = compiled_library()
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise KernelsUnavailable(f"the compiled kernels at {path} would not load: {error}") from error
+    header = HEADER.read_text()
+    return bind_functions(library, header, header)  # argtypes come from the header the library was built from
+
+
+def default_num_threads() -> int:
+    """One kernel thread per CPU this process may run on, as PyTorch's default intra-op pool."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """A linear layer's weights as the kernels take them: kind (0 fp32, 1 int8, 2 fp16, 3 bf16), [n, k], the
+    int8 scales [n, k / 32], the bias [n]."""
+
+    kind: int
+    weight: np.ndarray
+    scales: np.ndarray | None
+    bias: np.ndarray | None
+
+
+class NativeModel:
+    """The package's model: embeddings, one native call per decoder layer, the final norm, the LM head."""
+
+    def __init__(self, package_dir: str | Path, max_positions: int, functions: dict[str, Any],
+                 num_threads: int) -> None:  # fmt: skip
+        info = read_info(package_dir)
+        self.config: ModelConfig = load_model_config(package_dir)
+        self.weights_scheme = info.weights
+        self.tensors = map_tensors(checked_tensors_file(package_dir, info))
+        self.functions = functions
+        self.num_threads = num_threads
+        config = self.config
+        self.embed = self._tensor("model.embed_tokens.weight")
+        self.final_norm = self._tensor("model.norm.weight")
+        lm_head = self._weights("lm_head")
+        self.lm_head = lm_head if lm_head is not None else Weights(0, self.embed, None, None)  # tied embeddings
+        self.cos_table, self.sin_table = rotary_tables(config.rope, config.head_dim, max_positions)
+        self.shape = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                      config.head_dim)  # fmt: skip
+        self.layer_args = [self._layer_args(index) for index in range(config.num_layers)]
+
+    def _tensor(self, name: str) -> np.ndarray:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise PackageError(f"the package lacks tensor {name!r}")
+        return tensor
+
+    def _weights(self, prefix: str) -> Weights | None:
+        bias = self.tensors.get(f"{prefix}.bias")
+        if f"{prefix}.qweight" in self.tensors:
+            return Weights(1, self._tensor(f"{prefix}.qweight"), self._tensor(f"{prefix}.scales"), bias)
+        for name in (f"{prefix}.weight16", f"{prefix}.weight"):
+            if name in self.tensors:
+                weight = self.tensors[name]
+                bf16 = self.weights_scheme == "bf16" and weight.dtype == np.uint16
+                return Weights(_BF16_KIND if bf16 else _WEIGHT_KINDS[weight.dtype], weight, None, bias)
+        return None
+
+    def _linear(self, prefix: str) -> Weights:
+        weights = self._weights(prefix)
+        if weights is None:
+            raise PackageError(f"the package lacks the weights of {prefix}")
+        return weights
+
+    def _layer_args(self, index: int) -> tuple[Any, ...]:
+        """The fixed arguments of the layer's `kvyard_decode_layer` call, in the order DecodeLayerKernel.layer_args
+        passes them."""
+        config, prefix = self.config, f"model.layers.{index}"
+        qkv, o = self._linear(f"{prefix}.self_attn.qkv_proj"), self._linear(f"{prefix}.self_attn.o_proj")
+        gate_up, down = self._linear(f"{prefix}.mlp.gate_up_proj"), self._linear(f"{prefix}.mlp.down_proj")
+        q_norm = k_norm = None
+        if config.qk_norm:
+            q_norm = _ptr(self._tensor(f"{prefix}.self_attn.q_norm.weight"))
+            k_norm = _ptr(self._tensor(f"{prefix}.self_attn.k_norm.weight"))
+        return (*self.shape[:2], *self.shape[2:], config.rms_norm_eps,
+                _ptr(self._tensor(f"{prefix}.input_layernorm.weight")),
+                _ptr(self._tensor(f"{prefix}.post_attention_layernorm.weight")), q_norm, k_norm,
+                *_weight_args(qkv), _optional_ptr(qkv.bias), *_weight_args(o), *_weight_args(gate_up),
+                *_weight_args(down), _ptr(self.cos_table), _ptr(self.sin_table), config.head_dim**-0.5,
+                self.num_threads)  # fmt: skip
+
+    def forward(self, input_ids: np.ndarray, step: NativeStep, kv_caches: list[np.ndarray], kv_code: int) -> np.ndarray:
+        """The final hidden states [rows, hidden] of a step's tokens, whose keys and values go into the caches."""
+        rows = input_ids.shape[0]
+        hidden, _, num_heads, num_kv_heads, head_dim = self.shape
+        max_context = step.max_blocks * step.block_size
+        scratch = np.empty(self.functions["kvyard_decode_layer_scratch_floats"](
+            rows, hidden, num_heads, num_kv_heads, head_dim, self.shape[1], max_context, self.num_threads),
+            dtype=np.float32)  # fmt: skip
+        residual = np.ascontiguousarray(self.embed[input_ids], dtype=np.float32)
+        out = np.empty_like(residual)
+        decode_layer = self.functions["kvyard_decode_layer"]
+        x: np.ndarray | None = None
+        for args, cache in zip(self.layer_args, kv_caches, strict=True):
+            k_cache = cache.ctypes.data
+            v_cache = k_cache + cache.strides[0]
+            status = decode_layer(
+                None if x is None else x.ctypes.data, residual.ctypes.data, out.ctypes.data, rows,
+                step.positions.ctypes.data, k_cache, v_cache, kv_code, cache.strides[1], step.slots.ctypes.data,
+                step.num_decodes, step.block_tables.ctypes.data, step.context_lens.ctypes.data, step.block_size,
+                step.max_blocks, max_context, step.chunks.shape[0], step.chunks.ctypes.data,
+                step.chunk_tables.ctypes.data, scratch.ctypes.data, *args,
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("prefill attention kernel could not allocate its scratch")
+            x = out
+        normed = np.empty_like(residual)
+        self.functions["kvyard_add_rms_norm"](out.ctypes.data, residual.ctypes.data, _ptr(self.final_norm),
+                                              normed.ctypes.data, rows, hidden, self.config.rms_norm_eps)  # fmt: skip
+        return normed
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """[rows, vocab] float32 logits of final hidden states [rows, hidden]."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        head = self.lm_head
+        rows, (n, k) = hidden.shape[0], head.weight.shape
+        out = np.empty((rows, n), dtype=np.float32)
+        x, w, y = hidden.ctypes.data, head.weight.ctypes.data, out.ctypes.data
+        if head.kind == 1:
+            self.functions["kvyard_small_linear_int8"](x, w, _ptr(head.scales), None, y, rows, n, k, self.num_threads)
+        elif head.kind in (2, _BF16_KIND):
+            self.functions["kvyard_small_linear_half"](x, w, None, y, rows, n, k, int(head.kind == _BF16_KIND),
+                                                       self.num_threads)  # fmt: skip
+        else:
+            self.functions["kvyard_small_linear"](x, w, None, y, rows, n, k, self.num_threads)
+        return out
+
+    def argmax(self, logits: np.ndarray) -> np.ndarray:
+        """The greedy tokens of rows of logits, by the kernel the PyTorch runner uses (the same tie-breaking)."""
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        out = np.empty(logits.shape[0], dtype=np.int64)
+        self.functions["kvyard_argmax_rows"](logits.ctypes.data, logits.shape[0], logits.shape[1], out.ctypes.data)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStep:
+    """A step's layout as `kvyard_decode_layer` reads it: every row's position and cache slot; the decodes'
+    block tables [num_decodes, max_blocks] and context lengths; the chunks [num_chunks, 4] after them (first
+    row, rows, context length, offset of the chunk's table in chunk_tables)."""
+
+    positions: np.ndarray
+    slots: np.ndarray
+    num_decodes: int
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    chunks: np.ndarray
+    chunk_tables: np.ndarray
+    block_size: int
+    max_blocks: int
+
+
+def kv_cache_buffers(config: ModelConfig, num_blocks: int, block_size: int, kv_name: str) -> list[mmap.mmap]:
+    """One zero-filled anonymous map per layer for its cache [2, slots, kv heads, row]: pages cost nothing until
+    written, and PyTorch can later view the same memory (torch.frombuffer)."""
+    storage, _, extra = KV_STORAGE[kv_name]
+    row_bytes = (config.head_dim + extra // np.dtype(storage).itemsize) * np.dtype(storage).itemsize
+    num_bytes = 2 * num_blocks * block_size * config.num_kv_heads * row_bytes
+    return [mmap.mmap(-1, num_bytes) for _ in range(config.num_layers)]
+
+
+def kv_cache_views(buffers: list[mmap.mmap], config: ModelConfig, kv_name: str) -> list[np.ndarray]:
+    storage, _, extra = KV_STORAGE[kv_name]
+    row_width = config.head_dim + extra // np.dtype(storage).itemsize
+    return [np.frombuffer(buffer, dtype=storage).reshape(2, -1, config.num_kv_heads, row_width) for buffer in buffers]
+
+
+def _weight_args(weights: Weights) -> tuple[int, int, int | None]:
+    return weights.kind, _ptr(weights.weight), _optional_ptr(weights.scales)
+
+
+def _ptr(array: np.ndarray | None) -> int:
+    assert array is not None and array.flags.c_contiguous
+    return int(array.ctypes.data)
+
+
+def _optional_ptr(array: np.ndarray | None) -> int | None:
+    return None if array is None else _ptr(array)
+
+
+__all__ = ["NativeModel", "NativeStep", "kernel_functions", "kv_cache_buffers", "kv_cache_views"]

@@ -1,0 +1,156 @@
+"""Serving a weight package before PyTorch loads: the native fast-start engine (kvyard.engine.fast_start), the
+PyTorch engine taking over its requests and blocks, and `kvyard serve` doing both."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from server_utils import start_server
+
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.core import EngineCore
+from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
+from kvyard.engine.llm_engine import LLMEngine
+from kvyard.engine.native_runner import runs_natively
+from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.models.layers import RotaryEmbedding
+from kvyard.models.mapped_safetensors import MappedTensorsError, map_tensors
+from kvyard.models.native_model import NativeModel
+from kvyard.models.package import PackageError, convert
+from kvyard.models.rope_tables import rotary_tables
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def packages(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("packages")
+    schemes = {"llama": ("int8", "fp16", "bf16"), "qwen2": ("int8",), "qwen3": ("int8",)}
+    return {(arch, scheme): (convert(model_dirs[arch], scheme, root / f"{arch}-{scheme}"), root / f"{arch}-{scheme}")[1]
+            for arch, arch_schemes in schemes.items() for scheme in arch_schemes}  # fmt: skip
+
+
+def _prompts() -> list[list[int]]:
+    """Few rows a step (every step stays on the PyTorch engine's fused few-rows path), a shared prefix."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 17, 1)]
+    return [*prompts, [*prompts[1][:16], 9, 10]]
+
+
+def _run(
+    engine: EngineCore, prompts: list[list[int]], takeover: tuple[int, LLMEngine] | None = None
+) -> dict[str, list[int]]:
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, GREEDY)
+    tokens, step = {}, 0
+    while engine.has_unfinished_requests():
+        if takeover is not None and step == takeover[0]:
+            takeover[1].take_over(engine)
+            engine = takeover[1]
+        tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize(("arch", "scheme", "kv"), [("llama", "int8", "auto"), ("llama", "fp16", "int8"),
+                                                    ("llama", "bf16", "fp16"), ("qwen2", "int8", "auto"),
+                                                    ("qwen3", "int8", "int8")])  # fmt: skip
+def test_the_native_engine_and_a_takeover_give_the_pytorch_engines_tokens(
+    packages: dict[tuple[str, str], Path], arch: str, scheme: str, kv: str
+) -> None:
+    config = EngineConfig.create(str(packages[arch, scheme]), kv_cache_dtype=kv, num_kv_blocks=64, max_num_seqs=4,
+                                 kv_tier=None)  # fmt: skip
+    expected = _run(LLMEngine(config), _prompts())
+    native = NativeStartEngine(config)
+    assert _run(native, _prompts()) == expected
+    native = NativeStartEngine(config)
+    full = LLMEngine(config, native.kv_buffers)
+    assert (full.namespace, full.limits) == (native.namespace, native.limits)
+    assert _run(native, _prompts(), takeover=(3, full)) == expected  # mid-prefill and mid-decode of others
+
+
+def test_both_models_build_the_same_rotary_tables(model_dirs: dict[str, Path]) -> None:
+    from kvyard.models.config import load_model_config
+
+    config = load_model_config(model_dirs["qwen3"])
+    rotary = RotaryEmbedding(config.rope, config.head_dim, 300)
+    rotary.build(torch.device("cpu"))
+    cos, sin = rotary_tables(config.rope, config.head_dim, 300)
+    assert np.array_equal(rotary.cos_table.numpy(), cos) and np.array_equal(rotary.sin_table.numpy(), sin)
+
+
+def test_what_the_native_engine_cannot_run_waits_or_starts_without_it(
+    packages: dict[tuple[str, str], Path], llama_dir: Path
+) -> None:
+    assert runs_natively(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_tokens=2))
+    for params in (SamplingParams(seed=1), SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(logit_bias={3: 1.0}), SamplingParams(prompt_logprobs=1)):  # fmt: skip
+        assert not runs_natively(params)
+    package = str(packages["llama", "int8"])
+    assert fast_start_blocker(EngineConfig.create(package)) is None
+    assert fast_start_blocker(EngineConfig.create(str(llama_dir))) == "not a weight package (kvyard convert)"
+    assert "speculative" in str(
+        fast_start_blocker(EngineConfig.create(package, speculative=SpeculativeConfig("ngram")))
+    )
+    assert "bfloat16" in str(fast_start_blocker(EngineConfig.create(package, dtype="bfloat16")))
+
+
+def test_a_broken_package_is_refused_by_the_native_model(packages: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    package = packages["llama", "int8"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in package.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    tensors = broken / "model.safetensors"
+    whole = tensors.read_bytes()
+    tensors.write_bytes(whole[: len(whole) - 1000])
+    with pytest.raises(PackageError, match="corrupt or truncated"):
+        NativeModel(broken, 64, {}, 1)
+    with pytest.raises(MappedTensorsError, match="does not fit"):
+        map_tensors(tensors)
+    tensors.write_bytes(whole[:1000])
+    with pytest.raises(MappedTensorsError, match="more than the file holds"):
+        map_tensors(tensors)
+
+
+def test_serve_answers_on_the_native_kernels_then_pytorch_takes_over(
+    packages: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    package = packages["llama", "int8"]
+    offline = LLMEngine(EngineConfig.create(str(package), kv_tier=None))
+    prompt = _prompts()[1]
+    expected = _run(offline, [prompt])["r0"]
+    server = start_server(package, tmp_path, "--served-model-name", "p")
+    try:
+        body = {"model": "p", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        seeded = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                            json={**body, "temperature": 0.8, "seed": 5, "logprobs": 1}).json()  # fmt: skip
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        log = server.log()
+    finally:
+        assert server.stop() == 0
+    assert "on the native kernels" in log and "took over" in log
+    assert seeded["choices"][0]["logprobs"] is not None  # waited for the PyTorch engine
+    tokenized = [_text(answer) for answer in (first, again)]
+    assert tokenized[0] == tokenized[1]
+    assert first["usage"]["completion_tokens"] == len(expected)
+
+
+def _text(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["text"])
+
+
+def test_serve_help_names_the_fast_start_switch() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvyard", "serve", "--help"], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 0 and "--no-fast-start" in result.stdout
