@@ -114,7 +114,7 @@ def test_a_broken_package_is_refused_by_the_native_model(packages: dict[tuple[st
     whole = tensors.read_bytes()
     tensors.write_bytes(whole[: len(whole) - 1000])
     with pytest.raises(PackageError, match="corrupt or truncated"):
-        NativeModel(broken, 64, {}, 1)
+        NativeModel.from_package(broken, 64, {}, 1)
     with pytest.raises(MappedTensorsError, match="does not fit"):
         map_tensors(tensors)
     tensors.write_bytes(whole[:1000])

@@ -75,7 +75,7 @@ class NativeStartEngine(EngineCore):
         max_model_len = max_model_len_of(config, self.model_config)
         tokenizer = load_tokenizer(config.model)
         kv_name = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        model = NativeModel(config.model, max_model_len, kernel_functions(), default_num_threads())
+        model = NativeModel.from_package(config.model, max_model_len, kernel_functions(), default_num_threads())
         block_bytes = kv_block_bytes_native(self.model_config, config.block_size, kv_name)
         num_kv_blocks = num_kv_blocks_of(config, max_model_len, block_bytes)
         limits = ContextLimits(max_model_len, self.model_config.vocab_size, config.block_size, num_kv_blocks)

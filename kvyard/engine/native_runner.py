@@ -15,7 +15,14 @@ from kvyard.engine.core import SampledToken
 from kvyard.engine.request import Request
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest
-from kvyard.models.native_model import KV_STORAGE, NativeModel, NativeStep, kv_cache_buffers, kv_cache_views
+from kvyard.models.native_model import (
+    KV_STORAGE,
+    KVPointers,
+    NativeModel,
+    NativeStep,
+    kv_cache_buffers,
+    kv_cache_views,
+)
 
 PIECE_ROWS = 64  # prompt rows per native call: the int8 kernels' few-rows range (Int8Linear.max_small_rows)
 
@@ -34,7 +41,7 @@ class NativeRunner:
         self.kv_name = kv_name
         self.kv_buffers = kv_cache_buffers(model.config, num_blocks, block_size, kv_name)
         self.kv_caches = kv_cache_views(self.kv_buffers, model.config, kv_name)
-        self.kv_code = KV_STORAGE[kv_name][1]
+        self.kv = KVPointers.of_arrays(self.kv_caches, KV_STORAGE[kv_name][1])
         self.rng = np.random.default_rng()
 
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
@@ -69,7 +76,7 @@ class NativeRunner:
                           np.zeros((0, 4), dtype=np.int64), np.zeros(0, dtype=np.int64), self.block_size,
                           max_blocks)  # fmt: skip
         input_ids = np.array([item.request.all_token_ids[item.request.num_computed_tokens] for item in decodes])
-        return self.model.forward(input_ids, step, self.kv_caches, self.kv_code)
+        return self.model.forward(input_ids, step, self.kv)
 
     def _run_chunk(self, item: ScheduledRequest) -> np.ndarray:
         """Run a prompt chunk in pieces of PIECE_ROWS, each reading the earlier ones' keys from the cache; the
@@ -85,7 +92,7 @@ class NativeRunner:
             step = NativeStep(positions, self._slots(table[None, :], positions), 0, np.zeros((0, 1), dtype=np.int64),
                               np.zeros(0, dtype=np.int64), chunks, table, self.block_size, 1)  # fmt: skip
             input_ids = np.array(request.all_token_ids[first : first + count], dtype=np.int64)
-            hidden = self.model.forward(input_ids, step, self.kv_caches, self.kv_code)[-1]
+            hidden = self.model.forward(input_ids, step, self.kv)[-1]
         return hidden
 
     def _slots(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:

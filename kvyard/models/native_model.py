@@ -61,15 +61,15 @@ class Weights:
 class NativeModel:
     """The package's model: embeddings, one native call per decoder layer, the final norm, the LM head."""
 
-    def __init__(self, package_dir: str | Path, max_positions: int, functions: dict[str, Any],
-                 num_threads: int) -> None:  # fmt: skip
-        info = read_info(package_dir)
-        self.config: ModelConfig = load_model_config(package_dir)
-        self.weights_scheme = info.weights
-        self.tensors = map_tensors(checked_tensors_file(package_dir, info))
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], weights_scheme: str, max_positions: int,
+                 functions: dict[str, Any], num_threads: int) -> None:  # fmt: skip
+        """`tensors`: the model's own, by their names in a package (a PyTorch model's state dict, as numpy views, has
+        the same names); `weights_scheme`: int8, fp16, bf16 (16-bit patterns as uint16) or none (fp32)."""
+        self.config = config
+        self.weights_scheme = weights_scheme
+        self.tensors = tensors
         self.functions = functions
         self.num_threads = num_threads
-        config = self.config
         self.embed = self._tensor("model.embed_tokens.weight")
         self.final_norm = self._tensor("model.norm.weight")
         lm_head = self._weights("lm_head")
@@ -78,6 +78,14 @@ class NativeModel:
         self.shape = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
                       config.head_dim)  # fmt: skip
         self.layer_args = [self._layer_args(index) for index in range(config.num_layers)]
+
+    @classmethod
+    def from_package(cls, package_dir: str | Path, max_positions: int, functions: dict[str, Any],
+                     num_threads: int) -> NativeModel:  # fmt: skip
+        """The package's model over its memory-mapped tensors, once their SHA-256 matches its description."""
+        info = read_info(package_dir)
+        tensors = map_tensors(checked_tensors_file(package_dir, info))
+        return cls(load_model_config(package_dir), tensors, info.weights, max_positions, functions, num_threads)
 
     def _tensor(self, name: str) -> np.ndarray:
         tensor = self.tensors.get(name)
@@ -108,6 +116,8 @@ class NativeModel:
         config, prefix = self.config, f"model.layers.{index}"
         qkv, o = self._linear(f"{prefix}.self_attn.qkv_proj"), self._linear(f"{prefix}.self_attn.o_proj")
         gate_up, down = self._linear(f"{prefix}.mlp.gate_up_proj"), self._linear(f"{prefix}.mlp.down_proj")
+        if any(linear.bias is not None for linear in (o, gate_up, down)):
+            raise PackageError(f"{prefix} has a bias outside the QKV projection: not on the native path")
         q_norm = k_norm = None
         if config.qk_norm:
             q_norm = _ptr(self._tensor(f"{prefix}.self_attn.q_norm.weight"))
@@ -119,35 +129,29 @@ class NativeModel:
                 *_weight_args(down), _ptr(self.cos_table), _ptr(self.sin_table), config.head_dim**-0.5,
                 self.num_threads)  # fmt: skip
 
-    def forward(self, input_ids: np.ndarray, step: NativeStep, kv_caches: list[np.ndarray], kv_code: int) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, step: NativeStep, kv: KVPointers) -> np.ndarray:
         """The final hidden states [rows, hidden] of a step's tokens, whose keys and values go into the caches."""
-        rows = input_ids.shape[0]
-        hidden, _, num_heads, num_kv_heads, head_dim = self.shape
+        return self.prepare(step, kv).run(input_ids)
+
+    def prepare(self, step: NativeStep, kv: KVPointers) -> PreparedStep:
+        """Every argument of the step's native calls, built once: the step can run again with other tokens after
+        its arrays (positions, slots, context lengths) are updated in place, as a greedy draft does pass by pass."""
+        rows = step.positions.shape[0]
+        hidden, inter, num_heads, num_kv_heads, head_dim = self.shape
         max_context = step.max_blocks * step.block_size
         scratch = np.empty(self.functions["kvyard_decode_layer_scratch_floats"](
-            rows, hidden, num_heads, num_kv_heads, head_dim, self.shape[1], max_context, self.num_threads),
+            rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context, self.num_threads),
             dtype=np.float32)  # fmt: skip
-        residual = np.ascontiguousarray(self.embed[input_ids], dtype=np.float32)
-        out = np.empty_like(residual)
-        decode_layer = self.functions["kvyard_decode_layer"]
-        x: np.ndarray | None = None
-        for args, cache in zip(self.layer_args, kv_caches, strict=True):
-            k_cache = cache.ctypes.data
-            v_cache = k_cache + cache.strides[0]
-            status = decode_layer(
-                None if x is None else x.ctypes.data, residual.ctypes.data, out.ctypes.data, rows,
-                step.positions.ctypes.data, k_cache, v_cache, kv_code, cache.strides[1], step.slots.ctypes.data,
-                step.num_decodes, step.block_tables.ctypes.data, step.context_lens.ctypes.data, step.block_size,
-                step.max_blocks, max_context, step.chunks.shape[0], step.chunks.ctypes.data,
-                step.chunk_tables.ctypes.data, scratch.ctypes.data, *args,
-            )  # fmt: skip
-            if status != 0:
-                raise MemoryError("prefill attention kernel could not allocate its scratch")
-            x = out
-        normed = np.empty_like(residual)
-        self.functions["kvyard_add_rms_norm"](out.ctypes.data, residual.ctypes.data, _ptr(self.final_norm),
-                                              normed.ctypes.data, rows, hidden, self.config.rms_norm_eps)  # fmt: skip
-        return normed
+        residual = np.empty((rows, hidden), dtype=np.float32)
+        out, normed = np.empty_like(residual), np.empty_like(residual)
+        step_args = (kv.code, kv.slot_bytes, _ptr(step.slots), step.num_decodes, _ptr(step.block_tables),
+                     _ptr(step.context_lens), step.block_size, step.max_blocks, max_context, step.chunks.shape[0],
+                     _ptr(step.chunks), _ptr(step.chunk_tables), _ptr(scratch))  # fmt: skip
+        layers = enumerate(zip(self.layer_args, kv.layers, strict=True))
+        calls = [(None if index == 0 else _ptr(out), _ptr(residual), _ptr(out), rows, _ptr(step.positions), k_cache,
+                  v_cache, *step_args, *args) for index, (args, (k_cache, v_cache)) in layers]  # fmt: skip
+        norm = (_ptr(out), _ptr(residual), _ptr(self.final_norm), _ptr(normed), rows, hidden, self.config.rms_norm_eps)
+        return PreparedStep(self, step, calls, norm, residual, normed, (scratch, out))
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """[rows, vocab] float32 logits of final hidden states [rows, hidden]."""
@@ -188,6 +192,45 @@ class NativeStep:
     chunk_tables: np.ndarray
     block_size: int
     max_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVPointers:
+    """The layers' caches as the kernels take them: (keys, values) addresses per layer, the bytes of one slot
+    (kv heads x row), the format's code."""
+
+    layers: list[tuple[int, int]]
+    slot_bytes: int
+    code: int
+
+    @classmethod
+    def of_arrays(cls, caches: list[np.ndarray], code: int) -> KVPointers:
+        """From contiguous [2, slots, kv heads, row] arrays (kv_cache_views)."""
+        layers = [(int(cache.ctypes.data), int(cache.ctypes.data) + cache.strides[0]) for cache in caches]
+        return cls(layers, caches[0].strides[1], code)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's native calls with their arguments built (NativeModel.prepare); holds every buffer they point to."""
+
+    model: NativeModel
+    step: NativeStep
+    calls: list[tuple[Any, ...]]
+    norm: tuple[Any, ...]
+    residual: np.ndarray
+    normed: np.ndarray
+    buffers: tuple[np.ndarray, ...]
+
+    def run(self, input_ids: np.ndarray) -> np.ndarray:
+        """The final hidden states of `input_ids` at the step's positions (the returned array is reused)."""
+        np.take(self.model.embed, input_ids, axis=0, out=self.residual)
+        decode_layer = self.model.functions["kvyard_decode_layer"]
+        for call in self.calls:
+            if decode_layer(*call) != 0:
+                raise MemoryError("prefill attention kernel could not allocate its scratch")
+        self.model.functions["kvyard_add_rms_norm"](*self.norm)
+        return self.normed
 
 
 def kv_cache_buffers(config: ModelConfig, num_blocks: int, block_size: int, kv_name: str) -> list[mmap.mmap]:
