@@ -163,3 +163,24 @@ def test_a_draft_that_cannot_propose_for_the_model_is_refused(
         LLM(str(llama_dir), speculative=SELF_INT8, quantization="int8")
     with pytest.raises(ValueError, match="needs --draft-model"):
         SpeculativeConfig(method="draft")
+
+
+@pytest.mark.parametrize(("arch", "method"), [("llama", "self-int8"), ("qwen3", "self-fp16"), ("qwen2", "self-int8")])
+def test_native_guessing_passes_guess_what_the_modules_guess(
+    model_dirs: dict[str, Path], arch: str, method: str
+) -> None:
+    """Guessing passes run on the native kernels (kvyard.engine.native_draft) over the draft's own tensors and
+    cache; with them switched off the PyTorch modules run the same passes: every guess, hence every count of
+    proposed and accepted tokens, is the same."""
+    batch = prompts(6, seed=7)
+    counts = []
+    for native in (True, False):
+        with LLM(str(model_dirs[arch]), speculative=draft(method)) as llm:
+            proposer = llm.engine.proposer
+            assert isinstance(proposer, DraftModelProposer) and proposer.native is not None
+            if not native:
+                proposer.native = None
+            outputs = token_ids(llm, batch)
+            stats = llm.engine.stats()
+            counts.append((outputs, stats.spec_proposed_tokens, stats.spec_accepted_tokens))
+    assert counts[0] == counts[1] and counts[0][1] > 0

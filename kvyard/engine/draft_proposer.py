@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvyard.engine.model_runner import PagedModel
+from kvyard.engine.native_draft import NativeGuesser
 from kvyard.engine.request import Request
 from kvyard.engine.speculative import StepCost
 from kvyard.models.config import ModelConfig, load_model_config
@@ -72,6 +73,7 @@ class DraftModelProposer:
     ) -> None:
         dtype = next(model.parameters()).dtype
         self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
+        self.native = NativeGuesser.of(self.paged)  # guessing passes without Python per layer, where it can
         self.block_size = block_size
         self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
@@ -178,6 +180,11 @@ class DraftModelProposer:
         if not queries:
             return []
         started = time.perf_counter()
+        if guessing and self.native is not None:  # one token a sequence: the native pass, the same kernels
+            guesses = self.native.guess([query.token_ids[0] for query in queries], [query.start for query in queries],
+                                        [query.sequence.block_table for query in queries])  # fmt: skip
+            self._pass_cost.observe(len(queries), time.perf_counter() - started)
+            return guesses
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
