@@ -34,6 +34,8 @@ from kvyard.models.package import is_package, load_package
 from kvyard.models.quantization import quantize_model
 
 WARM_UP_BATCHES = (1, 2, 4, 8, 16, 1, 4)  # sequences in the passes that seed the pass-cost fit
+# Rows a pass may have to run on the native kernels (beyond: the modules, whose matmul of many rows is faster).
+NATIVE_PASS_ROWS = 64
 
 
 class DraftModelError(ValueError):
@@ -73,7 +75,7 @@ class DraftModelProposer:
     ) -> None:
         dtype = next(model.parameters()).dtype
         self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
-        self.native = NativeGuesser.of(self.paged)  # guessing passes without Python per layer, where it can
+        self.native = NativeGuesser.of(self.paged)  # passes without Python per layer, where it can run
         self.block_size = block_size
         self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
@@ -180,11 +182,21 @@ class DraftModelProposer:
         if not queries:
             return []
         started = time.perf_counter()
-        if guessing and self.native is not None:  # one token a sequence: the native pass, the same kernels
-            guesses = self.native.guess([query.token_ids[0] for query in queries], [query.start for query in queries],
-                                        [query.sequence.block_table for query in queries])  # fmt: skip
+        if self.native is not None and sum(len(query.token_ids) for query in queries) <= NATIVE_PASS_ROWS:
+            token_ids = self.native.run_pass([query.token_ids for query in queries], [query.start for query in queries],
+                                             [query.sequence.block_table for query in queries],
+                                             [query.wants_guess for query in queries])  # fmt: skip
+        else:
+            token_ids = self._module_pass(queries)
+        if not guessing:
+            for query in queries:
+                query.sequence.num_computed = query.start + len(query.token_ids)
+        if max(len(query.token_ids) for query in queries) <= 2:
             self._pass_cost.observe(len(queries), time.perf_counter() - started)
-            return guesses
+        return token_ids
+
+    def _module_pass(self, queries: Sequence[_Query]) -> list[int]:
+        """The pass through the PyTorch modules (PagedModel)."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -200,15 +212,10 @@ class DraftModelProposer:
             context_lens=[query.start + len(query.token_ids) for query in queries],
             query_lens=[len(query.token_ids) for query in queries],
         )
-        if not guessing:
-            for query in queries:
-                query.sequence.num_computed = query.start + len(query.token_ids)
-        token_ids: list[int] = []
-        if rows:
-            logits = self.paged.model.compute_logits(hidden[torch.tensor(rows, device=self.paged.device)])
-            token_ids = logits.argmax(dim=-1).tolist()
-        if max(len(query.token_ids) for query in queries) <= 2:
-            self._pass_cost.observe(len(queries), time.perf_counter() - started)
+        if not rows:
+            return []
+        logits = self.paged.model.compute_logits(hidden[torch.tensor(rows, device=self.paged.device)])
+        token_ids: list[int] = logits.argmax(dim=-1).tolist()
         return token_ids
 
 

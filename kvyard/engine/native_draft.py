@@ -1,15 +1,17 @@
-"""A draft model's guessing passes on the native kernels, with no Python per layer.
+"""A draft model's passes on the native kernels, with no Python per layer.
 
 A guessing pass of a draft (one token per sequence, greedy) is short: on the bench model's int8 self-draft about
 1.7 ms of kernels, to which running it through the PyTorch modules added about 1.2 ms of Python (metadata
 tensors, argument checks, a dozen calls from Python beside the fused layer calls). Here the pass runs through
 kvyard.models.native_model over numpy views of the draft's own tensors and KV cache: the same kernels on the same
-memory, so its guesses are the ones the modules give; the arguments of every native call are built once per
-batch of sequences and block tables, and a further pass only moves positions, slots and context lengths on."""
+memory, so its guesses are the ones the modules give. For a guessing pass the arguments of every native call are
+built once per batch of sequences and block tables, and a further pass only moves positions, slots and context
+lengths on; a catch-up pass (the tokens the target emitted last step, a short prompt) is built each time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -42,8 +44,24 @@ class NativeGuesser:
         kv = KVPointers(layers, caches[0].stride(1) * caches[0].element_size(), KV_DTYPE_CODES[caches[0].dtype])
         return cls(native, kv, paged.block_size)
 
-    def guess(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[list[int]]) -> list[int]:
-        """The greedy next token of each sequence, fed `token_ids[i]` at `positions[i]` (its KV written)."""
+    def run_pass(self, token_ids: Sequence[list[int]], starts: Sequence[int], block_tables: Sequence[list[int]],
+                 wants_guess: Sequence[bool]) -> list[int]:  # fmt: skip
+        """One pass over queries (single-token ones first): query i feeds `token_ids[i]` from position `starts[i]`
+        (their KV written); the greedy next token of each query that wants a guess, in order."""
+        if all(len(tokens) == 1 for tokens in token_ids) and all(wants_guess):
+            return self._guess([tokens[0] for tokens in token_ids], starts, block_tables)
+        step = self._mixed_step(token_ids, starts, block_tables)
+        hidden = self.native.prepare(step, self.kv).run(np.fromiter(chain.from_iterable(token_ids), dtype=np.int64))
+        last_rows = np.cumsum([len(tokens) for tokens in token_ids]) - 1
+        rows = last_rows[np.asarray(wants_guess, dtype=bool)]
+        if rows.shape[0] == 0:
+            return []
+        return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden[rows]))]
+
+    def _guess(
+        self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[list[int]]
+    ) -> list[int]:
+        """A guessing pass (one token a sequence): the prepared step of these block tables, moved on."""
         prepared = self._prepared_for(block_tables)
         step = prepared.step
         step.positions[:] = positions
@@ -54,6 +72,30 @@ class NativeGuesser:
         )
         hidden = prepared.run(np.asarray(token_ids, dtype=np.int64))
         return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden))]
+
+    def _mixed_step(self, token_ids: Sequence[list[int]], starts: Sequence[int],
+                    block_tables: Sequence[list[int]]) -> NativeStep:  # fmt: skip
+        """Single-token queries as decodes, then each longer one as a chunk reading its earlier keys from the cache."""
+        num_decodes = sum(1 for tokens in token_ids if len(tokens) == 1)
+        max_blocks = max([len(table) for table in block_tables[:num_decodes]], default=1)
+        tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+        chunks: list[list[int]] = []
+        chunk_tables: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for index, (tokens, start, table) in enumerate(zip(token_ids, starts, block_tables, strict=True)):
+            if index < num_decodes:
+                tables[index, : len(table)] = table
+            else:
+                chunks.append([len(positions), len(tokens), start + len(tokens), len(chunk_tables)])
+                chunk_tables += table
+            for position in range(start, start + len(tokens)):
+                positions.append(position)
+                slots.append(table[position // self.block_size] * self.block_size + position % self.block_size)
+        context_lens = np.array([start + 1 for start in starts[:num_decodes]], dtype=np.int64)
+        return NativeStep(np.array(positions, dtype=np.int64), np.array(slots, dtype=np.int64), num_decodes, tables,
+                          context_lens, np.array(chunks, dtype=np.int64).reshape(-1, 4),
+                          np.array(chunk_tables, dtype=np.int64), self.block_size, max_blocks)  # fmt: skip
 
     def _prepared_for(self, block_tables: Sequence[list[int]]) -> PreparedStep:
         """The prepared pass of these sequences, built again only when their block tables change."""
