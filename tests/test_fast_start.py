@@ -3,6 +3,7 @@ PyTorch engine taking over its requests and blocks, and `kvyard serve` doing bot
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -154,3 +155,53 @@ def test_serve_help_names_the_fast_start_switch() -> None:
     result = subprocess.run([sys.executable, "-m", "kvyard", "serve", "--help"], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 0 and "--no-fast-start" in result.stdout
+
+
+def test_a_pytorch_engine_that_fails_after_a_fast_start_ends_the_replica_with_the_reason(
+    packages: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests waiting for the PyTorch engine get a 503 naming why it failed; the load error ends the replica
+    (`kvyard serve` exits 1 on it), as any failed load does."""
+    from kvyard.api.errors import APIError
+    from kvyard.server import model_server
+    from kvyard.server.app import ReplicaApp
+    from kvyard.server.async_engine import AsyncEngine
+    from kvyard.server.options import ServerOptions
+
+    def broken_engine(config: EngineConfig, kv_buffers: object) -> LLMEngine:
+        raise RuntimeError("libtorch_cpu.so: cannot open shared object file")
+
+    monkeypatch.setattr(model_server, "_torch_engine", broken_engine)
+    config = EngineConfig.create(str(packages["llama", "int8"]), num_kv_blocks=64, kv_tier=None)
+
+    async def scenario() -> tuple[BaseException | None, list[int], str]:
+        app = ReplicaApp(ServerOptions())
+        engines: list[AsyncEngine] = []
+        original = model_server._native_start
+
+        async def native_then_wait(*args: Any) -> AsyncEngine | None:
+            native = await original(*args)
+            assert native is not None
+            waiting.append(asyncio.ensure_future(_collect(native, SamplingParams(max_tokens=4, seed=3))))
+            greedy.extend(await _collect(native, SamplingParams(max_tokens=4, temperature=0)))
+            return native
+
+        waiting: list[asyncio.Future[list[int]]] = []
+        greedy: list[int] = []
+        monkeypatch.setattr(model_server, "_native_start", native_then_wait)
+        await model_server._load(app, config, engines)
+        with pytest.raises(APIError, match="libtorch_cpu") as refused:
+            await waiting[0]
+        for engine in engines:
+            engine.stop()
+        return app.load_error, greedy, str(refused.value.status)
+
+    load_error, greedy, status = asyncio.run(scenario())
+    assert isinstance(load_error, RuntimeError) and len(greedy) == 4 and status == "503"
+
+
+async def _collect(engine: Any, params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for output in engine.generate(f"req-{id(params)}", list(range(5, 25)), params):
+        tokens = output.token_ids
+    return tokens

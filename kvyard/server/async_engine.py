@@ -157,8 +157,7 @@ class AsyncEngine:
     def fail_takeover(self, error: BaseException) -> None:
         """LLMEngine will not take over: requests waiting for it get a 503 saying why."""
         if self._takeover is not None and not self._takeover.done():
-            self._takeover.set_exception(APIError(503, f"this replica serves only greedy and plain sampling: its "
-                                                       f"PyTorch engine failed to load: {error}",
+            self._takeover.set_exception(APIError(503, f"the replica's PyTorch engine failed to load: {error}",
                                                   code="engine_unavailable"))  # fmt: skip
             self._takeover.exception()  # retrieved: no "never retrieved" warning when nobody waits
 

@@ -1,9 +1,10 @@
 """`kvyard serve`: one replica of a model, over the replica API.
 
-It listens at once (`/health` answers 503 while the model loads on a worker thread), says on stderr what
-it is doing, and on SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight
-requests finish for up to `--shutdown-grace-s`, then exits 0. A model that fails to load ends the process
-with exit code 1 and the reason on stderr: a replica that can never serve should not look alive.
+It listens at once (`/health` answers 503 while the model loads on a worker thread; a weight package is served
+from the native kernels while PyTorch loads, kvyard.engine.fast_start), says on stderr what it is doing, and on
+SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight requests finish for up to
+`--shutdown-grace-s`, then exits 0. A model that fails to load (PyTorch's engine included, after a fast start)
+ends the process with exit code 1 and the reason on stderr: a replica that cannot serve should not look alive.
 """
 
 from __future__ import annotations
@@ -65,10 +66,8 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         kv_buffers = native.engine.kv_buffers if native and isinstance(native.engine, NativeStartEngine) else None
         engine = await asyncio.to_thread(_torch_engine, config, kv_buffers)
     except Exception as error:
-        if native is not None:
+        if native is not None:  # requests waiting for it get a 503 with the reason; the replica then exits
             native.fail_takeover(error)
-            say(f"error: the PyTorch engine failed to load: {error}; serving on the native kernels only")
-            return
         app.load_error = error
         say(f"error: the model failed to load: {error}")
         return
@@ -81,7 +80,8 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         except Exception as error:
             native.fail_takeover(error)
             engine.close()
-            say(f"error: the PyTorch engine could not take over: {error}; serving on the native kernels only")
+            app.load_error = error
+            say(f"error: the PyTorch engine could not take over: {error}")
             return
         say(f"PyTorch engine loaded and took over in {time.monotonic() - started:.1f} s")
         return
