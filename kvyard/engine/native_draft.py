@@ -17,8 +17,14 @@ import numpy as np
 import torch
 
 from kvyard.engine.model_runner import PagedModel
-from kvyard.kernels.ops import KV_DTYPE_CODES
-from kvyard.models.native_model import KVPointers, NativeModel, NativeStep, PreparedStep, kernel_functions
+from kvyard.models.native_model import (
+    KV_CODES_BY_ELEMENT,
+    KVPointers,
+    NativeModel,
+    NativeStep,
+    PreparedStep,
+    kernel_functions,
+)
 
 
 class NativeGuesser:
@@ -41,7 +47,8 @@ class NativeGuesser:
                              kernel_functions(), paged.kernels.decode_layer.num_threads)  # fmt: skip
         caches = paged.kv_caches
         layers = [(cache.data_ptr(), cache.data_ptr() + cache.stride(0) * cache.element_size()) for cache in caches]
-        kv = KVPointers(layers, caches[0].stride(1) * caches[0].element_size(), KV_DTYPE_CODES[caches[0].dtype])
+        code = KV_CODES_BY_ELEMENT[str(caches[0].dtype).removeprefix("torch.")]
+        kv = KVPointers(layers, caches[0].stride(1) * caches[0].element_size(), code)
         return cls(native, kv, paged.block_size)
 
     def run_pass(self, token_ids: Sequence[list[int]], starts: Sequence[int], block_tables: Sequence[list[int]],

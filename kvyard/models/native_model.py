@@ -27,6 +27,8 @@ from kvyard.models.rope_tables import rotary_tables
 # KV formats the kernels store (kv_rows.h): numpy storage dtype, the kernels' code, extra bytes per row.
 KV_STORAGE = {"fp32": (np.float32, 0, 0), "fp16": (np.float16, 1, 0), "bf16": (np.uint16, 2, 0),
               "int8": (np.uint8, 3, 4)}  # fmt: skip
+# The same codes by the name of the cache tensor's element type (PyTorch's, "torch." left off).
+KV_CODES_BY_ELEMENT = {"float32": 0, "float16": 1, "bfloat16": 2, "uint8": 3}
 _WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.float16): 2}
 _BF16_KIND = 3
 
