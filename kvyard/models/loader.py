@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +9,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvyard.models.checkpoint import FUSED_SHARDS, model_digest, safetensors_files
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
+
+__all__ = ["DTYPES", "load_model", "materialize", "model_digest", "resolve_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -22,18 +23,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-# checkpoint tensor suffix -> (fused parameter suffix, shard index)
-_FUSED_SHARDS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_FULL_HASH_LIMIT = 256 << 20
-_SAMPLE_BYTES = 1 << 20
-_NUM_SAMPLES = 64
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
@@ -56,7 +45,7 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(config, max_positions)
     materialize(model, device, dtype)
-    _load_weights(model, _safetensors_files(model_dir), config)
+    _load_weights(model, safetensors_files(model_dir), config)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)
 
@@ -80,13 +69,6 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | Non
                     new = nn.Parameter(data, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
                     made[id(tensor)] = new
                 store[name] = new
-
-
-def _safetensors_files(model_dir: str | Path) -> list[Path]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
-    return files
 
 
 def _load_weights(model: CausalLM, files: list[Path], config: ModelConfig) -> None:
@@ -114,8 +96,8 @@ def _load_tensor(
         return None
     prefix, _, leaf = name.rpartition(".")
     module_prefix, _, module = prefix.rpartition(".")
-    if module in _FUSED_SHARDS:
-        fused, shard = _FUSED_SHARDS[module]
+    if module in FUSED_SHARDS:
+        fused, shard = FUSED_SHARDS[module]
         target = f"{module_prefix}.{fused}.{leaf}"
         _fused_slice(params[target], shard, fused, config).copy_(tensor)
         return target
@@ -139,32 +121,3 @@ def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfi
         starts = (0, config.intermediate_size)
         sizes = (config.intermediate_size, config.intermediate_size)
     return param.data.narrow(0, starts[shard], sizes[shard])
-
-
-def model_digest(model_dir: str | Path) -> str:
-    """A stable digest of the model's config and weights, used in the KV cache namespace.
-
-    Small files are hashed whole; large ones by their safetensors header plus evenly spaced
-    samples, which tells apart checkpoints that share a config but not weights without reading
-    gigabytes at start-up.
-    """
-    digest = hashlib.sha256()
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    digest.update(json.dumps(config, sort_keys=True).encode())
-    for path in _safetensors_files(model_dir):
-        digest.update(path.name.encode())
-        digest.update(_file_fingerprint(path))
-    return digest.hexdigest()[:32]
-
-
-def _file_fingerprint(path: Path) -> bytes:
-    size = path.stat().st_size
-    digest = hashlib.sha256(size.to_bytes(8, "little"))
-    with path.open("rb") as f:
-        if size <= _FULL_HASH_LIMIT:
-            digest.update(f.read())
-            return digest.digest()
-        for i in range(_NUM_SAMPLES):
-            f.seek(i * (size - _SAMPLE_BYTES) // (_NUM_SAMPLES - 1))
-            digest.update(f.read(_SAMPLE_BYTES))
-    return digest.digest()

@@ -1,0 +1,88 @@
+"""A Hugging Face checkpoint directory's files without PyTorch: its safetensors files, the digest that names its
+weights in block keys, and its tensors under the names of kvyard's fused model, as numpy arrays (for the fast
+start, kvyard.engine.fast_start). kvyard.models.loader loads the same files into the PyTorch model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvyard.models.config import ModelConfig
+from kvyard.models.mapped_safetensors import map_tensors
+
+# checkpoint tensor suffix -> (fused parameter suffix, shard index)
+FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FULL_HASH_LIMIT = 256 << 20
+_SAMPLE_BYTES = 1 << 20
+_NUM_SAMPLES = 64
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
+    return files
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """A stable digest of the model's config and weights, used in the KV cache namespace.
+
+    Small files are hashed whole; large ones by their safetensors header plus evenly spaced
+    samples, which tells apart checkpoints that share a config but not weights without reading
+    gigabytes at start-up.
+    """
+    digest = hashlib.sha256()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for path in safetensors_files(model_dir):
+        digest.update(path.name.encode())
+        digest.update(_file_fingerprint(path))
+    return digest.hexdigest()[:32]
+
+
+def _file_fingerprint(path: Path) -> bytes:
+    size = path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with path.open("rb") as f:
+        if size <= _FULL_HASH_LIMIT:
+            digest.update(f.read())
+            return digest.digest()
+        for i in range(_NUM_SAMPLES):
+            f.seek(i * (size - _SAMPLE_BYTES) // (_NUM_SAMPLES - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.digest()
+
+
+def fused_tensors(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors by the fused model's parameter names: q/k/v and gate/up (weights and biases)
+    concatenated in shard order (copies), every other tensor a view of the mapped file."""
+    tensors: dict[str, np.ndarray] = {}
+    shards: dict[str, dict[int, np.ndarray]] = {}
+    for path in safetensors_files(model_dir):
+        for name, tensor in map_tensors(path).items():
+            if "rotary_emb" in name:
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            module_prefix, _, module = prefix.rpartition(".")
+            if module in FUSED_SHARDS:
+                fused, shard = FUSED_SHARDS[module]
+                shards.setdefault(f"{module_prefix}.{fused}.{leaf}", {})[shard] = tensor
+            else:
+                tensors[name] = tensor
+    for name, parts in shards.items():
+        expected = 3 if ".qkv_proj." in name else 2
+        if sorted(parts) != list(range(expected)):
+            raise ValueError(f"checkpoint is missing weights: {name} has shards {sorted(parts)} of {expected}")
+        tensors[name] = np.concatenate([parts[index] for index in range(expected)], axis=0)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
