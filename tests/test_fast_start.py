@@ -36,8 +36,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 def packages(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("packages")
     schemes = {"llama": ("int8", "fp16", "bf16"), "qwen2": ("int8",), "qwen3": ("int8",)}
-    return {(arch, scheme): (convert(model_dirs[arch], scheme, root / f"{arch}-{scheme}"), root / f"{arch}-{scheme}")[1]
-            for arch, arch_schemes in schemes.items() for scheme in arch_schemes}  # fmt: skip
+    converted = {(arch, scheme): root / f"{arch}-{scheme}" for arch, arch_schemes in schemes.items()
+                 for scheme in arch_schemes}  # fmt: skip
+    for (arch, scheme), out in converted.items():
+        convert(model_dirs[arch], scheme, out)
+    return {**converted, **{(arch, "none"): model_dirs[arch] for arch in schemes}}  # checkpoints as stored
 
 
 def _prompts() -> list[list[int]]:
@@ -55,6 +58,7 @@ def _run(
     tokens, step = {}, 0
     while engine.has_unfinished_requests():
         if takeover is not None and step == takeover[0]:
+            assert isinstance(engine, NativeStartEngine)
             takeover[1].take_over(engine)
             engine = takeover[1]
         tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
@@ -64,12 +68,15 @@ def _run(
 
 @pytest.mark.parametrize(("arch", "scheme", "kv"), [("llama", "int8", "auto"), ("llama", "fp16", "int8"),
                                                     ("llama", "bf16", "fp16"), ("qwen2", "int8", "auto"),
-                                                    ("qwen3", "int8", "int8")])  # fmt: skip
+                                                    ("qwen3", "int8", "int8"), ("llama", "none", "auto"),
+                                                    ("qwen2", "none", "int8"), ("qwen3", "none", "auto")])  # fmt: skip
 def test_the_native_engine_and_a_takeover_give_the_pytorch_engines_tokens(
     packages: dict[tuple[str, str], Path], arch: str, scheme: str, kv: str
 ) -> None:
+    # fp32 layers take their few-rows kernels up to 16 rows (converted ones up to 64): steps of at most that many
+    batched = 16 if scheme == "none" else 2048
     config = EngineConfig.create(str(packages[arch, scheme]), kv_cache_dtype=kv, num_kv_blocks=64, max_num_seqs=4,
-                                 kv_tier=None)  # fmt: skip
+                                 max_num_batched_tokens=batched, kv_tier=None)  # fmt: skip
     expected = _run(LLMEngine(config), _prompts())
     native = NativeStartEngine(config)
     assert _run(native, _prompts()) == expected
@@ -98,7 +105,8 @@ def test_what_the_native_engine_cannot_run_waits_or_starts_without_it(
         assert not runs_natively(params)
     package = str(packages["llama", "int8"])
     assert fast_start_blocker(EngineConfig.create(package)) is None
-    assert fast_start_blocker(EngineConfig.create(str(llama_dir))) == "not a weight package (kvyard convert)"
+    assert fast_start_blocker(EngineConfig.create(str(llama_dir))) is None  # a checkpoint as stored
+    assert "converts at load time" in str(fast_start_blocker(EngineConfig.create(str(llama_dir), quantization="int8")))
     assert "speculative" in str(
         fast_start_blocker(EngineConfig.create(package, speculative=SpeculativeConfig("ngram")))
     )
@@ -205,3 +213,28 @@ async def _collect(engine: Any, params: SamplingParams) -> list[int]:
     async for output in engine.generate(f"req-{id(params)}", list(range(5, 25)), params):
         tokens = output.token_ids
     return tokens
+
+
+@pytest.mark.parametrize("kv_name", ["fp32", "fp16", "bf16", "int8"])
+def test_numpy_blocks_are_the_bytes_pytorch_reads_and_writes(kv_name: str) -> None:
+    """The fast-start engine's KV tier and transfers see the same block bytes as LLMEngine's, both ways."""
+    from kvyard.engine.kv_transfer import DeviceBlocks
+    from kvyard.engine.native_blocks import CODEC_NAMES, NumpyBlocks
+    from kvyard.kvcache.codec import DecodedBlock
+    from kvyard.models.kv_format import KVFormat
+    from kvyard.models.native_model import KV_STORAGE
+
+    kv_format, block_size, num_blocks = KVFormat(kv_name), 4, 6
+    shape = (2, num_blocks * block_size, 3, kv_format.row_width(8))
+    row_bytes = kv_format.row_bytes(8)
+    caches = [
+        torch.randint(0, 256, (*shape[:3], row_bytes), dtype=torch.uint8).view(kv_format.storage_dtype)
+        for _ in range(2)
+    ]  # random bits: the blocks are compared as bytes
+    views = [cache.view(torch.uint8).numpy().view(KV_STORAGE[kv_name][0]) for cache in caches]
+    device, native = DeviceBlocks(caches, block_size, kv_format.codec_name), NumpyBlocks(views, block_size, kv_name)
+    assert native.format == device.format and CODEC_NAMES[kv_name] == kv_format.codec_name
+    read = [bytes(row) for row in native.read([4, 1, 3])]
+    assert read == [bytes(row) for row in device.read([4, 1, 3])]
+    native.write([0, 5], [DecodedBlock(b"k", b"", memoryview(payload)) for payload in read[:2]])
+    assert [bytes(row) for row in device.read([0, 5])] == read[:2]

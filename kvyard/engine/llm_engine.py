@@ -13,12 +13,14 @@ from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore, RequestOutput, RequestTimes
 from kvyard.engine.draft_proposer import DraftModelProposer, load_draft_model
+from kvyard.engine.fast_start import NativeStartEngine
 from kvyard.engine.kv_pull_link import KVPullLink
-from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.kv_transfer import DeviceBlocks
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
 from kvyard.engine.model_setup import (
+    attach_kv_tier,
     core_config_of,
+    enable_pulls,
     eos_token_ids,
     load_tokenizer,
     max_model_len_of,
@@ -27,7 +29,6 @@ from kvyard.engine.model_setup import (
 from kvyard.engine.speculative import MODEL_METHODS
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
@@ -85,22 +86,22 @@ class LLMEngine(EngineCore):
                          eos_token_ids(self.model_config, tokenizer), proposer)  # fmt: skip
         self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size, self.kv_format.codec_name)
         self.block_reader = self.device_blocks
-        self.kv_tier = self._attach_kv_tier()
+        # Taking over from a fast-start engine (kv_buffers given), this engine adopts its tier instead.
+        self.kv_tier = attach_kv_tier(self, config, self.device_blocks) if kv_buffers is None else None
         self.kv_puller: KVPullLink | None = None
 
-    def take_over(self, started: EngineCore) -> None:
-        """Continue the requests, blocks and prefix cache of a fast-start engine whose KV memory this engine's
-        runner was built on (`kv_buffers`), from its next step on; call it on the engine thread, between steps.
-        The two must agree on everything a block key or a block id means."""
+    def take_over(self, started: NativeStartEngine) -> None:
+        """Continue the requests, blocks, prefix cache and KV tier of a fast-start engine whose KV memory this
+        engine's runner was built on (`kv_buffers`), from its next step on; call it on the engine thread, between
+        steps. The two must agree on everything a block key or a block id means."""
         if (started.namespace, started.limits) != (self.namespace, self.limits):
             raise RuntimeError(f"the PyTorch engine cannot take over: its namespace and limits "
                                f"{self.namespace}, {self.limits} differ from the fast-start engine's "
                                f"{started.namespace}, {started.limits}")  # fmt: skip
         self.adopt_core_state(started)
-        if self.kv_tier is not None:  # attached to this engine's own KV manager until now
-            self.attach_tier(self.kv_tier)
-        if self.kv_puller is not None:
-            self.attach_puller(self.kv_puller)
+        # Its tier and puller move over with its KV manager; their device sides read and write the same memory.
+        self.kv_tier, started.kv_tier = started.kv_tier, None
+        self.kv_puller, started.kv_puller = started.kv_puller, None
 
     def _load_weights(self, config: EngineConfig, max_model_len: int) -> tuple[CausalLM, str, str]:
         """The model, converted as `quantization` asks, the digest naming its weights in block keys and their
@@ -133,20 +134,9 @@ class LLMEngine(EngineCore):
     def num_kv_blocks(self) -> int:
         return self.limits.num_kv_blocks
 
-    def _attach_kv_tier(self) -> KVTierLink | None:
-        tier = self.engine_config.kv_tier
-        if tier is None or not self.engine_config.enable_prefix_caching:
-            return None
-        link = KVTierLink(tier.build(), self.device_blocks, tier.load_deadline_s, tier.load_min_speedup)
-        self.attach_tier(link)
-        return link
-
     def enable_pulls(self, headers: dict[str, str]) -> KVPullLink:
         """Let requests pull their prompts' blocks from prefill replicas, calling them with `headers`."""
-        transfer = self.engine_config.kv_transfer
-        limits = PullLimits(transfer.kv_transfer_timeout_s, transfer.kv_transfer_idle_s, headers)
-        self.kv_puller = KVPullLink(self.device_blocks, limits)
-        self.attach_puller(self.kv_puller)
+        self.kv_puller = enable_pulls(self, self.engine_config, self.device_blocks, headers)
         return self.kv_puller
 
     def kv_tier_snapshot(self) -> StoreSnapshot | None:

@@ -11,7 +11,10 @@ from typing import Any
 
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.core import CoreConfig
+from kvyard.engine.core import CoreConfig, EngineCore
+from kvyard.engine.kv_pull_link import KVPullLink
+from kvyard.engine.kv_tier_link import KVTierLink, TierDevice
+from kvyard.kvcache.transfer import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError
 from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 
@@ -34,6 +37,27 @@ def num_kv_blocks_of(config: EngineConfig, max_model_len: int, block_bytes: int)
     blocks_per_seq = -(-max_model_len // config.block_size)
     by_memory = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
     return max(1, min(by_memory, blocks_per_seq * config.scheduler.max_num_seqs))
+
+
+def attach_kv_tier(core: EngineCore, config: EngineConfig, device: TierDevice) -> KVTierLink | None:
+    """The engine's persistent KV tier over `device` (its KV memory), attached below its prefix cache; None when
+    the tier or prefix caching is off."""
+    tier = config.kv_tier
+    if tier is None or not config.enable_prefix_caching:
+        return None
+    link = KVTierLink(tier.build(), device, tier.load_deadline_s, tier.load_min_speedup)
+    core.attach_tier(link)
+    return link
+
+
+def enable_pulls(core: EngineCore, config: EngineConfig, device: TierDevice, headers: dict[str, str]) -> KVPullLink:
+    """Let the engine's requests pull their prompts' blocks from prefill replicas into `device` (its KV memory),
+    calling them with `headers`."""
+    transfer = config.kv_transfer
+    limits = PullLimits(transfer.kv_transfer_timeout_s, transfer.kv_transfer_idle_s, headers)
+    puller = KVPullLink(device, limits)
+    core.attach_puller(puller)
+    return puller
 
 
 def core_config_of(config: EngineConfig, limits: ContextLimits) -> CoreConfig:

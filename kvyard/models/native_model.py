@@ -103,6 +103,8 @@ class NativeModel:
             if name in self.tensors:
                 weight = self.tensors[name]
                 bf16 = self.weights_scheme == "bf16" and weight.dtype == np.uint16
+                if not bf16 and weight.dtype not in _WEIGHT_KINDS:
+                    raise PackageError(f"{name} is {weight.dtype}: the native path reads fp32, int8, fp16 and bf16")
                 return Weights(_BF16_KIND if bf16 else _WEIGHT_KINDS[weight.dtype], weight, None, bias)
         return None
 

@@ -146,6 +146,8 @@ class AsyncEngine:
         """Let `engine` continue the fast-start engine's requests and blocks from its next step on."""
 
         def swap(current: Engine) -> None:
+            if not isinstance(current, NativeStartEngine):
+                raise RuntimeError("only a fast-start engine is taken over")
             engine.take_over(current)
             self.engine = engine
             self._publish_stats()

@@ -61,7 +61,10 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
 async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> None:
     say(f"loading {config.model} ...")
     started = time.monotonic()
-    native = await _native_start(app, config, engine_box) if app.options.fast_start else None
+    admin_key = admin_key_of(app.options.access.admin_key)
+    # Prefill replicas share the fleet's admin key; without one there is no PD.
+    pull_headers = {"authorization": f"Bearer {admin_key}"} if admin_key is not None else None
+    native = await _native_start(app, config, engine_box, pull_headers) if app.options.fast_start else None
     try:
         kv_buffers = native.engine.kv_buffers if native and isinstance(native.engine, NativeStartEngine) else None
         engine = await asyncio.to_thread(_torch_engine, config, kv_buffers)
@@ -71,9 +74,6 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         app.load_error = error
         say(f"error: the model failed to load: {error}")
         return
-    admin_key = admin_key_of(app.options.access.admin_key)
-    if admin_key is not None:  # prefill replicas share the fleet's admin key; without one there is no PD
-        engine.enable_pulls({"authorization": f"Bearer {admin_key}"})
     if native is not None:
         try:
             await native.take_over(engine)
@@ -85,6 +85,8 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
             return
         say(f"PyTorch engine loaded and took over in {time.monotonic() - started:.1f} s")
         return
+    if pull_headers is not None:
+        engine.enable_pulls(pull_headers)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     async_engine.start()
     engine_box.append(async_engine)
@@ -99,7 +101,9 @@ def _torch_engine(config: EngineConfig, kv_buffers: list[Any] | None) -> LLMEngi
     return LLMEngine(config, kv_buffers)
 
 
-async def _native_start(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> AsyncEngine | None:
+async def _native_start(
+    app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine], pull_headers: dict[str, str] | None
+) -> AsyncEngine | None:
     """Serve from the native fast-start engine, where the configuration allows it (None: it does not)."""
     started = time.monotonic()
     try:
@@ -111,6 +115,8 @@ async def _native_start(app: ReplicaApp, config: EngineConfig, engine_box: list[
     except Exception as error:  # the PyTorch engine loads next and says what is wrong, if anything is
         say(f"no fast start: {error}")
         return None
+    if pull_headers is not None:
+        engine.enable_pulls(pull_headers)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     async_engine.start()
     engine_box.append(async_engine)

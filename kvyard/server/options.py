@@ -28,9 +28,9 @@ class ServerOptions:
                                     "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
                                     "Qwen), a bare JSON object (llama3_json), or the one the chat template "
                                     "writes (auto)")  # fmt: skip
-    fast_start: bool = setting(True, help="serve a weight package from the native CPU kernels while PyTorch loads, "
-                               "then hand over to the PyTorch engine (kvyard.engine.fast_start); configurations it "
-                               "cannot run start as without it")  # fmt: skip
+    fast_start: bool = setting(True, help="serve a weight package or fp32 checkpoint from the native CPU kernels "
+                               "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
+                               "configurations it cannot run start as without it")  # fmt: skip
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
     owned_by: str = "kvyard"
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /kv/* and fault injection
