@@ -28,6 +28,7 @@ from kvyard.models.mapped_safetensors import MappedTensorsError, map_tensors
 from kvyard.models.native_model import NativeModel
 from kvyard.models.package import PackageError, convert
 from kvyard.models.rope_tables import rotary_tables
+from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -238,3 +239,12 @@ def test_numpy_blocks_are_the_bytes_pytorch_reads_and_writes(kv_name: str) -> No
     assert read == [bytes(row) for row in device.read([4, 1, 3])]
     native.write([0, 5], [DecodedBlock(b"k", b"", memoryview(payload)) for payload in read[:2]])
     assert [bytes(row) for row in device.read([0, 5])] == read[:2]
+
+
+def test_the_embedded_demo_stored_in_fp16_starts_on_the_native_kernels_with_the_same_tokens() -> None:
+    """The demo (the README's first command) keeps its weights in fp16 for an fp32 model: both engines widen them."""
+    config = EngineConfig.create(str(DEMO_MODEL_DIR), num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
+                                 kv_tier=None)  # fmt: skip
+    assert fast_start_blocker(config) is None
+    prompts = [list(range(40, 40 + n)) for n in (3, 11, 7)]
+    assert _run(NativeStartEngine(config), prompts) == _run(LLMEngine(config), prompts)

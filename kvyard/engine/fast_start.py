@@ -58,7 +58,6 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
     dtype = model_config.torch_dtype if config.dtype in (None, "auto") else config.dtype
     reasons = {
         f"computes in {dtype}, not float32": dtype != "float32",
-        f"weights stored in {model_config.torch_dtype}": not package and model_config.torch_dtype != "float32",
         "attention backend torch": config.attention_backend == "torch",
         "speculative decoding": config.speculative.method is not None,
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",

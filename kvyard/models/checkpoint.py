@@ -63,14 +63,16 @@ def _file_fingerprint(path: Path) -> bytes:
 
 
 def fused_tensors(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors by the fused model's parameter names: q/k/v and gate/up (weights and biases)
-    concatenated in shard order (copies), every other tensor a view of the mapped file."""
+    """The checkpoint's tensors by the fused model's parameter names, in float32 as the PyTorch loader copies them
+    into an fp32 model: q/k/v and gate/up (weights and biases) concatenated in shard order (copies), every other
+    fp32 tensor a view of the mapped file, fp16 and bf16 ones widened (exactly) into copies."""
     tensors: dict[str, np.ndarray] = {}
     shards: dict[str, dict[int, np.ndarray]] = {}
     for path in safetensors_files(model_dir):
         for name, tensor in map_tensors(path).items():
             if "rotary_emb" in name:
                 continue
+            tensor = as_float32(tensor)
             prefix, _, leaf = name.rpartition(".")
             module_prefix, _, module = prefix.rpartition(".")
             if module in FUSED_SHARDS:
@@ -86,3 +88,14 @@ def fused_tensors(model_dir: str | Path, config: ModelConfig) -> dict[str, np.nd
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     return tensors
+
+
+def as_float32(tensor: np.ndarray) -> np.ndarray:
+    """A float tensor in float32 (exact for fp16 and bf16, whose 16-bit patterns map_tensors reads as uint16)."""
+    if tensor.dtype == np.float32:
+        return tensor
+    if tensor.dtype == np.uint16:
+        return (tensor.astype(np.uint32) << 16).view(np.float32)
+    if tensor.dtype in (np.float16, np.float64):
+        return tensor.astype(np.float32)
+    raise ValueError(f"a checkpoint tensor of {tensor.dtype} cannot be read as float32")
