@@ -12,7 +12,6 @@ Requests whose sampling the native runner does not reproduce wait for it (native
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,6 @@ from kvyard.models.checkpoint import fused_tensors, model_digest
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.native_model import KV_STORAGE, NativeModel, default_num_threads, kernel_functions
 from kvyard.models.package_info import is_package, read_info
-
-_LOG = logging.getLogger(__name__)
 
 
 def fast_start_blocker(config: EngineConfig) -> str | None:
