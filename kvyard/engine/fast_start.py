@@ -24,6 +24,7 @@ from kvyard.engine.kv_pull_link import KVPullLink
 from kvyard.engine.kv_tier_link import KVTierLink
 from kvyard.engine.model_setup import (
     attach_kv_tier,
+    close_links,
     core_config_of,
     enable_pulls,
     eos_token_ids,
@@ -136,11 +137,5 @@ class NativeStartEngine(EngineCore):
     def close(self) -> None:
         """Finish queued KV-tier writes and release the tier and puller, unless an engine took them over with the
         KV memory."""
-        if self.kv_puller is not None:
-            self.attach_puller(None)
-            self.kv_puller.close()
-            self.kv_puller = None
-        if self.kv_tier is not None:
-            self.attach_tier(None)
-            self.kv_tier.close()
-            self.kv_tier = None
+        close_links(self, self.kv_tier, self.kv_puller)
+        self.kv_tier = self.kv_puller = None

@@ -19,6 +19,7 @@ from kvyard.engine.kv_transfer import DeviceBlocks
 from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
 from kvyard.engine.model_setup import (
     attach_kv_tier,
+    close_links,
     core_config_of,
     enable_pulls,
     eos_token_ids,
@@ -146,14 +147,8 @@ class LLMEngine(EngineCore):
 
     def close(self) -> None:
         """Finish queued KV-tier writes and release the tier; the engine must not step afterwards."""
-        if self.kv_puller is not None:
-            self.attach_puller(None)
-            self.kv_puller.close()
-            self.kv_puller = None
-        if self.kv_tier is not None:
-            self.attach_tier(None)
-            self.kv_tier.close()
-            self.kv_tier = None
+        close_links(self, self.kv_tier, self.kv_puller)
+        self.kv_tier = self.kv_puller = None
 
 
 def weights_digest(model_dir: str, quantization: str) -> str:

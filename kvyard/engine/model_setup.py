@@ -60,6 +60,16 @@ def enable_pulls(core: EngineCore, config: EngineConfig, device: TierDevice, hea
     return puller
 
 
+def close_links(core: EngineCore, tier: KVTierLink | None, puller: KVPullLink | None) -> None:
+    """Detach and close an engine's puller and KV tier (queued tier writes finish first)."""
+    if puller is not None:
+        core.attach_puller(None)
+        puller.close()
+    if tier is not None:
+        core.attach_tier(None)
+        tier.close()
+
+
 def core_config_of(config: EngineConfig, limits: ContextLimits) -> CoreConfig:
     return CoreConfig(
         limits=limits,

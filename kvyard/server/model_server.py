@@ -85,14 +85,23 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
             return
         say(f"PyTorch engine loaded and took over in {time.monotonic() - started:.1f} s")
         return
+    _serve_with(app, engine, engine_box, pull_headers)
+    say(f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
+        f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready")  # fmt: skip
+
+
+def _serve_with(
+    app: ReplicaApp, engine: LLMEngine | NativeStartEngine, engine_box: list[AsyncEngine],
+    pull_headers: dict[str, str] | None,
+) -> AsyncEngine:  # fmt: skip
+    """Start the engine on its thread and let the app serve it (its pulls enabled where the fleet has a key)."""
     if pull_headers is not None:
         engine.enable_pulls(pull_headers)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     async_engine.start()
     engine_box.append(async_engine)
     app.set_engine(async_engine)
-    say(f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
-        f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready")  # fmt: skip
+    return async_engine
 
 
 def _torch_engine(config: EngineConfig, kv_buffers: list[Any] | None) -> LLMEngine:
@@ -115,12 +124,7 @@ async def _native_start(
     except Exception as error:  # the PyTorch engine loads next and says what is wrong, if anything is
         say(f"no fast start: {error}")
         return None
-    if pull_headers is not None:
-        engine.enable_pulls(pull_headers)
-    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
-    async_engine.start()
-    engine_box.append(async_engine)
-    app.set_engine(async_engine)
+    async_engine = _serve_with(app, engine, engine_box, pull_headers)
     say(f"model {engine.model_name} ready in {time.monotonic() - started:.1f} s on the native kernels "
         f"({engine.num_kv_blocks} KV blocks of {config.block_size} tokens); PyTorch loading")  # fmt: skip
     return async_engine
