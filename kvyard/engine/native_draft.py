@@ -57,7 +57,7 @@ class NativeGuesser:
         (their KV written); the greedy next token of each query that wants a guess, in order."""
         if all(len(tokens) == 1 for tokens in token_ids) and all(wants_guess):
             return self._guess([tokens[0] for tokens in token_ids], starts, block_tables)
-        step = self._mixed_step(token_ids, starts, block_tables)
+        step = NativeStep.of_queries(starts, [len(tokens) for tokens in token_ids], block_tables, self.block_size)
         hidden = self.native.prepare(step, self.kv).run(np.fromiter(chain.from_iterable(token_ids), dtype=np.int64))
         last_rows = np.cumsum([len(tokens) for tokens in token_ids]) - 1
         rows = last_rows[np.asarray(wants_guess, dtype=bool)]
@@ -80,41 +80,13 @@ class NativeGuesser:
         hidden = prepared.run(np.asarray(token_ids, dtype=np.int64))
         return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden))]
 
-    def _mixed_step(self, token_ids: Sequence[list[int]], starts: Sequence[int],
-                    block_tables: Sequence[list[int]]) -> NativeStep:  # fmt: skip
-        """Single-token queries as decodes, then each longer one as a chunk reading its earlier keys from the cache."""
-        num_decodes = sum(1 for tokens in token_ids if len(tokens) == 1)
-        max_blocks = max([len(table) for table in block_tables[:num_decodes]], default=1)
-        tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
-        chunks: list[list[int]] = []
-        chunk_tables: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for index, (tokens, start, table) in enumerate(zip(token_ids, starts, block_tables, strict=True)):
-            if index < num_decodes:
-                tables[index, : len(table)] = table
-            else:
-                chunks.append([len(positions), len(tokens), start + len(tokens), len(chunk_tables)])
-                chunk_tables += table
-            for position in range(start, start + len(tokens)):
-                positions.append(position)
-                slots.append(table[position // self.block_size] * self.block_size + position % self.block_size)
-        context_lens = np.array([start + 1 for start in starts[:num_decodes]], dtype=np.int64)
-        return NativeStep(np.array(positions, dtype=np.int64), np.array(slots, dtype=np.int64), num_decodes, tables,
-                          context_lens, np.array(chunks, dtype=np.int64).reshape(-1, 4),
-                          np.array(chunk_tables, dtype=np.int64), self.block_size, max_blocks)  # fmt: skip
-
     def _prepared_for(self, block_tables: Sequence[list[int]]) -> PreparedStep:
         """The prepared pass of these sequences, built again only when their block tables change."""
         key = tuple(tuple(table) for table in block_tables)
         if self._prepared is None or key != self._tables_key:
-            num_rows, max_blocks = len(block_tables), max(len(table) for table in block_tables)
-            tables = np.zeros((num_rows, max_blocks), dtype=np.int64)  # padding reads block 0: never past a context
-            for row, table in enumerate(block_tables):
-                tables[row, : len(table)] = table
-            step = NativeStep(np.zeros(num_rows, dtype=np.int64), np.zeros(num_rows, dtype=np.int64), num_rows, tables,
-                              np.zeros(num_rows, dtype=np.int64), np.zeros((0, 4), dtype=np.int64),
-                              np.zeros(0, dtype=np.int64), self.block_size, max_blocks)  # fmt: skip
+            # positions, slots and context lengths are set by each pass (_guess)
+            step = NativeStep.of_queries([0] * len(block_tables), [1] * len(block_tables), block_tables,
+                                         self.block_size)  # fmt: skip
             self._prepared, self._tables_key = self.native.prepare(step, self.kv), key
         return self._prepared
 

@@ -38,7 +38,6 @@ class NativeRunner:
     def __init__(self, model: NativeModel, num_blocks: int, block_size: int, kv_name: str) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_name = kv_name
         self.kv_buffers = kv_cache_buffers(model.config, num_blocks, block_size, kv_name)
         self.kv_caches = kv_cache_views(self.kv_buffers, model.config, kv_name)
         self.kv = KVPointers.of_arrays(self.kv_caches, KV_STORAGE[kv_name][1])
@@ -67,39 +66,24 @@ class NativeRunner:
         pass
 
     def _run_decodes(self, decodes: list[ScheduledRequest]) -> np.ndarray:
-        positions = np.array([item.request.num_computed_tokens for item in decodes], dtype=np.int64)
-        max_blocks = max(len(item.request.block_table) for item in decodes)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)  # padding reads block 0, which is zeroed
-        for row, item in enumerate(decodes):
-            tables[row, : len(item.request.block_table)] = item.request.block_table
-        step = NativeStep(positions, self._slots(tables, positions), len(decodes), tables, positions + 1,
-                          np.zeros((0, 4), dtype=np.int64), np.zeros(0, dtype=np.int64), self.block_size,
-                          max_blocks)  # fmt: skip
-        input_ids = np.array([item.request.all_token_ids[item.request.num_computed_tokens] for item in decodes])
+        starts = [item.request.num_computed_tokens for item in decodes]
+        step = NativeStep.of_queries(starts, [1] * len(decodes), [item.request.block_table for item in decodes],
+                                     self.block_size)  # fmt: skip
+        input_ids = np.array([item.request.all_token_ids[start] for item, start in zip(decodes, starts)])
         return self.model.forward(input_ids, step, self.kv)
 
     def _run_chunk(self, item: ScheduledRequest) -> np.ndarray:
         """Run a prompt chunk in pieces of PIECE_ROWS, each reading the earlier ones' keys from the cache; the
         final hidden state of its last token."""
         request = item.request
-        table = np.array(request.block_table, dtype=np.int64)
         start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
         hidden = np.empty(0, dtype=np.float32)
         for first in range(start, end, PIECE_ROWS):
             count = min(PIECE_ROWS, end - first)
-            positions = np.arange(first, first + count, dtype=np.int64)
-            chunks = np.array([[0, count, first + count, 0]], dtype=np.int64)
-            step = NativeStep(positions, self._slots(table[None, :], positions), 0, np.zeros((0, 1), dtype=np.int64),
-                              np.zeros(0, dtype=np.int64), chunks, table, self.block_size, 1)  # fmt: skip
+            step = NativeStep.of_queries([first], [count], [request.block_table], self.block_size)
             input_ids = np.array(request.all_token_ids[first : first + count], dtype=np.int64)
             hidden = self.model.forward(input_ids, step, self.kv)[-1]
         return hidden
-
-    def _slots(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The cache slot of each row's position: one table per row, or one shared by all rows."""
-        rows = np.arange(positions.shape[0]) if tables.shape[0] > 1 else np.zeros(positions.shape[0], dtype=np.int64)
-        blocks = tables[rows, positions // self.block_size]
-        return np.ascontiguousarray(blocks * self.block_size + positions % self.block_size, dtype=np.int64)
 
     def _sample(self, logits: np.ndarray, requests: list[Request]) -> list[int]:
         for row, request in enumerate(requests):

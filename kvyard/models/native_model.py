@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,34 @@ class NativeStep:
     chunk_tables: np.ndarray
     block_size: int
     max_blocks: int
+
+    @classmethod
+    def of_queries(cls, starts: Sequence[int], lengths: Sequence[int], block_tables: Sequence[Sequence[int]],
+                   block_size: int) -> NativeStep:  # fmt: skip
+        """The step of queries in the engine's order, single-token ones first: query i computes `lengths[i]` tokens
+        from position `starts[i]` in the blocks of `block_tables[i]`. A single-token query goes through decode
+        attention (its table padded with block 0, which holds zeros); a longer one is a chunk reading its earlier
+        keys from the cache through its table."""
+        num_decodes = next((index for index, length in enumerate(lengths) if length != 1), len(lengths))
+        max_blocks = max((len(table) for table in block_tables[:num_decodes]), default=1)
+        tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+        chunks: list[list[int]] = []
+        chunk_tables: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for index, (start, length, table) in enumerate(zip(starts, lengths, block_tables, strict=True)):
+            if index < num_decodes:
+                tables[index, : len(table)] = table
+            else:
+                chunks.append([len(positions), length, start + length, len(chunk_tables)])
+                chunk_tables += table
+            for position in range(start, start + length):
+                positions.append(position)
+                slots.append(table[position // block_size] * block_size + position % block_size)
+        context_lens = np.array([start + 1 for start in starts[:num_decodes]], dtype=np.int64)
+        return cls(np.array(positions, dtype=np.int64), np.array(slots, dtype=np.int64), num_decodes, tables,
+                   context_lens, np.array(chunks, dtype=np.int64).reshape(-1, 4),
+                   np.array(chunk_tables, dtype=np.int64), block_size, max_blocks)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
