@@ -1,7 +1,8 @@
 """Model proposers (draft, self-int8, self-fp16): the output under greedy decoding is the output
-without speculation, token for token; a self-draft computes with its scheme's weights; the draft keeps its own KV
-right across steps, evictions and long prompts; a draft that cannot propose for the served model is refused at
-load time with the reason."""
+without speculation, token for token; a self-draft computes with its scheme's weights over the served model's KV,
+borrowing blocks of its pool for a step and giving them back; a draft keeps its own KV right across steps,
+evictions and long prompts; a draft that cannot propose for the served model is refused at load time with the
+reason."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.draft_proposer import DraftModelError, DraftModelProposer
+from kvyard.engine.self_draft import SelfDraftProposer
 from kvyard.engine.speculative import SpeculativeConfig
 from kvyard.models.quantization import HalfLinear, Int8Linear
 from kvyard.testing.create_model import create_model
@@ -64,8 +66,8 @@ def test_self_speculation_gives_the_output_without_it(
 def test_a_self_draft_computes_with_its_schemes_weights(llama_dir: Path, method: str, dtype: torch.dtype) -> None:
     with LLM(str(llama_dir), speculative=draft(method)) as llm:
         proposer = llm.engine.proposer
-        assert isinstance(proposer, DraftModelProposer)
-        model = proposer.paged.model
+        assert isinstance(proposer, SelfDraftProposer)
+        model = proposer.passes.paged.model
         converted = [module for module in model.modules() if isinstance(module, (Int8Linear, HalfLinear))]
         assert not any(isinstance(module, nn.Linear) for module in model.modules())  # every linear, the head too
         assert model.lm_head in converted and {weight_dtype(module) for module in converted} == {dtype}
@@ -110,10 +112,13 @@ def test_model_proposers_are_exact_with_prefix_hits_chunked_prefill_preemption_a
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0 and stats.spec_accepted_tokens > 0
 
 
-def test_a_long_prompt_is_caught_up_over_several_steps_before_the_draft_guesses(llama_dir: Path) -> None:
+def test_a_long_prompt_is_caught_up_over_several_steps_before_the_draft_guesses(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    same = Path(shutil.copytree(llama_dir, tmp_path / "same"))
     batch = [list(range(3, 83))]
     reference = token_ids(LLM(str(llama_dir)), batch)
-    with LLM(str(llama_dir), speculative=draft("self-int8", max_draft_catch_up=16)) as llm:
+    with LLM(str(llama_dir), speculative=draft("draft", same, max_draft_catch_up=16)) as llm:
         engine = llm.engine
         engine.add_request("long", batch[0], GREEDY)
         proposer = engine.proposer
@@ -126,10 +131,65 @@ def test_a_long_prompt_is_caught_up_over_several_steps_before_the_draft_guesses(
         # the prefill is one step (the target's); the draft then takes 16 prompt tokens a step
         assert computed[1:5] == [16, 32, 48, 64]
         assert engine.stats().spec_accepted_tokens > 0
-    with LLM(str(llama_dir), speculative=draft("self-int8", max_draft_catch_up=16)) as llm:
+    with LLM(str(llama_dir), speculative=draft("draft", same, max_draft_catch_up=16)) as llm:
         assert token_ids(llm, batch) == reference
 
 
+def test_a_self_draft_guesses_from_the_first_decode_step_over_the_served_models_kv(llama_dir: Path) -> None:
+    """No catch-up: the draft reads the prompt's KV the served model computed (here partly from the prefix
+    cache), so its first guesses come with the first decode step and are kept; the blocks it borrowed for a step
+    are back in the pool after it, every one free once the requests are done."""
+    prompt = list(range(3, 83))
+    reference = token_ids(LLM(str(llama_dir)), [prompt, prompt[:64] + [7] * 9])
+    with LLM(str(llama_dir), speculative=SELF_INT8) as llm:
+        engine = llm.engine
+        pool = engine.block_pool
+        assert token_ids(llm, [prompt]) == reference[:1]
+        engine.add_request("hit", prompt[:64] + [7] * 9, GREEDY)
+        engine.step()  # the prefill, 64 tokens of it from the prefix cache
+        num_free = pool.num_free_blocks
+        request = engine.scheduler.running[0]
+        assert request.num_computed_tokens == 73 and engine.stats().prefix_cache_hit_tokens >= 64
+        before = engine.stats()
+        outputs = engine.step()  # the first decode step verifies the draft's first guesses
+        after = engine.stats()
+        assert after.spec_proposed_tokens - before.spec_proposed_tokens == 4
+        assert after.spec_accepted_tokens - before.spec_accepted_tokens >= 2
+        assert len(outputs[0].new_token_ids) >= 3
+        assert pool.num_free_blocks <= num_free  # the borrowed blocks went back before the target allocated
+        while engine.has_unfinished_requests():
+            engine.step()
+        pool.check_invariants()
+        assert pool.num_free_blocks == pool.num_blocks
+    with LLM(str(llama_dir), speculative=SELF_INT8) as llm:
+        assert token_ids(llm, [prompt, prompt[:64] + [7] * 9]) == reference
+
+
+def test_a_self_draft_leaves_the_served_models_blocks_as_they_were(llama_dir: Path) -> None:
+    """Every block a request holds, and every block of the prefix cache, has the same bytes after a step of
+    guessing as the served model left in it: the draft writes only blocks it borrowed."""
+    with LLM(str(llama_dir), speculative=SELF_INT8) as llm:
+        engine = llm.engine
+        token_ids(llm, prompts(3, seed=8))  # the prefix cache holds their blocks
+        for index, prompt in enumerate(prompts(4, seed=9)):
+            engine.add_request(f"r{index}", prompt, GREEDY)
+        engine.step()
+        pool = engine.block_pool
+        cached = [block for key in pool.cached_block_keys() if (block := pool.lookup(key)) is not None]
+        held = [block for request in engine.scheduler.running for block in request.block_table]
+        caches = engine.runner.kv_caches
+        block_size = engine.runner.block_size
+
+        def contents(blocks: list[int]) -> list[torch.Tensor]:
+            slots = torch.tensor([block * block_size + i for block in blocks for i in range(block_size)])
+            return [cache.index_select(1, slots).clone() for cache in caches]
+
+        before = contents(held + cached)
+        assert len(cached) >= 3 and pool.num_free_blocks > len(cached) + 16  # blocks to borrow, none evicted
+        proposer = engine.proposer
+        assert isinstance(proposer, SelfDraftProposer)
+        proposer.propose(engine.scheduler.running, [4] * len(engine.scheduler.running))
+        assert all(torch.equal(old, new) for old, new in zip(before, contents(held + cached), strict=True))
 def test_sampled_requests_with_a_draft_keep_their_seeded_output(llama_dir: Path) -> None:
     batch = prompts(4, seed=4)
     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=9, ignore_eos=True)
@@ -140,8 +200,10 @@ def test_sampled_requests_with_a_draft_keep_their_seeded_output(llama_dir: Path)
 
 
 @pytest.mark.parametrize("num_blocks", [64, 10])  # 10: too few to warm up over 16 sequences
-def test_released_requests_give_their_draft_blocks_back(llama_dir: Path, num_blocks: int) -> None:
-    with LLM(str(llama_dir), speculative=SELF_INT8, num_kv_blocks=num_blocks) as llm:
+def test_released_requests_give_their_draft_blocks_back(
+    llama_dir: Path, other_llama_dir: Path, num_blocks: int
+) -> None:
+    with LLM(str(llama_dir), speculative=draft("draft", other_llama_dir), num_kv_blocks=num_blocks) as llm:
         proposer = llm.engine.proposer
         assert isinstance(proposer, DraftModelProposer)
         assert sorted(proposer._free_blocks) == list(range(num_blocks))
@@ -170,16 +232,16 @@ def test_native_guessing_passes_guess_what_the_modules_guess(
     model_dirs: dict[str, Path], arch: str, method: str
 ) -> None:
     """Guessing passes run on the native kernels (kvyard.engine.native_draft) over the draft's own tensors and
-    cache; with them switched off the PyTorch modules run the same passes: every guess, hence every count of
-    proposed and accepted tokens, is the same."""
+    the served model's cache; with them switched off the PyTorch modules run the same passes: every guess, hence
+    every count of proposed and accepted tokens, is the same."""
     batch = prompts(6, seed=7)
     counts = []
     for native in (True, False):
         with LLM(str(model_dirs[arch]), speculative=draft(method)) as llm:
             proposer = llm.engine.proposer
-            assert isinstance(proposer, DraftModelProposer) and proposer.native is not None
+            assert isinstance(proposer, SelfDraftProposer) and proposer.passes.native is not None
             if not native:
-                proposer.native = None
+                proposer.passes.native = None
             outputs = token_ids(llm, batch)
             stats = llm.engine.stats()
             counts.append((outputs, stats.spec_proposed_tokens, stats.spec_accepted_tokens))

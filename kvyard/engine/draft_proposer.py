@@ -1,5 +1,7 @@
-"""Speculative proposals from a model: a smaller checkpoint with the same vocabulary (`draft`) or the served
-model's own weights in int8 or fp16 (`self-int8`, `self-fp16`), run greedily on a paged KV cache of its own.
+"""Speculative proposals from a smaller checkpoint with the served model's vocabulary (`draft`), run greedily on
+a paged KV cache of its own; and the loading of every proposing model (`draft`, and the served model's own weights
+converted to int8 or fp16 for `self-int8` / `self-fp16`, which kvyard.engine.self_draft runs over the served
+model's cache).
 
 Each step, every request that may speculate first brings the draft up to date with its tokens: the tokens the
 draft has not seen yet (a new request's prompt, over several steps when it is long; else the tokens the target
@@ -15,7 +17,6 @@ probability of it (`speculative`), so what is emitted follows the target's distr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,19 +24,14 @@ from typing import Any
 
 import torch
 
+from kvyard.engine.draft_passes import DraftPasses
 from kvyard.engine.model_runner import PagedModel
-from kvyard.engine.native_draft import NativeGuesser
 from kvyard.engine.request import Request
-from kvyard.engine.speculative import StepCost
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model
 from kvyard.models.package import is_package, load_package
 from kvyard.models.quantization import quantize_model
-
-WARM_UP_BATCHES = (1, 2, 4, 8, 16, 1, 4)  # sequences in the passes that seed the pass-cost fit
-# Rows a pass may have to run on the native kernels (beyond: the modules, whose matmul of many rows is faster).
-NATIVE_PASS_ROWS = 64
 
 
 class DraftModelError(ValueError):
@@ -74,31 +70,17 @@ class DraftModelProposer:
         kv_cache_dtype: str = "auto",
     ) -> None:
         dtype = next(model.parameters()).dtype
-        self.paged = PagedModel(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
-        self.native = NativeGuesser.of(self.paged)  # passes without Python per layer, where it can run
+        self.passes = DraftPasses(PagedModel(model, num_blocks, block_size, dtype, device, attention_backend,
+                                             kv_cache_dtype))  # fmt: skip
         self.block_size = block_size
         self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[str, _DraftSequence] = {}
         self._step = 0
-        self._pass_cost = StepCost()  # seconds of a pass of one or two tokens per sequence, against sequences
-        self._warm_up()
+        self.passes.warm_up(self._free_blocks[::-1])  # nothing is cached yet: any block may be overwritten
 
     def seconds_per_proposal(self, num_sequences: int) -> float:
-        return self._pass_cost.step_seconds(num_sequences) or 0.0
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """Single-token passes over 1 to 16 sequences of one block each, so the first real steps price a guess
-        at what a pass of their size costs (the first, cold pass is not counted)."""
-        sequences = [_DraftSequence() for _ in range(max(WARM_UP_BATCHES))]
-        if all(self._reserve(sequence, self.block_size) for sequence in sequences):  # a pool of 16 blocks or more
-            self._run_pass([_Query(sequences[0], [0], 0, True)])
-            self._pass_cost = StepCost()
-            for position, num_sequences in enumerate(WARM_UP_BATCHES):
-                self._run_pass([_Query(sequence, [0], position, True) for sequence in sequences[:num_sequences]])
-        for sequence in sequences:  # every block taken, also when the pool was too small to warm up
-            self._free_blocks.extend(reversed(sequence.block_table))
+        return self.passes.seconds_per_proposal(num_sequences)
 
     def release(self, request: Request) -> None:
         sequence = self._sequences.pop(request.request_id, None)
@@ -177,45 +159,13 @@ class DraftModelProposer:
     def _run_pass(self, queries: Sequence[_Query], guessing: bool = False) -> list[int]:
         """One forward pass of the draft over `queries` (single-token ones first); returns the greedy next token
         of each query that wants a guess, in order. A catch-up pass (not `guessing`) advances what each sequence
-        holds; a guessing pass feeds guesses, whose KV counts only once the target accepts them. Passes of one or
-        two tokens per request are timed: what one more guess costs."""
-        if not queries:
-            return []
-        started = time.perf_counter()
-        if self.native is not None and sum(len(query.token_ids) for query in queries) <= NATIVE_PASS_ROWS:
-            token_ids = self.native.run_pass([query.token_ids for query in queries], [query.start for query in queries],
-                                             [query.sequence.block_table for query in queries],
-                                             [query.wants_guess for query in queries])  # fmt: skip
-        else:
-            token_ids = self._module_pass(queries)
+        holds; a guessing pass feeds guesses, whose KV counts only once the target accepts them."""
+        token_ids = self.passes.run([query.token_ids for query in queries], [query.start for query in queries],
+                                    [query.sequence.block_table for query in queries],
+                                    [query.wants_guess for query in queries])  # fmt: skip
         if not guessing:
             for query in queries:
                 query.sequence.num_computed = query.start + len(query.token_ids)
-        if max(len(query.token_ids) for query in queries) <= 2:
-            self._pass_cost.observe(len(queries), time.perf_counter() - started)
-        return token_ids
-
-    def _module_pass(self, queries: Sequence[_Query]) -> list[int]:
-        """The pass through the PyTorch modules (PagedModel)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        for query in queries:
-            input_ids += query.token_ids
-            positions += range(query.start, query.start + len(query.token_ids))
-            if query.wants_guess:
-                rows.append(len(input_ids) - 1)
-        hidden = self.paged.run(
-            input_ids,
-            positions,
-            block_tables=[query.sequence.block_table for query in queries],
-            context_lens=[query.start + len(query.token_ids) for query in queries],
-            query_lens=[len(query.token_ids) for query in queries],
-        )
-        if not rows:
-            return []
-        logits = self.paged.model.compute_logits(hidden[torch.tensor(rows, device=self.paged.device)])
-        token_ids: list[int] = logits.argmax(dim=-1).tolist()
         return token_ids
 
 

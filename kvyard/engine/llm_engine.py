@@ -27,6 +27,7 @@ from kvyard.engine.model_setup import (
     max_model_len_of,
     num_kv_blocks_of,
 )
+from kvyard.engine.self_draft import SelfDraftProposer
 from kvyard.engine.speculative import MODEL_METHODS
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
@@ -85,6 +86,8 @@ class LLMEngine(EngineCore):
         proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
         super().__init__(core_config_of(config, limits), namespace, self.runner, tokenizer,
                          eos_token_ids(self.model_config, tokenizer), proposer)  # fmt: skip
+        if isinstance(proposer, SelfDraftProposer):
+            proposer.use_block_pool(self.block_pool)
         self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size, self.kv_format.codec_name)
         self.block_reader = self.device_blocks
         # Taking over from a fast-start engine (kv_buffers given), this engine adopts its tier instead.
@@ -119,8 +122,11 @@ class LLMEngine(EngineCore):
         quantize_model(model, config.quantization)
         return model, weights_digest(config.model, config.quantization), config.quantization
 
-    def _model_proposer(self, max_model_len: int, num_kv_blocks: int, tokenizer: Any) -> DraftModelProposer | None:
-        """The speculative proposer that runs a model (draft, self-int8), with as many KV blocks as the model."""
+    def _model_proposer(
+        self, max_model_len: int, num_kv_blocks: int, tokenizer: Any
+    ) -> DraftModelProposer | SelfDraftProposer | None:
+        """The speculative proposer that runs a model: a draft with as many KV blocks of its own as the model, or
+        the model's own converted weights over its cache (self-int8, self-fp16)."""
         config = self.engine_config
         spec = config.speculative
         if spec.method not in MODEL_METHODS:
@@ -128,6 +134,8 @@ class LLMEngine(EngineCore):
         draft_tokenizer = load_tokenizer(spec.draft_model) if spec.draft_model else None
         model = load_draft_model(spec.method, spec.draft_model, config.model, self.model_config, config.quantization,
                                  max_model_len, self.dtype, self.device, (tokenizer, draft_tokenizer))  # fmt: skip
+        if spec.method != "draft":
+            return SelfDraftProposer(model, self.runner)
         return DraftModelProposer(model, num_kv_blocks, config.block_size, self.device, config.attention_backend,
                                   spec.max_draft_catch_up, config.kv_cache_dtype)  # fmt: skip
 

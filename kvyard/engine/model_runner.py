@@ -72,14 +72,18 @@ class PagedModel:
         kv_cache_dtype: str = "auto",
         bf16_matmul: bool = False,
         kv_buffers: Sequence[Any] | None = None,
+        kv_caches: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """`dtype`: the model's. `attention_backend`: "torch" (PyTorch SDPA, and no native code at all),
         "native" (the native CPU kernels for attention and the layers' fast paths; fp32 CPU only, else an error
         saying why), or "auto" (native where it can run, else torch). Chosen here, once:
         `self.attention_backend.name`. `kv_cache_dtype`: the cache's format (`kv_format`; auto: `dtype`).
         `bf16_matmul`: fp32, int8 and bf16 layers multiply many rows in bf16 (quantization.matmul_in_bf16).
-        `kv_buffers`: one CPU buffer per layer to hold its cache (see zeroed_cache); None: allocated here."""
+        `kv_buffers`: one CPU buffer per layer to hold its cache (see zeroed_cache); None: allocated here.
+        `kv_caches`: another PagedModel's caches, of this model's layout, to run over instead of caches of its own
+        (a self-draft reads its target's KV)."""
         self.model = model
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -91,7 +95,15 @@ class PagedModel:
         buffers = kv_buffers if kv_buffers is not None else [None] * config.num_layers
         if len(buffers) != config.num_layers:
             raise ValueError(f"{len(buffers)} KV buffers for {config.num_layers} layers")
-        self.kv_caches = [zeroed_cache(shape, storage, device, buffer) for buffer in buffers]
+        if kv_caches is not None:
+            if len(kv_caches) != config.num_layers or any(
+                cache.shape != shape or cache.dtype != storage or cache.device != device for cache in kv_caches
+            ):
+                raise ValueError(f"the shared KV caches are not {config.num_layers} caches of shape {shape} "
+                                 f"and dtype {storage} on {device}")  # fmt: skip
+            self.kv_caches = list(kv_caches)
+        else:
+            self.kv_caches = [zeroed_cache(shape, storage, device, buffer) for buffer in buffers]
         self._keys_from_cache = not self.kv_format.is_exact_for(dtype)
         self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
         backend = self.attention_backend

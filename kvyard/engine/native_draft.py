@@ -26,6 +26,9 @@ from kvyard.models.native_model import (
     kernel_functions,
 )
 
+# Blocks a prepared guessing pass's tables may grow by before its arguments are built again.
+TABLE_HEADROOM_BLOCKS = 8
+
 
 class NativeGuesser:
     def __init__(self, native: NativeModel, kv: KVPointers, block_size: int) -> None:
@@ -81,14 +84,26 @@ class NativeGuesser:
         return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden))]
 
     def _prepared_for(self, block_tables: Sequence[list[int]]) -> PreparedStep:
-        """The prepared pass of these sequences, built again only when their block tables change."""
+        """The prepared pass of these sequences: its block tables rewritten in place when they changed, the whole
+        pass built again only for another number of sequences or a table past the width it was built with."""
         key = tuple(tuple(table) for table in block_tables)
-        if self._prepared is None or key != self._tables_key:
-            # positions, slots and context lengths are set by each pass (_guess)
-            step = NativeStep.of_queries([0] * len(block_tables), [1] * len(block_tables), block_tables,
-                                         self.block_size)  # fmt: skip
-            self._prepared, self._tables_key = self.native.prepare(step, self.kv), key
-        return self._prepared
+        if self._prepared is not None and key == self._tables_key:
+            return self._prepared
+        width = max(len(table) for table in block_tables)
+        prepared = self._prepared
+        built_rows, built_width = (0, 0) if prepared is None else prepared.step.block_tables.shape
+        if prepared is not None and built_rows == len(block_tables) and built_width >= width:
+            for row, table in zip(prepared.step.block_tables, block_tables, strict=True):
+                row[: len(table)] = table
+                row[len(table) :] = 0
+        else:
+            # positions, slots and context lengths are set by each pass (_guess); padding (block 0, never read
+            # past a context length) leaves room for the tables to grow before the pass is built again
+            padded = [[*table, *[0] * (width + TABLE_HEADROOM_BLOCKS - len(table))] for table in block_tables]
+            step = NativeStep.of_queries([0] * len(padded), [1] * len(padded), padded, self.block_size)
+            prepared = self._prepared = self.native.prepare(step, self.kv)
+        self._tables_key = key
+        return prepared
 
 
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray:

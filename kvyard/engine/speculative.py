@@ -18,9 +18,10 @@ steps, so it notices when guessing starts to pay, and waits twice as long after 
 that (up to `MAX_PROBE_INTERVAL`): a probe of a model proposer costs a pass of it.
 
 Proposers: `ngram` (here; prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
-last n tokens, for n from `ngram_max` down to `ngram_min`), and `draft` / `self-int8` (`draft_proposer`: a smaller
-model, or the target's own weights in int8 or fp16, run greedily on its own paged KV cache). A proposer that costs time
-says how much (`seconds_per_proposal`), and that cost joins the verify cost when k is chosen.
+last n tokens, for n from `ngram_max` down to `ngram_min`), `draft` (`draft_proposer`: a smaller model, run greedily
+on a paged KV cache of its own) and `self-int8` / `self-fp16` (`self_draft`: the target's own weights in int8 or fp16,
+run greedily over the target's KV cache). A proposer that costs time says how much (`seconds_per_proposal`), and
+that cost joins the verify cost when k is chosen.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class SpeculativeConfig:
     ngram_max: int = setting(4, help="ngram: longest suffix looked up in the sequence")
     draft_model: str | None = setting(None, help="draft: the model directory that proposes (same tokenizer and "
                                       "vocabulary as the served model)")  # fmt: skip
-    max_draft_catch_up: int = setting(512, help="draft, self-*: prompt tokens the proposer's model may prefill "
-                                      "per step (a new request's prompt is caught up over several steps)")  # fmt: skip
+    max_draft_catch_up: int = setting(512, help="draft: prompt tokens the draft model may prefill per step (a new "
+                                      "request's prompt is caught up over several steps; a self-draft reads the "
+                                      "model's KV and has none to catch up)")  # fmt: skip
     adaptive: bool = setting(True, flag="--spec-adaptive", help="propose fewer tokens (down to none) for a "
                              "request whose guesses are often wrong")  # fmt: skip
     verify_token_cost: float = setting(0.1, help="what verifying one more token adds to a decode step, as a fraction "
