@@ -59,6 +59,7 @@ MODEL_DESCRIPTIONS = {
 PROMPT_DESCRIPTIONS = {
     "random": "32 random tokens",
     "repetitive": "an 8-token motif x 8, then 4 random tokens",
+    "long": "1024 random tokens",
     "code-edit": "a held-out standard-library function of 300-1500 characters, a blank line, '# The same function, "
                  "rewritten:' and its first line",
 }  # fmt: skip
@@ -97,12 +98,14 @@ def parse_args() -> argparse.Namespace:
 
 def prompts(kind: str, count: int, model_dir: Path, seed: int = 0) -> list[list[int]]:
     """`random`: 32 random tokens. `repetitive`: an 8-token motif repeated to 64 tokens, then 4 random ones (a
-    prompt that lookup can match, as code re-emitted would be). `code-edit`: see PROMPT_DESCRIPTIONS."""
+    prompt that lookup can match, as code re-emitted would be). `long`: 1024 random tokens (a draft with a KV cache
+    of its own has to catch up on them first). `code-edit`: see PROMPT_DESCRIPTIONS."""
     rng = random.Random(seed)
     if kind == "code-edit":
         return code_edit_prompts(count, model_dir, rng)
-    if kind == "random":
-        return [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(count)]
+    if kind in ("random", "long"):
+        length = 32 if kind == "random" else 1024
+        return [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
     out = []
     for _ in range(count):
         motif = [rng.randrange(3, 2000) for _ in range(8)]
