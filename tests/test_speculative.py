@@ -213,7 +213,10 @@ def test_the_measured_verify_cost_grows_with_the_batch() -> None:
 
 
 def test_speculating_requests_get_the_logprobs_of_plain_decoding(llama_dir: Path) -> None:
-    batch = prompts(6, seed=8)
+    """Bit for bit: a verification computes each position as a decode step does (one decode query per position).
+    Three requests verifying 5 tokens each stay within the 16 rows of fp32's few-rows kernels, whose bits do not
+    depend on the number of rows; beyond them (plain decoding of a large batch too) oneDNN's matmul sums otherwise."""
+    batch = prompts(3, seed=8)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     with LLM(str(llama_dir)) as plain:
         reference = plain.generate(batch, params)
@@ -225,7 +228,4 @@ def test_speculating_requests_get_the_logprobs_of_plain_decoding(llama_dir: Path
     for ours, theirs in zip(outputs, reference):
         assert ours.token_ids == theirs.token_ids
         assert ours.logprobs is not None and theirs.logprobs is not None and len(ours.logprobs) == 16
-        for mine, expected in zip(ours.logprobs, theirs.logprobs):
-            assert mine.token_id == expected.token_id
-            assert mine.logprob == pytest.approx(expected.logprob, abs=1e-4)
-            assert mine.top == pytest.approx(expected.top, abs=1e-4)
+        assert ours.logprobs == theirs.logprobs

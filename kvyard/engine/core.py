@@ -336,7 +336,8 @@ class EngineCore:
             self.kv_manager.wait_for_loads(self.scheduler.waiting, idle_wait)
             self.housekeeping()
             return []
-        scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # decodes first (a verification runs as one decode query per position), then prefill chunks
+        scheduled = sorted(schedule.scheduled, key=lambda s: s.num_new_tokens - len(s.spec_token_ids) != 1)
         started = time.perf_counter()
         sampled = self.runner.execute(scheduled)
         self._measure_step(scheduled, time.perf_counter() - started)

@@ -209,7 +209,12 @@ class ModelRunner(PagedModel):
         return generator
 
     def forward(self, scheduled: Sequence[ScheduledRequest]) -> BatchLogits:
-        """Run one forward pass; `scheduled` lists single-token queries first.
+        """Run one forward pass; `scheduled` lists decodes (with or without proposed tokens) first.
+
+        A decode with proposed tokens (a verification) runs as one single-token query per position, each attending
+        to the context up to it: exactly what plain decoding computes at that position, down to the bits, so the
+        model's choice at every position is the one it makes without speculation (a chunk of those tokens goes
+        through the prefill attention kernel, whose sums run in another order).
 
         The caller holds torch.inference_mode (the sampler then edits logits in place)."""
         input_ids: list[int] = []
@@ -217,6 +222,9 @@ class ModelRunner(PagedModel):
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         scoring: list[tuple[Request, int, int, int]] = []  # prompt scoring: request, first row and position, rows
+        block_tables: list[list[int]] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []
         for item in scheduled:
             request = item.request
             start = request.num_computed_tokens
@@ -229,13 +237,12 @@ class ModelRunner(PagedModel):
             if item.completes_sequence:
                 sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
                 sampling.append(item)
-        hidden = self.run(
-            input_ids,
-            positions,
-            block_tables=[item.request.block_table for item in scheduled],
-            context_lens=[item.request.num_computed_tokens + item.num_new_tokens for item in scheduled],
-            query_lens=[item.num_new_tokens for item in scheduled],
-        )
+            queries = range(1, item.num_new_tokens + 1) if item.spec_token_ids else [item.num_new_tokens]
+            for end in queries:
+                block_tables.append(request.block_table)
+                context_lens.append(start + end)
+                query_lens.append(end if not item.spec_token_ids else 1)
+        hidden = self.run(input_ids, positions, block_tables, context_lens, query_lens)
         for request, first_row, first_position, num_rows in scoring:
             self._score_prompt(request, hidden[first_row : first_row + max(0, num_rows)], first_position)
         if not sample_rows:
