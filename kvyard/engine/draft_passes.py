@@ -19,6 +19,7 @@ from kvyard.engine.native_draft import NativeGuesser
 from kvyard.engine.speculative import StepCost
 
 WARM_UP_BATCHES = (1, 2, 4, 8, 16, 1, 4)  # sequences in the passes that seed the pass-cost fit
+WARM_UP_BLOCKS = max(WARM_UP_BATCHES)  # one block a sequence
 # Rows a pass may have to run on the native kernels (beyond: the modules, whose matmul of many rows is faster).
 NATIVE_PASS_ROWS = 64
 
@@ -34,11 +35,11 @@ class DraftPasses:
 
     @torch.inference_mode()
     def warm_up(self, blocks: Sequence[int]) -> None:
-        """Single-token passes over 1 to 16 sequences of one of `blocks` each (16 blocks whose contents may be
-        overwritten), so the first real steps price a guess at what a pass of their size costs; the first, cold
-        pass is not counted."""
-        tables = [[block] for block in blocks[: max(WARM_UP_BATCHES)]]
-        if len(tables) < max(WARM_UP_BATCHES):
+        """Single-token passes over 1 to 16 sequences of one of `blocks` each (WARM_UP_BLOCKS blocks whose contents
+        may be overwritten; fewer: no warm-up), so the first real steps price a guess at what a pass of their size
+        costs; the first, cold pass is not counted."""
+        tables = [[block] for block in blocks[:WARM_UP_BLOCKS]]
+        if len(tables) < WARM_UP_BLOCKS:
             return
         self.run([[0]], [0], tables[:1], [True])
         self.cost = StepCost()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.draft_passes import DraftPasses
+from kvyard.engine.draft_passes import WARM_UP_BLOCKS, DraftPasses
 from kvyard.engine.model_runner import PagedModel
 from kvyard.engine.request import Request
 from kvyard.models.decoder import CausalLM
@@ -54,7 +54,7 @@ class SelfDraftProposer:
         """The served model's block pool, to borrow from; a fresh one (nothing cached), so warm-up passes may write
         into its blocks."""
         self.pool = pool
-        borrowed = pool.allocate(min(16, pool.num_free_blocks))
+        borrowed = pool.allocate(min(WARM_UP_BLOCKS, pool.num_free_blocks))
         try:
             self.passes.warm_up(borrowed)
         finally:
