@@ -7,8 +7,10 @@
  *
  * With AVX-512 (and k a multiple of 16), four rows of w go against up to six rows of x per pass, each loaded w
  * vector feeding one FMA per row of x (24 accumulators, 6 x vectors and the w vector: 31 of the 32 registers).
- * The AVX2 path takes three rows of x at most, then one at a time, and spent 1.5x the time of one row on five
- * rows of x (a verify pass of speculative decoding), weights streamed from memory on a 2-core Zen 5.
+ * The AVX2 path takes up to three rows of x a pass (12 accumulators, 3 x vectors and the w vector). Five rows go
+ * as three and two, not three, one and one: a 5-row pass of the bench model's fp32 layers took 0.92-0.95x the time,
+ * weights streamed from memory on a 2-core AMD EPYC Zen 2 (one pass had spent 1.5x the time of one row on a Zen 5).
+ * Each (weight row, x row) sum is the same chain whatever the rows of x, so its bits do not depend on them.
  *
  * Layout: x [m, k], w [n, k] (row-major, as nn.Linear stores it), bias [n] or NULL, y [m, n].
  */
@@ -57,38 +59,34 @@ static int64_t dot_4_rows(const float *x, const float *w, int64_t k, float *out,
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* Four rows of w against one row of x; k must be a multiple of 8. */
-static void dot_4x1(const float *x, const float *w, int64_t k, float *out, int64_t out_stride) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+/* Four rows of w against `rows` (1 to 3) rows of x, k a multiple of 8: each loaded w vector feeds one FMA per row of
+ * x. Always inlined with a constant `rows`. */
+static inline __attribute__((always_inline)) void dot_4xr_avx2(const float *x, const float *w, int64_t k, float *out,
+                                                               int64_t out_stride, const int rows) {
+    __m256 acc[3][ROWS_PER_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < ROWS_PER_TILE; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        for (int j = ROWS_PER_TILE; j < 2 * ROWS_PER_TILE; j++) prefetch_weights(w + j * k + i);
-        a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + i), a0);
-        a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + k + i), a1);
-        a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 2 * k + i), a2);
-        a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 3 * k + i), a3);
-    }
-    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
-    (void)out_stride;
-}
-
-/* Four rows of w against three rows of x: each loaded w vector feeds three FMAs. */
-static void dot_4x3(const float *x, const float *w, int64_t k, float *out, int64_t out_stride) {
-    __m256 acc[3][4];
-    for (int r = 0; r < 3; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + k + i), x2 = _mm256_loadu_ps(x + 2 * k + i);
-        for (int j = 0; j < 4; j++) {
-            prefetch_weights(w + (j + ROWS_PER_TILE) * k + i);
+        __m256 xv[3];
+        for (int r = 0; r < rows; r++) xv[r] = _mm256_loadu_ps(x + r * k + i);
+        for (int j = 0; j < ROWS_PER_TILE; j++) {
+            prefetch_weights(w + (j + ROWS_PER_TILE) * k + i); /* the next tile's rows, at this column */
             const __m256 wv = _mm256_loadu_ps(w + j * k + i);
-            acc[0][j] = _mm256_fmadd_ps(x0, wv, acc[0][j]);
-            acc[1][j] = _mm256_fmadd_ps(x1, wv, acc[1][j]);
-            acc[2][j] = _mm256_fmadd_ps(x2, wv, acc[2][j]);
+            for (int r = 0; r < rows; r++) acc[r][j] = _mm256_fmadd_ps(xv[r], wv, acc[r][j]);
         }
     }
-    for (int r = 0; r < 3; r++)
-        for (int j = 0; j < 4; j++) out[r * out_stride + j] = hsum8(acc[r][j]);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < ROWS_PER_TILE; j++) out[r * out_stride + j] = hsum8(acc[r][j]);
+}
+
+/* Four rows of w against up to three of the `left` remaining rows of x; returns how many it took. */
+static int64_t dot_4_rows_avx2(const float *x, const float *w, int64_t k, float *out, int64_t out_stride,
+                               int64_t left) {
+    switch (left < 3 ? left : 3) {
+    case 1: dot_4xr_avx2(x, w, k, out, out_stride, 1); return 1;
+    case 2: dot_4xr_avx2(x, w, k, out, out_stride, 2); return 2;
+    default: dot_4xr_avx2(x, w, k, out, out_stride, 3); return 3;
+    }
 }
 #endif
 
@@ -112,8 +110,7 @@ static void tile(const float *x, const float *w, const float *bias, float *y, in
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (rows == ROWS_PER_TILE && k % 8 == 0) {
-            done = m - r >= 3 ? 3 : 1;
-            (done == 3 ? dot_4x3 : dot_4x1)(x + r * k, w + row * k, k, &out[0][0], ROWS_PER_TILE);
+            done = dot_4_rows_avx2(x + r * k, w + row * k, k, &out[0][0], ROWS_PER_TILE, m - r);
         } else
 #endif
         {
