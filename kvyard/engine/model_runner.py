@@ -96,9 +96,9 @@ class PagedModel:
         if len(buffers) != config.num_layers:
             raise ValueError(f"{len(buffers)} KV buffers for {config.num_layers} layers")
         if kv_caches is not None:
-            if len(kv_caches) != config.num_layers or any(
-                cache.shape != shape or cache.dtype != storage or cache.device != device for cache in kv_caches
-            ):
+            fits = [cache.shape == shape and cache.dtype == storage and cache.device.type == device.type
+                    for cache in kv_caches]  # fmt: skip
+            if len(fits) != config.num_layers or not all(fits):
                 raise ValueError(f"the shared KV caches are not {config.num_layers} caches of shape {shape} "
                                  f"and dtype {storage} on {device}")  # fmt: skip
             self.kv_caches = list(kv_caches)
