@@ -147,7 +147,6 @@ def test_a_self_draft_guesses_from_the_first_decode_step_over_the_served_models_
         assert token_ids(llm, [prompt]) == reference[:1]
         engine.add_request("hit", prompt[:64] + [7] * 9, GREEDY)
         engine.step()  # the prefill, 64 tokens of it from the prefix cache
-        num_free = pool.num_free_blocks
         request = engine.scheduler.running[0]
         assert request.num_computed_tokens == 73 and engine.stats().prefix_cache_hit_tokens >= 64
         before = engine.stats()
@@ -156,7 +155,7 @@ def test_a_self_draft_guesses_from_the_first_decode_step_over_the_served_models_
         assert after.spec_proposed_tokens - before.spec_proposed_tokens == 4
         assert after.spec_accepted_tokens - before.spec_accepted_tokens >= 2
         assert len(outputs[0].new_token_ids) >= 3
-        assert pool.num_free_blocks <= num_free  # the borrowed blocks went back before the target allocated
+        assert pool.num_used_blocks == len(request.block_table)  # what the draft borrowed went back
         while engine.has_unfinished_requests():
             engine.step()
         pool.check_invariants()
