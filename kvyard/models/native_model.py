@@ -156,6 +156,10 @@ class NativeModel:
         calls = [(None if index == 0 else _ptr(out), _ptr(residual), _ptr(out), rows, _ptr(step.positions), k_cache,
                   v_cache, *step_args, *args) for index, (args, (k_cache, v_cache)) in layers]  # fmt: skip
         norm = (_ptr(out), _ptr(residual), _ptr(self.final_norm), _ptr(normed), rows, hidden, self.config.rms_norm_eps)
+        # Converted to C values once: a call of 47 Python values cost about 6 us more than one of C values.
+        layer_types = self.functions["kvyard_decode_layer"].argtypes
+        calls = [_c_values(layer_types, call) for call in calls]
+        norm = _c_values(self.functions["kvyard_add_rms_norm"].argtypes, norm)
         return PreparedStep(self, step, calls, norm, residual, normed, (scratch, out))
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -279,6 +283,11 @@ def kv_cache_views(buffers: list[mmap.mmap], config: ModelConfig, kv_name: str) 
     storage, _, extra = KV_STORAGE[kv_name]
     row_width = config.head_dim + extra // np.dtype(storage).itemsize
     return [np.frombuffer(buffer, dtype=storage).reshape(2, -1, config.num_kv_heads, row_width) for buffer in buffers]
+
+
+def _c_values(argtypes: Sequence[Any], values: Sequence[Any]) -> tuple[Any, ...]:
+    """A call's arguments as the C values its argument types make of them (ctypes passes those on as they are)."""
+    return tuple(ctype(value) for ctype, value in zip(argtypes, values, strict=True))
 
 
 def _weight_args(weights: Weights) -> tuple[int, int, int | None]:
