@@ -164,6 +164,18 @@ def test_a_self_draft_guesses_from_the_first_decode_step_over_the_served_models_
         assert token_ids(llm, [prompt, prompt[:64] + [7] * 9]) == reference
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp16"])
+def test_a_self_draft_reads_and_writes_the_served_models_kv_format(llama_dir: Path, kv_cache_dtype: str) -> None:
+    """Over an int8 or fp16 cache the draft reads the served model's rows in that format and writes its guesses'
+    rows in it too: the output is the output without speculation, and most guesses are kept."""
+    batch = prompts(6, seed=10)
+    reference = token_ids(LLM(str(llama_dir), kv_cache_dtype=kv_cache_dtype), batch)
+    with LLM(str(llama_dir), speculative=SELF_INT8, kv_cache_dtype=kv_cache_dtype) as llm:
+        assert token_ids(llm, batch) == reference
+        stats = llm.engine.stats()
+        assert stats.spec_accepted_tokens > 0.5 * stats.spec_proposed_tokens > 0
+
+
 def test_a_self_draft_leaves_the_served_models_blocks_as_they_were(llama_dir: Path) -> None:
     """Every block a request holds, and every block of the prefix cache, has the same bytes after a step of
     guessing as the served model left in it: the draft writes only blocks it borrowed."""
