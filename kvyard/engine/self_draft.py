@@ -1,17 +1,17 @@
 """`self-int8` / `self-fp16`: the served model's own weights, converted, guessing over the served model's KV cache.
 
-A self-draft has the served model's layers, so the KV the served model has computed is what its own would be,
-and better: it reads the served model's cache for every position already computed, and has no prompt of its own
-to catch up on, no KV memory of its own, and nothing to keep across steps. A prompt of thousands of tokens, a
-prefix-cache hit, blocks loaded from the KV tier or pulled from a prefill replica: the draft guesses from the first
-decode step on.
+A self-draft has the served model's layers, so the keys and values the served model computed are what its own
+would be, only more precise. It reads them from the served model's cache for every position already computed: it
+has no prompt to catch up on, no KV memory of its own and nothing to keep across steps. After a prompt of thousands
+of tokens, a prefix-cache hit, blocks loaded from the KV tier or pulled from a prefill replica, the draft guesses
+from the first decode step on.
 
 It must never write there, though: the served model's blocks are shared with other requests and the prefix cache.
-Each step, every guessing request borrows a few free blocks of the served model's pool for the positions the draft
-writes (its last token and its guesses): a copy of the request's partial last block, then blocks for the
-positions after it. Its draft table is the request's full blocks, then those. The borrowed blocks go back to the
-pool at the end of the step, before the scheduler allocates. A request for which the pool has no free blocks does
-not guess this step.
+Each step, every guessing request borrows a few free blocks of the served model's pool (taken as any allocation
+takes them) for the positions the draft writes, its last token and its guesses: a copy of the request's partial
+last block, then blocks for the positions after it. Its draft table is the request's full blocks, then those. The
+borrowed blocks go back to the pool at the end of the step, before the scheduler allocates. A request for which
+the pool has no free blocks does not guess this step.
 """
 
 from __future__ import annotations
