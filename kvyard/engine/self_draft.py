@@ -71,14 +71,12 @@ class SelfDraftProposer:
         guesses: list[list[int]] = [[] for _ in requests]
         borrowing = [item for index, (request, room) in enumerate(zip(requests, rooms)) if room > 0
                      and (item := self._borrow(index, request, room)) is not None]  # fmt: skip
-        guessing = borrowing
         try:
-            self._copy_partial_blocks(guessing, requests)
-            tokens = [[requests[item.index].all_token_ids[-1]] for item in guessing]
-            for ahead in range(max((item.room for item in guessing), default=0)):
-                guessing = [item for item in guessing if item.room > ahead]
-                if ahead > 0:
-                    tokens = [[guesses[item.index][-1]] for item in guessing]
+            self._copy_partial_blocks(borrowing, requests)
+            for ahead in range(max((item.room for item in borrowing), default=0)):
+                # each pass feeds what the last one guessed; the first, the request's last token
+                guessing = [item for item in borrowing if item.room > ahead]
+                tokens = [guesses[item.index][-1:] or requests[item.index].all_token_ids[-1:] for item in guessing]
                 passed = self.passes.run(tokens, [item.start + ahead for item in guessing],
                                          [item.block_table for item in guessing], [True] * len(guessing))  # fmt: skip
                 for item, token_id in zip(guessing, passed, strict=True):
