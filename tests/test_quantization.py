@@ -109,8 +109,9 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
         assert torch.allclose(layer(x), plain, atol=1e-5)
 
 
-@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (9, 19, 64), (17, 130, 40),
-                                                                   (3, 5, 7)])  # fmt: skip
+# in_features from 1024 on: two chains per sum (AVX2); 1032: and a last group of 8 weights
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 64, 128), (9, 19, 64), (17, 130, 40), (3, 5, 7), (7, 19, 1408), (13, 9, 1032)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_half_kernel_matches_a_float64_reference(
     vector_kernels: NativeKernels, rows: int, out_features: int, in_features: int, dtype: torch.dtype
@@ -124,6 +125,21 @@ def test_the_half_kernel_matches_a_float64_reference(
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5 * in_features**0.5)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         vector_kernels.small_linear_half(x, weight.float(), bias)
+
+
+@pytest.mark.parametrize("in_features", [512, 1408, 1032])  # one chain per sum; two (AVX2); two and a tail
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_each_row_of_the_half_kernel_is_the_same_bits_whatever_the_rows_beside_it(
+    vector_kernels: NativeKernels, in_features: int, dtype: torch.dtype
+) -> None:
+    """The half kernel takes rows of x in blocks of 6 or 8; each row's sum must not change with how many rows x has
+    (a verification pass must reproduce a decode step)."""
+    generator = torch.Generator().manual_seed(in_features)
+    x = torch.randn(17, in_features, generator=generator)
+    weight = torch.randn(19, in_features, generator=generator).to(dtype)  # a partial tile of weight rows
+    alone = torch.cat([vector_kernels.small_linear_half(x[i : i + 1], weight, None) for i in range(17)])
+    for rows in (2, 3, 5, 6, 7, 8, 9, 13, 17):
+        assert torch.equal(vector_kernels.small_linear_half(x[:rows], weight, None), alone[:rows]), rows
 
 
 # the portable tail never runs (groups of 32); n * k from 4 * 65536 on: the threads split the rows

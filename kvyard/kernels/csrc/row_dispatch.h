@@ -16,6 +16,17 @@
     default: CALL(8); break;                  \
     }
 
+/* The same for at most 6 rows. */
+#define FOR_CONSTANT_ROWS_UP_TO_6(rows, CALL) \
+    switch (rows) {                           \
+    case 1: CALL(1); break;                   \
+    case 2: CALL(2); break;                   \
+    case 3: CALL(3); break;                   \
+    case 4: CALL(4); break;                   \
+    case 5: CALL(5); break;                   \
+    default: CALL(6); break;                  \
+    }
+
 /* The same for at most 4 rows. */
 #define FOR_CONSTANT_ROWS_UP_TO_4(rows, CALL) \
     switch (rows) {                           \
