@@ -243,14 +243,15 @@ def test_native_guessing_passes_guess_what_the_modules_guess(
     model_dirs: dict[str, Path], arch: str, method: str
 ) -> None:
     """Guessing passes run on the native kernels (kvyard.engine.native_draft) over the draft's own tensors and
-    the served model's cache; with them switched off the PyTorch modules run the same passes: every guess, hence
-    every count of proposed and accepted tokens, is the same."""
+    the served model's cache, a 16-bit head's argmax screened by its int8 copy; with them switched off the PyTorch
+    modules run the same passes: every guess, hence every count of proposed and accepted tokens, is the same."""
     batch = prompts(6, seed=7)
     counts = []
     for native in (True, False):
         with LLM(str(model_dirs[arch]), speculative=draft(method)) as llm:
             proposer = llm.engine.proposer
             assert isinstance(proposer, SelfDraftProposer) and proposer.passes.native is not None
+            assert (proposer.passes.native.screened_head is not None) == (method == "self-fp16")
             if not native:
                 proposer.passes.native = None
             outputs = token_ids(llm, batch)

@@ -18,6 +18,8 @@ import torch
 
 from kvyard.engine.model_runner import PagedModel
 from kvyard.models.native_model import (
+    BF16_KIND,
+    FP16_KIND,
     KV_CODES_BY_ELEMENT,
     KVPointers,
     NativeModel,
@@ -25,6 +27,7 @@ from kvyard.models.native_model import (
     PreparedStep,
     kernel_functions,
 )
+from kvyard.models.screened_head import ScreenedHead
 
 # Blocks a prepared guessing pass's tables may grow by before its arguments are built again.
 TABLE_HEADROOM_BLOCKS = 8
@@ -35,6 +38,10 @@ class NativeGuesser:
         self.native = native
         self.kv = kv
         self.block_size = block_size
+        head = native.lm_head
+        # a 16-bit head's argmax, found mostly from an int8 copy of it (the same tokens, fewer bytes read)
+        is_16_bit = head.kind in (FP16_KIND, BF16_KIND)
+        self.screened_head = ScreenedHead.of(head.weight, head.kind == BF16_KIND) if is_16_bit else None
         self._tables_key: tuple[tuple[int, ...], ...] = ()
         self._prepared: PreparedStep | None = None
 
@@ -66,7 +73,7 @@ class NativeGuesser:
         rows = last_rows[np.asarray(wants_guess, dtype=bool)]
         if rows.shape[0] == 0:
             return []
-        return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden[rows]))]
+        return self._greedy_tokens(hidden[rows])
 
     def _guess(
         self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[list[int]]
@@ -81,7 +88,15 @@ class NativeGuesser:
             step.positions % self.block_size
         )
         hidden = prepared.run(np.asarray(token_ids, dtype=np.int64))
-        return [int(token_id) for token_id in self.native.argmax(self.native.logits(hidden))]
+        return self._greedy_tokens(hidden)
+
+    def _greedy_tokens(self, hidden: np.ndarray) -> list[int]:
+        """The draft's guess after each row of final hidden states: its LM head's argmax."""
+        if self.screened_head is not None:
+            tokens = self.screened_head.argmax(hidden, self.native.functions, self.native.num_threads)
+        else:
+            tokens = self.native.argmax(self.native.logits(hidden))
+        return [int(token_id) for token_id in tokens]
 
     def _prepared_for(self, block_tables: Sequence[list[int]]) -> PreparedStep:
         """The prepared pass of these sequences: its block tables rewritten in place when they changed, the whole

@@ -30,8 +30,8 @@ KV_STORAGE = {"fp32": (np.float32, 0, 0), "fp16": (np.float16, 1, 0), "bf16": (n
               "int8": (np.uint8, 3, 4)}  # fmt: skip
 # The same codes by the name of the cache tensor's element type (PyTorch's, "torch." left off).
 KV_CODES_BY_ELEMENT = {"float32": 0, "float16": 1, "bfloat16": 2, "uint8": 3}
-_WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.float16): 2}
-_BF16_KIND = 3
+FP16_KIND, BF16_KIND = 2, 3
+_WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.float16): FP16_KIND}
 
 
 def kernel_functions() -> dict[str, Any]:
@@ -106,7 +106,7 @@ class NativeModel:
                 bf16 = self.weights_scheme == "bf16" and weight.dtype == np.uint16
                 if not bf16 and weight.dtype not in _WEIGHT_KINDS:
                     raise PackageError(f"{name} is {weight.dtype}: the native path reads fp32, int8, fp16 and bf16")
-                return Weights(_BF16_KIND if bf16 else _WEIGHT_KINDS[weight.dtype], weight, None, bias)
+                return Weights(BF16_KIND if bf16 else _WEIGHT_KINDS[weight.dtype], weight, None, bias)
         return None
 
     def _linear(self, prefix: str) -> Weights:
@@ -171,8 +171,8 @@ class NativeModel:
         x, w, y = hidden.ctypes.data, head.weight.ctypes.data, out.ctypes.data
         if head.kind == 1:
             self.functions["kvyard_small_linear_int8"](x, w, _ptr(head.scales), None, y, rows, n, k, self.num_threads)
-        elif head.kind in (2, _BF16_KIND):
-            self.functions["kvyard_small_linear_half"](x, w, None, y, rows, n, k, int(head.kind == _BF16_KIND),
+        elif head.kind in (FP16_KIND, BF16_KIND):
+            self.functions["kvyard_small_linear_half"](x, w, None, y, rows, n, k, int(head.kind == BF16_KIND),
                                                        self.num_threads)  # fmt: skip
         else:
             self.functions["kvyard_small_linear"](x, w, None, y, rows, n, k, self.num_threads)
