@@ -100,3 +100,17 @@ def test_the_int8_copy_is_the_int8_schemes_quantization() -> None:
 
 def test_a_head_of_rows_not_in_groups_of_32_is_not_screened() -> None:
     assert ScreenedHead.of(np.zeros((10, 40), dtype=np.float16), False) is None
+
+
+def test_a_row_with_too_many_candidates_reads_the_whole_head(functions: dict[str, Any]) -> None:
+    """Identical rows can never be ruled out: past MAX_CANDIDATES of them the full head decides, the same way."""
+    generator = np.random.default_rng(5)
+    weight = np.repeat(generator.standard_normal((1, 64)).astype(np.float32) * 0.05, 100, axis=0)
+    weight[70] *= 1.01  # the largest logit for x along the shared row, with the other 99 tied below it
+    weight16 = _as_16_bit(weight, False)
+    head = ScreenedHead.of(weight16, False)
+    assert head is not None
+    x = np.stack([weight[0] * 40, -weight[0] * 40]).astype(np.float32)  # 70 wins; then the tie of 99: id 0
+    expected = _full_argmax(weight16, False, x, functions)
+    assert list(expected) == [70, 0]
+    assert np.array_equal(head.argmax(x, functions, 2), expected)

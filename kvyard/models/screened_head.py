@@ -76,11 +76,12 @@ class ScreenedHead:
                                               None, screened.ctypes.data, rows, vocab, k, num_threads)  # fmt: skip
         tokens = np.empty(rows, dtype=np.int64)
         for row in range(rows):
-            candidates = self._candidates(hidden[row], screened[row])
-            if candidates.shape[0] > MAX_CANDIDATES:
-                candidates = np.arange(vocab)
+            candidates: np.ndarray | None = self._candidates(hidden[row], screened[row])
+            if candidates is not None and candidates.shape[0] > MAX_CANDIDATES:
+                candidates = None  # every row of the head
             logits = self._logits16(hidden[row : row + 1], candidates, functions, num_threads)
-            tokens[row] = candidates[int(np.argmax(logits))]  # first maximum: candidates ascend
+            best = int(np.argmax(logits))  # the first maximum: candidates ascend
+            tokens[row] = best if candidates is None else candidates[best]
         return tokens
 
     def _candidates(self, x: np.ndarray, screened: np.ndarray) -> np.ndarray:
@@ -99,13 +100,13 @@ class ScreenedHead:
         np.add(screened, bound, out=other)
         return np.flatnonzero(other >= largest_lower)
 
-    def _logits16(self, x: np.ndarray, candidates: np.ndarray, functions: dict[str, Any],
+    def _logits16(self, x: np.ndarray, candidates: np.ndarray | None, functions: dict[str, Any],
                   num_threads: int) -> np.ndarray:  # fmt: skip
-        rows = np.ascontiguousarray(self.weight16[candidates])
-        out = np.empty((1, candidates.shape[0]), dtype=np.float32)
-        functions["kvyard_small_linear_half"](x.ctypes.data, rows.ctypes.data, None, out.ctypes.data, 1,
-                                              candidates.shape[0], x.shape[1], int(self.is_bf16),
-                                              num_threads)  # fmt: skip
+        """The 16-bit logits of x [1, k] for the candidate tokens (None: all)."""
+        rows = self.weight16 if candidates is None else np.ascontiguousarray(self.weight16[candidates])
+        out = np.empty((1, rows.shape[0]), dtype=np.float32)
+        functions["kvyard_small_linear_half"](x.ctypes.data, rows.ctypes.data, None, out.ctypes.data, 1, rows.shape[0],
+                                              x.shape[1], int(self.is_bf16), num_threads)  # fmt: skip
         return out[0]
 
 
