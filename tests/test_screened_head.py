@@ -114,3 +114,14 @@ def test_a_row_with_too_many_candidates_reads_the_whole_head(functions: dict[str
     expected = _full_argmax(weight16, False, x, functions)
     assert list(expected) == [70, 0]
     assert np.array_equal(head.argmax(x, functions, 2), expected)
+
+
+def test_an_input_with_a_nan_or_an_infinity_gives_the_full_heads_token(functions: dict[str, Any]) -> None:
+    """No logit can be ruled out then; the whole head decides, as it would without the screen."""
+    generator = np.random.default_rng(6)
+    weight16 = _as_16_bit(generator.standard_normal((200, 64)).astype(np.float32) * 0.05, False)
+    head = ScreenedHead.of(weight16, False)
+    assert head is not None
+    x = generator.standard_normal((2, 64)).astype(np.float32)
+    x[0, 3], x[1, 9] = np.nan, np.inf
+    assert np.array_equal(head.argmax(x, functions, 2), _full_argmax(weight16, False, x, functions))

@@ -75,13 +75,15 @@ class ScreenedHead:
         functions["kvyard_small_linear_int8"](hidden.ctypes.data, self.qweight.ctypes.data, self.scales.ctypes.data,
                                               None, screened.ctypes.data, rows, vocab, k, num_threads)  # fmt: skip
         tokens = np.empty(rows, dtype=np.int64)
+        best = np.empty(1, dtype=np.int64)
         for row in range(rows):
             candidates: np.ndarray | None = self._candidates(hidden[row], screened[row])
-            if candidates is not None and candidates.shape[0] > MAX_CANDIDATES:
-                candidates = None  # every row of the head
+            if candidates is not None and not 0 < candidates.shape[0] <= MAX_CANDIDATES:
+                candidates = None  # every row of the head (none left: a NaN or an infinity in the input)
             logits = self._logits16(hidden[row : row + 1], candidates, functions, num_threads)
-            best = int(np.argmax(logits))  # the first maximum: candidates ascend
-            tokens[row] = best if candidates is None else candidates[best]
+            # the argmax kernel's first maximum, as without the screen: candidates ascend
+            functions["kvyard_argmax_rows"](logits.ctypes.data, 1, logits.shape[1], best.ctypes.data)
+            tokens[row] = best[0] if candidates is None else candidates[best[0]]
         return tokens
 
     def _candidates(self, x: np.ndarray, screened: np.ndarray) -> np.ndarray:
@@ -102,12 +104,12 @@ class ScreenedHead:
 
     def _logits16(self, x: np.ndarray, candidates: np.ndarray | None, functions: dict[str, Any],
                   num_threads: int) -> np.ndarray:  # fmt: skip
-        """The 16-bit logits of x [1, k] for the candidate tokens (None: all)."""
+        """The 16-bit logits [1, candidates] of x [1, k] for the candidate tokens (None: all)."""
         rows = self.weight16 if candidates is None else np.ascontiguousarray(self.weight16[candidates])
         out = np.empty((1, rows.shape[0]), dtype=np.float32)
         functions["kvyard_small_linear_half"](x.ctypes.data, rows.ctypes.data, None, out.ctypes.data, 1, rows.shape[0],
                                               x.shape[1], int(self.is_bf16), num_threads)  # fmt: skip
-        return out[0]
+        return out
 
 
 def _rounded_up(values: np.ndarray) -> np.ndarray:
