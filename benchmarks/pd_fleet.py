@@ -2,7 +2,10 @@
 
 Every configuration has the same `--replicas` (8) simulated replicas (one `kvyard sim` process, per-replica prefix
 cache smaller than the working set) behind kvyard's router: all unified with `--policy cache_aware`, and each split
-of P prefill plus 8-P decode replicas (`--splits`) under `--disaggregation conditional` and `always`. Each run
+of P prefill plus 8-P decode replicas (`--splits`) under `--disaggregation conditional` and `always`. Replicas
+step with 2,048 tokens (`--max-num-batched-tokens`), prefill replicas with 8,192 (`--prefill-max-num-batched-tokens`:
+no decodes wait on their steps), and the unified fleet runs with 8,192-token steps too (`--unified-step-tokens`), so
+the best unified fleet is the baseline, whichever budget that is. Each run
 replays the first `--requests` requests of the Mooncake conversation trace at their (sped-up) arrival times as
 streaming completions, prompts and users built as in routing.py (one byte per token, equal hash ids give equal
 prefixes, `user = conv-<second hash id>`), each asking for its trace output length (capped by `--max-output`) with
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -77,6 +81,9 @@ ADMIN_KEY = "pd-fleet-benchmark-admin"  # the sims' admin plane (KV events, tran
 PULL_DEADLINE_S = 3600.0
 SMOKE = {"requests": 60, "drain_s": 20.0, "loads": "0.6,1.2", "splits": "4"}
 CAPACITY_TOKENS = 32768 * 16  # per replica, as routing.py's run of record
+# A prefill replica's step budget: vLLM's default for online serving on GPUs of 70 GB and more. Unified replicas keep
+# the engine's 2,048 (a step that long stalls their decodes), and run with it too (--unified-step-tokens).
+PREFILL_STEP_TOKENS = 8192
 CPU_PRESET = "cpu"  # the sim's default cost model, measured on this machine
 Sample = tuple[float | None, float | None]  # one request's (TTFT, TPOT), simulated seconds; TTFT None: it failed
 
@@ -86,6 +93,7 @@ class Fleet:
     name: str
     prefill_replicas: int  # 0: every replica unified
     disaggregation: str | None = None
+    step_tokens: int = 0  # unified fleets: every replica's step budget (0: --max-num-batched-tokens)
 
 
 @dataclass(slots=True)
@@ -105,8 +113,10 @@ class Result:
         return (self.last_token_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def fleets(replicas: int, splits: list[int], modes: list[str]) -> list[Fleet]:
+def fleets(replicas: int, splits: list[int], modes: list[str], unified_step_tokens: list[int]) -> list[Fleet]:
     runs = [Fleet(f"unified cache_aware ({replicas})", 0)]
+    runs += [Fleet(f"unified cache_aware ({replicas}), {tokens}-token steps", 0, None, tokens)
+             for tokens in unified_step_tokens]  # fmt: skip
     runs += [Fleet(f"{p}P+{replicas - p}D {mode}", p, mode) for p in splits for mode in modes]
     return runs
 
@@ -121,7 +131,9 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
                str(fleet.prefill_replicas), "--port", "0", "--ports-file", str(ports_file), "--num-kv-blocks",
                str(args.capacity_blocks), "--block-size", str(args.block_size), "--time-scale", str(args.time_scale),
                "--stream-interval-s", str(args.stream_interval_s), "--transfer-latency-s", str(args.transfer_latency_s),
-               "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY]  # fmt: skip
+               "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY,
+               "--max-num-batched-tokens", str(fleet.step_tokens or args.max_num_batched_tokens),
+               "--prefill-max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]  # fmt: skip
     if args.cost_preset != CPU_PRESET:
         command += ["--cost-preset", args.cost_preset]
     if args.kv_bytes_per_token is not None:
@@ -430,6 +442,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (JSONL)")
     parser.add_argument("--requests", type=int, default=400, help="the first N requests of the trace (default: 400)")
+    parser.add_argument("--skip", type=int, default=0, help="start the slice after this many requests, arrivals "
+                        "counted from its first (default: 0)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE['requests']} requests, loads "
                         f"{SMOKE['loads']}, split {SMOKE['splits']}, results to pd_fleet_smoke.*")  # fmt: skip
     parser.add_argument("--max-output", type=int, default=1024, help="cap on each request's output tokens "
@@ -444,6 +458,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cost-preset", default="h100-llama3-8b", choices=[CPU_PRESET, *(p.name for p in
                         ROOFLINE_PRESETS)], help="the sims' cost model: a roofline preset, or cpu (measured "
                         "here) (default: h100-llama3-8b)")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=sim.scheduler.max_num_batched_tokens,
+                        help="sim: every replica's token budget per step (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--prefill-max-num-batched-tokens", type=int, default=PREFILL_STEP_TOKENS,
+                        help="sim: a prefill replica's token budget per step; it runs no decodes that longer steps "
+                        "would stall (default: %(default)s; 0: --max-num-batched-tokens)")  # fmt: skip
+    parser.add_argument("--unified-step-tokens", default=str(PREFILL_STEP_TOKENS), help="also run unified "
+                        "fleets whose replicas have these token budgets per step, comma-separated, so that the "
+                        "best unified fleet is compared (default: %(default)s; '': none)")  # fmt: skip
     parser.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT bound: this many times the "
                         "prompt's prefill alone on an idle replica (default: 5)")  # fmt: skip
     parser.add_argument("--ttft-slo-min-s", type=float, default=0.5, help="TTFT bound: at least this, simulated "
@@ -507,6 +529,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def trace_slice(args: argparse.Namespace) -> list[TraceRequest]:
+    requests = load_trace(args.trace, args.skip + args.requests, args.max_output)[args.skip:]
+    start = requests[0].arrival_s
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - start) for r in requests]
+
+
+def slice_name(args: argparse.Namespace, requests: list[TraceRequest]) -> str:
+    return f"requests {args.skip + 1}-{args.skip + len(requests)}"
+
+
 def cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel() if args.cost_preset == CPU_PRESET else roofline_preset(args.cost_preset).cost
 
@@ -516,7 +548,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
     sim = SimConfig()
     preset = None if args.cost_preset == CPU_PRESET else roofline_preset(args.cost_preset)
     return {
-        "trace": str(args.trace.name), "requests": len(requests), "trace_slice": f"first {len(requests)} requests",
+        "trace": str(args.trace.name), "requests": len(requests), "trace_slice": slice_name(args, requests),
         "trace_span_s": span, "replicas": args.replicas, "capacity_blocks_per_replica": args.capacity_blocks,
         "block_size": args.block_size, "max_output": args.max_output,
         "mean_input_tokens": sum(r.input_length for r in requests) / len(requests),
@@ -527,7 +559,8 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores" if preset is None else
         f"roofline model, not a serving engine measured: {preset.model.name} on {preset.device.name} "
         f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
-        "max_num_batched_tokens": sim.scheduler.max_num_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefill_max_num_batched_tokens": args.prefill_max_num_batched_tokens or args.max_num_batched_tokens,
         "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
                                                           sim.kv_bytes_per_token),
         "transfer_gb_per_s": transfer_gb_per_s(args),
@@ -565,9 +598,26 @@ def decode_share(requests: list[TraceRequest], cost: CostModel) -> float:
     return decode / (prefill + decode)
 
 
+def best_of(fleets: dict[str, Any], rates: dict[str, float]) -> dict[str, Any]:
+    """The best fleet of each kind (unified, PD conditional, PD always) at one SLO, and the ratios the issue asks
+    for: the best conditional split over the best unified fleet, and over the best always-disaggregating one."""
+    def kind(name: str) -> str:
+        return fleets[name]["disaggregation"] or "unified"
+
+    best: dict[str, Any] = {}
+    for name, rate in rates.items():
+        if rate > best.get(kind(name), ("", -1.0))[1]:
+            best[kind(name)] = (name, rate)
+    summary: dict[str, Any] = {k: {"fleet": name, "goodput": rate} for k, (name, rate) in best.items()}
+    for other in ("unified", "always"):
+        if "conditional" in best and other in best and best[other][1] > 0:
+            summary[f"conditional_over_{other}"] = best["conditional"][1] / best[other][1]
+    return summary
+
+
 def main() -> int:
     args = parse_args()
-    requests = load_trace(args.trace, args.requests, args.max_output)
+    requests = trace_slice(args)
     blocks: dict[int, str] = {}
     prompts = [prompt_text(r, blocks) for r in requests]
     span = max(r.arrival_s for r in requests) or 1.0
@@ -584,7 +634,8 @@ def main() -> int:
     if args.dry_run:
         return 0
     splits = [int(s) for s in args.splits.split(",") if s.strip()]
-    selected = [f for f in fleets(args.replicas, splits, args.modes.split(","))
+    unified_steps = [int(s) for s in args.unified_step_tokens.split(",") if s.strip()]
+    selected = [f for f in fleets(args.replicas, splits, args.modes.split(","), unified_steps)
                 if not args.only or any(pattern in f.name for pattern in args.only)]  # fmt: skip
     args.logs.mkdir(parents=True, exist_ok=True)
     bounds = ttft_bounds(args, requests)
@@ -608,12 +659,15 @@ def main() -> int:
                 for name, f in report["fleets"].items()}
         for bound in args.tpot_slo_grid.split(",")
     }  # fmt: skip
+    report["best_by_tpot_slo"] = {bound: best_of(report["fleets"], rates)
+                                  for bound, rates in report["goodput_by_tpot_slo"].items()}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1))
-    title = (f"Mooncake conversation trace, first {len(requests)} requests, {args.replicas} simulated replicas, "
+    title = (f"Mooncake conversation trace, {slice_name(args, requests)}, {args.replicas} simulated replicas, "
              f"cost model {args.cost_preset}; SLO: TTFT <= {report['conditions']['slo']['ttft']}, TPOT <= "
              f"{args.tpot_slo_s:g} s")  # fmt: skip
     plot(report, title, args.out.with_suffix(".png"))
-    print(json.dumps(report["goodput_by_tpot_slo"], indent=1), flush=True)
+    print(json.dumps(report["goodput_by_tpot_slo"], indent=1), json.dumps(report["best_by_tpot_slo"], indent=1),
+          flush=True)  # fmt: skip
     return 0
 
 

@@ -172,6 +172,35 @@ def test_a_streamed_transfer_leaves_the_last_chunk_or_what_the_link_could_not_mo
     assert config.streamed_transfer_seconds(1000, 0.1) == pytest.approx(whole - 0.1)  # the link fell behind
 
 
+def test_a_prefill_replica_steps_with_its_own_token_budget() -> None:
+    config = SimConfig(block_size=16, prefill_max_num_batched_tokens=8192)
+    assert config.for_role("prefill").scheduler.max_num_batched_tokens == 8192
+    assert config.for_role("decode") is config and config.for_role("unified") is config
+    # A decode replica waits, after the prefill ends, for the prefill replica's last chunk of 512 blocks, not 128.
+    assert config.streamed_transfer_seconds(2000, 100.0) == config.transfer_seconds(8192 // 16)
+    assert SimConfig().for_role("prefill").scheduler == SimConfig().scheduler
+    with pytest.raises(ValueError, match="prefill_max_num_batched_tokens"):
+        SimConfig(prefill_max_num_batched_tokens=-1)
+
+
+def test_kvyard_sim_gives_prefill_replicas_their_budget(tmp_path: Path) -> None:
+    ports_file = tmp_path / "ports.json"
+    arguments = ["--port", "0", "--replicas", "2", "--prefill-replicas", "1", "--ports-file", str(ports_file),
+                 "--max-num-batched-tokens", "512", "--prefill-max-num-batched-tokens", "4096"]  # fmt: skip
+    with (tmp_path / "sim.log").open("wb") as log:
+        sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for(lambda: ports_file.exists() or sims.poll() is not None, 60, "simulated replicas up")
+        assert sims.poll() is None, (tmp_path / "sim.log").read_text()
+        urls = json.loads(ports_file.read_text())["urls"]
+        infos = [httpx.get(f"{url}/get_server_info", timeout=10).json() for url in urls]
+        assert [(i["role"], i["chunked_prefill_size"]) for i in infos] == [("prefill", 4096), ("decode", 512)]
+    finally:
+        sims.send_signal(signal.SIGTERM)
+        assert sims.wait(timeout=30) == 0
+
+
 def test_kvyard_sim_rejects_more_prefill_replicas_than_replicas() -> None:
     result = subprocess.run([sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", "2",
                              "--prefill-replicas", "3"], capture_output=True, text=True, timeout=60)  # fmt: skip

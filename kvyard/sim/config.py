@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvyard.api.checks import ContextLimits
@@ -71,6 +72,9 @@ class SimConfig:
                                            "arrive at least this many times faster than the replica computes them "
                                            "(kvyard serve's --kv-load-min-speedup default); 0: stop at the "
                                            "deadline")  # fmt: skip
+    prefill_max_num_batched_tokens: int = setting(0, help="token budget of one step on a replica with role "
+                                                  "prefill, which runs no decodes a long step would stall (0: "
+                                                  "--max-num-batched-tokens, as every other replica)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The pull deadline is a time of the modeled engine (scaled by time_scale). The lease and the idle timeout stay
     # wall times, like the transfer server's own (heartbeats, the wait for a transfer not yet known): a lease scaled
@@ -86,7 +90,8 @@ class SimConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("stream_interval_s", "tick_s", "transfer_latency_s", "shared_store_latency_s",
-                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup"):
+                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup",
+                     "prefill_max_num_batched_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -113,8 +118,20 @@ class SimConfig:
         stream while the prefill runs, as kvyard's pulls do (`open_s`: how long the pull was open by then). The
         link moves each chunk's blocks as the chunk completes, so at least the last chunk's blocks are left to
         move; and no link moves the whole faster than its bandwidth, counted from when the pull opened."""
-        chunk_blocks = -(-self.scheduler.max_num_batched_tokens // self.block_size)
+        chunk_blocks = -(-self.prefill_chunk_tokens // self.block_size)
         return max(self.transfer_seconds(num_blocks) - open_s, self.transfer_seconds(min(num_blocks, chunk_blocks)))
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The step budget of a prefill replica: the largest chunk of a prompt a pull waits for at once."""
+        return self.prefill_max_num_batched_tokens or self.scheduler.max_num_batched_tokens
+
+    def for_role(self, role: str) -> SimConfig:
+        """This config on a replica of `role`: a prefill replica steps with its own token budget."""
+        if role != "prefill" or self.prefill_chunk_tokens == self.scheduler.max_num_batched_tokens:
+            return self
+        scheduler = dataclasses.replace(self.scheduler, max_num_batched_tokens=self.prefill_chunk_tokens)
+        return dataclasses.replace(self, scheduler=scheduler)
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(self.limits, self.scheduler, record_kv_events=True,
