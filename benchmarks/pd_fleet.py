@@ -3,9 +3,10 @@
 Every configuration has the same `--replicas` (8) simulated replicas (one `kvyard sim` process, per-replica prefix
 cache smaller than the working set) behind kvyard's router: all unified with `--policy cache_aware`, and each split
 of P prefill plus 8-P decode replicas (`--splits`) under `--disaggregation conditional` and `always`. Replicas
-step with 2,048 tokens (`--max-num-batched-tokens`), prefill replicas with 8,192 (`--prefill-max-num-batched-tokens`:
-no decodes wait on their steps), and the unified fleet runs with 8,192-token steps too (`--unified-step-tokens`), so
-the best unified fleet is the baseline, whichever budget that is. Each run
+step with 2,048 tokens (`--max-num-batched-tokens`), and with 8,192 while none of their requests streams
+(`--prefill-only-step-tokens`: a prefill replica's steps, unless it runs a request whole); unified fleets also run
+with 8,192-token steps and with 2,048 / 8,192 as the PD replicas (`--unified-step-tokens`), so the best unified fleet
+is the baseline, whichever budget that is. Each run
 replays the first `--requests` requests of the Mooncake conversation trace at their (sped-up) arrival times as
 streaming completions, prompts and users built as in routing.py (one byte per token, equal hash ids give equal
 prefixes, `user = conv-<second hash id>`), each asking for its trace output length (capped by `--max-output`) with
@@ -81,8 +82,8 @@ ADMIN_KEY = "pd-fleet-benchmark-admin"  # the sims' admin plane (KV events, tran
 PULL_DEADLINE_S = 3600.0
 SMOKE = {"requests": 60, "drain_s": 20.0, "loads": "0.6,1.2", "splits": "4"}
 CAPACITY_TOKENS = 32768 * 16  # per replica, as routing.py's run of record
-# A prefill replica's step budget: vLLM's default for online serving on GPUs of 70 GB and more. Unified replicas keep
-# the engine's 2,048 (a step that long stalls their decodes), and run with it too (--unified-step-tokens).
+# A replica's step budget while nothing streams, as on a prefill replica: vLLM's default for online serving on GPUs
+# of 70 GB and more. While a request streams replicas keep the engine's 2,048 (a step that long stalls decodes).
 PREFILL_STEP_TOKENS = 8192
 CPU_PRESET = "cpu"  # the sim's default cost model, measured on this machine
 Sample = tuple[float | None, float | None]  # one request's (TTFT, TPOT), simulated seconds; TTFT None: it failed
@@ -94,6 +95,7 @@ class Fleet:
     prefill_replicas: int  # 0: every replica unified
     disaggregation: str | None = None
     step_tokens: int = 0  # unified fleets: every replica's step budget (0: --max-num-batched-tokens)
+    prefill_only_tokens: int | None = None  # its budget while nothing streams (None: --prefill-only-step-tokens)
 
 
 @dataclass(slots=True)
@@ -113,10 +115,18 @@ class Result:
         return (self.last_token_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def fleets(replicas: int, splits: list[int], modes: list[str], unified_step_tokens: list[int]) -> list[Fleet]:
-    runs = [Fleet(f"unified cache_aware ({replicas})", 0)]
-    runs += [Fleet(f"unified cache_aware ({replicas}), {tokens}-token steps", 0, None, tokens)
-             for tokens in unified_step_tokens]  # fmt: skip
+def unified_fleet(replicas: int, budgets: str) -> Fleet:
+    """`8192`: every step up to 8,192 tokens; `2048/8192`: 2,048 while a request streams, else 8,192."""
+    streaming, _, alone = budgets.partition("/")
+    if alone:
+        return Fleet(f"unified cache_aware ({replicas}), {alone}-token steps when nothing streams", 0, None,
+                     int(streaming), int(alone))  # fmt: skip
+    return Fleet(f"unified cache_aware ({replicas}), {streaming}-token steps", 0, None, int(streaming), 0)
+
+
+def fleets(replicas: int, splits: list[int], modes: list[str], unified_step_tokens: list[str]) -> list[Fleet]:
+    runs = [Fleet(f"unified cache_aware ({replicas})", 0, prefill_only_tokens=0)]
+    runs += [unified_fleet(replicas, budgets) for budgets in unified_step_tokens]
     runs += [Fleet(f"{p}P+{replicas - p}D {mode}", p, mode) for p in splits for mode in modes]
     return runs
 
@@ -133,7 +143,8 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
                "--stream-interval-s", str(args.stream_interval_s), "--transfer-latency-s", str(args.transfer_latency_s),
                "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY,
                "--max-num-batched-tokens", str(fleet.step_tokens or args.max_num_batched_tokens),
-               "--prefill-max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]  # fmt: skip
+               "--prefill-only-step-tokens", str(args.prefill_only_step_tokens if fleet.prefill_only_tokens is None
+                                                 else fleet.prefill_only_tokens)]  # fmt: skip
     if args.cost_preset != CPU_PRESET:
         command += ["--cost-preset", args.cost_preset]
     if args.kv_bytes_per_token is not None:
@@ -460,12 +471,13 @@ def parse_args() -> argparse.Namespace:
                         "here) (default: h100-llama3-8b)")  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=sim.scheduler.max_num_batched_tokens,
                         help="sim: every replica's token budget per step (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--prefill-max-num-batched-tokens", type=int, default=PREFILL_STEP_TOKENS,
-                        help="sim: a prefill replica's token budget per step; it runs no decodes that longer steps "
-                        "would stall (default: %(default)s; 0: --max-num-batched-tokens)")  # fmt: skip
-    parser.add_argument("--unified-step-tokens", default=str(PREFILL_STEP_TOKENS), help="also run unified "
-                        "fleets whose replicas have these token budgets per step, comma-separated, so that the "
-                        "best unified fleet is compared (default: %(default)s; '': none)")  # fmt: skip
+    parser.add_argument("--prefill-only-step-tokens", type=int, default=PREFILL_STEP_TOKENS,
+                        help="sim: the PD replicas' token budget per step while none of their requests streams, as "
+                        "on a prefill replica (default: %(default)s; 0: --max-num-batched-tokens)")  # fmt: skip
+    parser.add_argument("--unified-step-tokens", default=f"{PREFILL_STEP_TOKENS},2048/{PREFILL_STEP_TOKENS}",
+                        help="also run unified fleets with these step budgets, comma-separated: N for every step, "
+                        "A/B for A while a request streams and B while none does, so that the best unified fleet is "
+                        "compared (default: %(default)s; '': none)")  # fmt: skip
     parser.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT bound: this many times the "
                         "prompt's prefill alone on an idle replica (default: 5)")  # fmt: skip
     parser.add_argument("--ttft-slo-min-s", type=float, default=0.5, help="TTFT bound: at least this, simulated "
@@ -560,7 +572,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         f"roofline model, not a serving engine measured: {preset.model.name} on {preset.device.name} "
         f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefill_max_num_batched_tokens": args.prefill_max_num_batched_tokens or args.max_num_batched_tokens,
+        "prefill_only_step_tokens": args.prefill_only_step_tokens or args.max_num_batched_tokens,
         "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
                                                           sim.kv_bytes_per_token),
         "transfer_gb_per_s": transfer_gb_per_s(args),
@@ -635,7 +647,7 @@ def main() -> int:
     if args.dry_run:
         return 0
     splits = [int(s) for s in args.splits.split(",") if s.strip()]
-    unified_steps = [int(s) for s in args.unified_step_tokens.split(",") if s.strip()]
+    unified_steps = [s.strip() for s in args.unified_step_tokens.split(",") if s.strip()]
     selected = [f for f in fleets(args.replicas, splits, args.modes.split(","), unified_steps)
                 if not args.only or any(pattern in f.name for pattern in args.only)]  # fmt: skip
     args.logs.mkdir(parents=True, exist_ok=True)

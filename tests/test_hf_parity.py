@@ -99,6 +99,15 @@ def test_small_prefill_chunks_match_reference(arch_setup: tuple[Path, Reference,
     assert [o.token_ids for o in outputs] == reference.tokens(prompts)
 
 
+def test_long_steps_while_nothing_streams_match_reference(arch_setup: tuple[Path, Reference, int]) -> None:
+    """Prompts admitted while nothing streams are prefilled in 64-token steps, the rest in chunks of 7 beside the
+    running decodes: the chunking changes, the tokens do not."""
+    model_dir, reference, vocab = arch_setup
+    prompts = _prompts(vocab)
+    outputs = LLM(str(model_dir), max_num_batched_tokens=7, prefill_only_step_tokens=64).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == reference.tokens(prompts)
+
+
 def test_preemption_with_tiny_pool_matches_reference(arch_setup: tuple[Path, Reference, int]) -> None:
     model_dir, reference, vocab = arch_setup
     prompts = _prompts(vocab)

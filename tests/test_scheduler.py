@@ -26,6 +26,7 @@ class Sim:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 8
     enable_caching: bool = True
+    prefill_only_step_tokens: int = 0
     pool: BlockPool = field(init=False)
     kv: KVCacheManager = field(init=False)
     scheduler: Scheduler = field(init=False)
@@ -39,7 +40,8 @@ class Sim:
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.enable_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs), self.kv)
+        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.prefill_only_step_tokens)
+        self.scheduler = Scheduler(config, self.kv)
 
     def add(self, prompt: list[int], num_outputs: int) -> Request:
         request = Request(
@@ -83,7 +85,10 @@ class Sim:
 
     def _check_output(self, out: SchedulerOutput, running_before: list[Request]) -> None:
         config = self.scheduler.config
-        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        streams = any(r.num_output_tokens or r.num_computed_tokens >= r.num_prompt_tokens for r in running_before)
+        budget = config.prefill_only_step_tokens if config.prefill_only_step_tokens and not streams else (
+            config.max_num_batched_tokens)  # fmt: skip
+        assert out.num_batched_tokens <= budget
         assert len(out.scheduled) <= config.max_num_seqs
         assert self.scheduler.num_running <= config.max_num_seqs
         ids = [id(s.request) for s in out.scheduled]
@@ -140,6 +145,35 @@ def test_config_validation() -> None:
         SchedulerConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="prefill_only_step_tokens"):
+        SchedulerConfig(prefill_only_step_tokens=-1)
+
+
+def test_steps_that_hold_up_no_stream_take_the_prefill_only_budget() -> None:
+    sim = Sim(num_blocks=64, max_num_batched_tokens=8, prefill_only_step_tokens=32)
+    first = sim.add(distinct_prompt(0, 40), num_outputs=4)
+    out = sim.step()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(first, 32)]  # nothing streams yet
+    out = sim.step()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(first, 8)]  # the prompt's rest
+    second = sim.add(distinct_prompt(1, 40), num_outputs=2)
+    out = sim.step()
+    # `first` streams now: the step keeps to max_num_batched_tokens, its decode first.
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(first, 1), (second, 7)]
+    sim.run(max_steps=50)
+    sim.check_all_done()
+
+
+def test_the_step_budget_follows_the_streams_through_preemptions() -> None:
+    """Each step's budget is checked against the streams running before it (Sim._check_output): a request
+    recomputing its outputs after a preemption streams too, one alone may recompute in long steps."""
+    sim = Sim(num_blocks=6, max_num_batched_tokens=4, prefill_only_step_tokens=16)
+    sim.add(distinct_prompt(0, 8), num_outputs=12)
+    sim.add(distinct_prompt(1, 8), num_outputs=12)
+    sim.run(max_steps=400)
+    assert sim.scheduler.num_preemptions > 0
+    assert max(out.num_batched_tokens for out in sim.history) > 4
+    sim.check_all_done()
 
 
 def test_chunked_prefill_splits_a_long_prompt() -> None:
@@ -314,6 +348,7 @@ def test_random_workloads_finish_within_budget(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_caching=enable_caching,
+        prefill_only_step_tokens=data.draw(st.sampled_from([0, 3 * budget])),
     )
     for shared, tail, num_outputs, delay in workload:
         for _ in range(delay):

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvyard.engine.scheduler import SchedulerConfig
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster, pd_roles
 from tests.pd_utils import pd_request
@@ -172,21 +173,18 @@ def test_a_streamed_transfer_leaves_the_last_chunk_or_what_the_link_could_not_mo
     assert config.streamed_transfer_seconds(1000, 0.1) == pytest.approx(whole - 0.1)  # the link fell behind
 
 
-def test_a_prefill_replica_steps_with_its_own_token_budget() -> None:
-    config = SimConfig(block_size=16, prefill_max_num_batched_tokens=8192)
-    assert config.for_role("prefill").scheduler.max_num_batched_tokens == 8192
-    assert config.for_role("decode") is config and config.for_role("unified") is config
-    # A decode replica waits, after the prefill ends, for the prefill replica's last chunk of 512 blocks, not 128.
+def test_a_pull_waits_for_the_prefill_replicas_longest_step() -> None:
+    scheduler = SchedulerConfig(max_num_batched_tokens=2048, prefill_only_step_tokens=8192)
+    config = SimConfig(block_size=16, scheduler=scheduler)
+    # After the prefill ends the last chunk is left to move: up to 8,192 tokens (512 blocks) when nothing streamed.
     assert config.streamed_transfer_seconds(2000, 100.0) == config.transfer_seconds(8192 // 16)
-    assert SimConfig().for_role("prefill").scheduler == SimConfig().scheduler
-    with pytest.raises(ValueError, match="prefill_max_num_batched_tokens"):
-        SimConfig(prefill_max_num_batched_tokens=-1)
+    assert SimConfig(block_size=16).prefill_chunk_tokens == 2048
 
 
-def test_kvyard_sim_gives_prefill_replicas_their_budget(tmp_path: Path) -> None:
+def test_kvyard_sim_gives_its_replicas_the_prefill_only_budget(tmp_path: Path) -> None:
     ports_file = tmp_path / "ports.json"
     arguments = ["--port", "0", "--replicas", "2", "--prefill-replicas", "1", "--ports-file", str(ports_file),
-                 "--max-num-batched-tokens", "512", "--prefill-max-num-batched-tokens", "4096"]  # fmt: skip
+                 "--max-num-batched-tokens", "512", "--prefill-only-step-tokens", "4096"]  # fmt: skip
     with (tmp_path / "sim.log").open("wb") as log:
         sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
@@ -195,7 +193,8 @@ def test_kvyard_sim_gives_prefill_replicas_their_budget(tmp_path: Path) -> None:
         assert sims.poll() is None, (tmp_path / "sim.log").read_text()
         urls = json.loads(ports_file.read_text())["urls"]
         infos = [httpx.get(f"{url}/get_server_info", timeout=10).json() for url in urls]
-        assert [(i["role"], i["chunked_prefill_size"]) for i in infos] == [("prefill", 4096), ("decode", 512)]
+        assert [(i["role"], i["chunked_prefill_size"], i["prefill_only_step_tokens"]) for i in infos] == [
+            ("prefill", 512, 4096), ("decode", 512, 4096)]  # fmt: skip
     finally:
         sims.send_signal(signal.SIGTERM)
         assert sims.wait(timeout=30) == 0

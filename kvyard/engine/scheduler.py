@@ -1,11 +1,12 @@
 """Token-budget scheduler: continuous batching with chunked prefill and recompute preemption.
 
-Every step has a budget of `max_num_batched_tokens`. Running requests are served first, oldest
-first: one token for a decode, the rest of (or a chunk of) the prompt for a prefill. Then waiting
-requests are admitted, oldest first, while the budget, `max_num_seqs` and free blocks allow. When a
-running request cannot get a block, the newest running request is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed (much of it usually from the prefix
-cache). Serving and admitting strictly by age means no request starves.
+Every step has a budget of `max_num_batched_tokens` (or `prefill_only_step_tokens`, when set, while no running
+request streams: a long step then holds up no stream, and fewer steps read the weights fewer times). Running
+requests are served first, oldest first: one token for a decode, the rest of (or a chunk of) the prompt for a
+prefill. Then waiting requests are admitted, oldest first, while the budget, `max_num_seqs` and free blocks allow.
+When a running request cannot get a block, the newest running request is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed (much of it usually from the prefix cache). Serving and
+admitting strictly by age means no request starves.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = setting(2048, help="token budget of one step: decode tokens plus prefill chunks")
     max_num_seqs: int = setting(256, help="requests computed at once; more wait in the queue")
+    prefill_only_step_tokens: int = setting(0, help="token budget of a step while no running request decodes, "
+                                            "so that no stream waits on it (a prefill replica's steps); 0: "
+                                            "max_num_batched_tokens")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.prefill_only_step_tokens < 0:
+            raise ValueError(f"prefill_only_step_tokens must be >= 0, got {self.prefill_only_step_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 
@@ -79,10 +85,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, self._step_budget())
         if not output.preempted:
             self._schedule_waiting(output, budget)
         return output
+
+    def _step_budget(self) -> int:
+        """`max_num_batched_tokens`, or the prefill-only budget while no running request streams: none has output
+        (a preempted one recomputing has) or its whole prompt computed."""
+        larger = self.config.prefill_only_step_tokens
+        if larger and not any(r.num_output_tokens or r.num_computed_tokens >= r.num_prompt_tokens
+                              for r in self.running):  # fmt: skip
+            return larger
+        return self.config.max_num_batched_tokens
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from kvyard.api.checks import ContextLimits
@@ -72,9 +71,6 @@ class SimConfig:
                                            "arrive at least this many times faster than the replica computes them "
                                            "(kvyard serve's --kv-load-min-speedup default); 0: stop at the "
                                            "deadline")  # fmt: skip
-    prefill_max_num_batched_tokens: int = setting(0, help="token budget of one step on a replica with role "
-                                                  "prefill, which runs no decodes a long step would stall (0: "
-                                                  "--max-num-batched-tokens, as every other replica)")  # fmt: skip
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The pull deadline is a time of the modeled engine (scaled by time_scale). The lease and the idle timeout stay
     # wall times, like the transfer server's own (heartbeats, the wait for a transfer not yet known): a lease scaled
@@ -90,8 +86,7 @@ class SimConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("stream_interval_s", "tick_s", "transfer_latency_s", "shared_store_latency_s",
-                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup",
-                     "prefill_max_num_batched_tokens"):
+                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -123,15 +118,8 @@ class SimConfig:
 
     @property
     def prefill_chunk_tokens(self) -> int:
-        """The step budget of a prefill replica: the largest chunk of a prompt a pull waits for at once."""
-        return self.prefill_max_num_batched_tokens or self.scheduler.max_num_batched_tokens
-
-    def for_role(self, role: str) -> SimConfig:
-        """This config on a replica of `role`: a prefill replica steps with its own token budget."""
-        if role != "prefill" or self.prefill_chunk_tokens == self.scheduler.max_num_batched_tokens:
-            return self
-        scheduler = dataclasses.replace(self.scheduler, max_num_batched_tokens=self.prefill_chunk_tokens)
-        return dataclasses.replace(self, scheduler=scheduler)
+        """The largest chunk of a prompt a prefill replica computes in one step, which a pull waits for at once."""
+        return max(self.scheduler.max_num_batched_tokens, self.scheduler.prefill_only_step_tokens)
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(self.limits, self.scheduler, record_kv_events=True,

@@ -190,7 +190,8 @@ class SimEngine:
 
     def server_info(self) -> dict[str, Any]:
         config = self.config
-        return {"chunked_prefill_size": config.scheduler.max_num_batched_tokens, "simulated": True,
+        return {"chunked_prefill_size": config.scheduler.max_num_batched_tokens,
+                "prefill_only_step_tokens": config.scheduler.prefill_only_step_tokens, "simulated": True,
                 "replica_index": self.index, "time_scale": config.time_scale,
                 "cost_model": config.cost.to_json()}  # fmt: skip
 

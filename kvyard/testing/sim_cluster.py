@@ -41,7 +41,6 @@ def sim_replica_specs(
     if roles and len(roles) != len(configs):
         raise ValueError(f"{len(roles)} roles for {len(configs)} replicas")
     admin_key = admin_key_of(options.access.admin_key)
-    configs = [config.for_role(role) for config, role in zip(configs, roles)] if roles else list(configs)
     store = shared_store(configs)
     engines = [SimEngine(config, index, admin_key, (transfer_collector, tier_collector), store)
                for index, config in enumerate(configs)]  # fmt: skip
