@@ -85,7 +85,7 @@ class Sim:
 
     def _check_output(self, out: SchedulerOutput, running_before: list[Request]) -> None:
         config = self.scheduler.config
-        streams = any(r.num_output_tokens or r.num_computed_tokens >= r.num_prompt_tokens for r in running_before)
+        streams = any(r.streams for r in running_before)
         budget = config.prefill_only_step_tokens if config.prefill_only_step_tokens and not streams else (
             config.max_num_batched_tokens)  # fmt: skip
         assert out.num_batched_tokens <= budget

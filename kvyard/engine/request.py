@@ -120,6 +120,12 @@ class Request:
         return self.status.is_finished
 
     @property
+    def streams(self) -> bool:
+        """A client waits on this request's next token: it has output (a preempted one recomputing its outputs
+        too) or its whole prompt computed."""
+        return bool(self.output_token_ids) or self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked and not all computed yet: its prompt cannot come from a cache."""
         wanted = self.sampling_params.prompt_logprobs is not None

@@ -25,9 +25,9 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = setting(2048, help="token budget of one step: decode tokens plus prefill chunks")
     max_num_seqs: int = setting(256, help="requests computed at once; more wait in the queue")
-    prefill_only_step_tokens: int = setting(0, help="token budget of a step while no running request decodes, "
-                                            "so that no stream waits on it (a prefill replica's steps); 0: "
-                                            "max_num_batched_tokens")  # fmt: skip
+    prefill_only_step_tokens: int = setting(0, help="token budget of a step while no running request streams "
+                                            "(has output or its whole prompt computed), so that no client waits on "
+                                            "it, as on a prefill replica; 0: max_num_batched_tokens")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -91,11 +91,9 @@ class Scheduler:
         return output
 
     def _step_budget(self) -> int:
-        """`max_num_batched_tokens`, or the prefill-only budget while no running request streams: none has output
-        (a preempted one recomputing has) or its whole prompt computed."""
+        """`max_num_batched_tokens`, or the prefill-only budget while no running request streams."""
         larger = self.config.prefill_only_step_tokens
-        if larger and not any(r.num_output_tokens or r.num_computed_tokens >= r.num_prompt_tokens
-                              for r in self.running):  # fmt: skip
+        if larger and not any(request.streams for request in self.running):
             return larger
         return self.config.max_num_batched_tokens
 
