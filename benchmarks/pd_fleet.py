@@ -565,7 +565,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         "block_size": args.block_size, "max_output": args.max_output,
         "mean_input_tokens": sum(r.input_length for r in requests) / len(requests),
         "mean_output_tokens": sum(r.output_length for r in requests) / len(requests),
-        "time_scale": args.time_scale, "stream_interval_s": args.stream_interval_s,
+        "time_scale": args.time_scale, "stream_interval_s": args.stream_interval_s, "sim_catch_up_s": sim.catch_up_s,
         "times": "simulated seconds (wall / time_scale); rates per simulated second",
         "cost_preset": args.cost_preset,
         "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores" if preset is None else

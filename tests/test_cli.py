@@ -109,6 +109,7 @@ def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
      (["serve", "--max-queued-seqs", "-1"], "max_queued_seqs must be >= 0"),
      (["sim", "--replicas", "0"], "--replicas must be at least 1"),
      (["sim", "--time-scale", "0"], "time_scale must be positive"),
+     (["sim", "--catch-up-s", "-0.1"], "catch_up_s must be >= 0"),
      (["route", "--max-attempts", "0"], "max_attempts"),
      (["generate", "tiny", "--temperature", "-1", "--prompt", "x"], "temperature must be >= 0")],
 )  # fmt: skip

@@ -33,6 +33,10 @@ class SimConfig:
                                        "after its first (longer: fewer writes, less CPU)")  # fmt: skip
     tick_s: float = setting(0.002, help="timing resolution: steps ending less than this ahead of the wall clock "
                             "run without sleeping (longer: fewer wake-ups, less CPU)")  # fmt: skip
+    catch_up_s: float = setting(0.05, help="wall seconds a replica may fall behind its cost model while the process "
+                                "is busy elsewhere and still catch up, running its next steps back to back so its "
+                                "tokens keep the modeled times; further behind, it starts again from the present and "
+                                "the skipped time counts as lag (kvyard_sim_lag_seconds)")  # fmt: skip
     # Moving KV between replicas (prefill/decode disaggregation): the blocks that really travel are small
     # stand-ins; a pull of B blocks is charged `transfer_seconds(B)` as if the model's KV had moved.
     kv_bytes_per_token: int = setting(16384, help="KV bytes per token of the simulated model, for the cost of a "
@@ -85,7 +89,7 @@ class SimConfig:
                      "event_log_capacity", "kv_bytes_per_token"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stream_interval_s", "tick_s", "transfer_latency_s", "shared_store_latency_s",
+        for name in ("stream_interval_s", "tick_s", "catch_up_s", "transfer_latency_s", "shared_store_latency_s",
                      "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -5,8 +5,9 @@ until then and hands the step's outputs to their requests. While the deadline is
 ahead, steps run back to back without sleeping (their tokens may arrive up to `tick_s` early): a
 longer tick means fewer wake-ups, so less CPU, at the cost of timing resolution. Outputs reach a
 stream at most every `stream_interval_s` (a first token at once), merged, which bounds the HTTP
-writes. When the process cannot keep up, the replica runs late, never faster; the total delay is
-`lag_s`, exported as `kvyard_sim_lag_seconds` so a benchmark can tell.
+writes. A replica the process held up for less than `catch_up_s` catches up on its schedule
+(`sim.clock`); one held up longer runs late, never faster, and the time it skipped is `lag_s`, exported
+as `kvyard_sim_lag_seconds` so a benchmark can tell.
 
 Many of these run in one process and one event loop (`kvyard sim --replicas N`), so nothing here
 blocks: a step is arithmetic on the scheduler's state.
@@ -40,14 +41,13 @@ from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.kvcache.transfer import PullLimits
+from kvyard.sim.clock import StepClock
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_runner import CostRunner
 from kvyard.sim.tier import ModeledLoads, ModeledTierLink, build_tier_link
 from kvyard.sim.tokens import ByteTokenizer
 from kvyard.sim.transfer import ModeledPuller, ModeledTransfers, StandInBlocks
 
-# A step may start this late (timer jitter) without counting as lag: the next steps make up for it.
-LAG_TOLERANCE_S = 0.005
 IDLE_WAKE_S = 0.5
 MIN_LOAD_POLL_S = 0.001  # while only pulls are pending, look again this often even with tick_s 0
 RESTARTED = "the replica restarted while serving this request"
@@ -121,8 +121,7 @@ class SimEngine:
         core.attach_puller(self.puller, block_on_loads=False)
         self.core: EngineCore = core
         self.runner: CostRunner = runner
-        self.lag_s = 0.0
-        self.busy_s = 0.0
+        self.clock = StepClock(self.config.catch_up_s)
 
     def _make_puller(self) -> ModeledPuller | None:
         """The deadline is a time of the modeled engine, so it scales with time_scale; the idle timeout watches the
@@ -133,6 +132,14 @@ class SimEngine:
         limits = PullLimits(transfer.kv_transfer_timeout_s * self.config.time_scale, transfer.kv_transfer_idle_s,
                             self._pull_headers)  # fmt: skip
         return ModeledPuller(KVPullLink(StandInBlocks(), limits), self.config)
+
+    @property
+    def lag_s(self) -> float:
+        return self.clock.lag_s
+
+    @property
+    def busy_s(self) -> float:
+        return self.clock.busy_s
 
     def pull_counters(self) -> PullCounters | None:
         """How pulls from prefill replicas went (None: this replica does not pull)."""
@@ -250,17 +257,18 @@ class SimEngine:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        step_end = last_delivery = loop.time()
+        last_delivery = loop.time()
+        self.clock.restart(last_delivery)
         pending: list[RequestOutput] = []
         while True:
-            core, runner = self.core, self.runner
+            core, runner, clock = self.core, self.runner, self.clock
             steps_before = runner.num_steps
             outputs = core.step()
             if runner.num_steps == steps_before:
                 if core.loads_pending():  # requests wait for pulled blocks: look again shortly, never spin
                     self._deliver(pending)
                     await asyncio.sleep(max(self.config.tick_s, MIN_LOAD_POLL_S))
-                    step_end = loop.time()
+                    clock.restart(loop.time())
                     continue
                 if core.has_unfinished_requests():
                     await asyncio.sleep(0)  # only preemptions: the next schedule admits them again
@@ -269,15 +277,9 @@ class SimEngine:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # wake now and then for upkeep (transfer leases)
                     await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
-                step_end = loop.time()
+                clock.restart(loop.time())
                 continue
-            now = loop.time()
-            if step_end < now - LAG_TOLERANCE_S:
-                self.lag_s += now - step_end
-                step_end = now
-            seconds = runner.last_step_seconds * self.config.time_scale
-            step_end += seconds
-            self.busy_s += seconds
+            step_end = clock.schedule(loop.time(), runner.last_step_seconds * self.config.time_scale)
             pending.extend(outputs)
             delay = step_end - loop.time()
             # Between back-to-back steps, still let the HTTP side run.
