@@ -69,6 +69,7 @@ from routing import (
 )
 
 from kvyard.bench import provenance
+from kvyard.engine.scheduler import PREFILL_ORDERS
 from kvyard.router.config import RouterConfig
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
@@ -144,7 +145,8 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
                "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY,
                "--max-num-batched-tokens", str(fleet.step_tokens or args.max_num_batched_tokens),
                "--prefill-only-step-tokens", str(args.prefill_only_step_tokens if fleet.prefill_only_tokens is None
-                                                 else fleet.prefill_only_tokens)]  # fmt: skip
+                                                 else fleet.prefill_only_tokens),
+               "--prefill-order", args.prefill_order]  # fmt: skip
     if args.cost_preset != CPU_PRESET:
         command += ["--cost-preset", args.cost_preset]
     if args.kv_bytes_per_token is not None:
@@ -488,6 +490,8 @@ def parse_args() -> argparse.Namespace:
                         "each of these TPOT bounds, from the same runs (default: 0.025,0.05,0.1,0.2)")  # fmt: skip
     parser.add_argument("--attainment", type=float, default=0.9, help="goodput: the SLO attainment a rate must "
                         "keep (default: 0.9, DistServe's)")  # fmt: skip
+    parser.add_argument("--prefill-order", default="fcfs", choices=PREFILL_ORDERS, help="every replica's order of "
+                        "prompts (kvyard sim --prefill-order; default: %(default)s)")  # fmt: skip
     parser.add_argument("--pd-local-prefill-tokens", type=int, default=512, help="router: conditional mode "
                         "prefills on the decode replica when at most this many tokens are left to compute "
                         "(default: 512, the router's own)")  # fmt: skip
@@ -573,6 +577,7 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
         f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefill_only_step_tokens": args.prefill_only_step_tokens or args.max_num_batched_tokens,
+        "prefill_order": args.prefill_order,
         "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
                                                           sim.kv_bytes_per_token),
         "transfer_gb_per_s": transfer_gb_per_s(args),

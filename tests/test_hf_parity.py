@@ -108,6 +108,18 @@ def test_long_steps_while_nothing_streams_match_reference(arch_setup: tuple[Path
     assert [o.token_ids for o in outputs] == reference.tokens(prompts)
 
 
+def test_shortest_prompts_first_match_reference(arch_setup: tuple[Path, Reference, int]) -> None:
+    """Prompts computed fewest-tokens-left first, in 7-token steps and a pool small enough to preempt: the order
+    and the chunks change, the tokens do not."""
+    model_dir, reference, vocab = arch_setup
+    prompts = _prompts(vocab)
+    llm = LLM(str(model_dir), max_num_batched_tokens=7, prefill_order="shortest", block_size=4, num_kv_blocks=28)
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == reference.tokens(prompts)
+    assert llm.engine.block_pool.num_used_blocks == 0
+
+
 def test_preemption_with_tiny_pool_matches_reference(arch_setup: tuple[Path, Reference, int]) -> None:
     model_dir, reference, vocab = arch_setup
     prompts = _prompts(vocab)

@@ -12,7 +12,7 @@ from kvyard.engine.block_pool import BlockPool
 from kvyard.engine.kv_cache_manager import KVCacheManager
 from kvyard.engine.request import Request, RequestStatus
 from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvyard.engine.scheduler import MAX_STEPS_PASSED_OVER, Scheduler, SchedulerConfig, SchedulerOutput
 
 ROOT = b"r" * 16
 
@@ -27,6 +27,7 @@ class Sim:
     max_num_seqs: int = 8
     enable_caching: bool = True
     prefill_only_step_tokens: int = 0
+    prefill_order: str = "fcfs"
     pool: BlockPool = field(init=False)
     kv: KVCacheManager = field(init=False)
     scheduler: Scheduler = field(init=False)
@@ -40,7 +41,8 @@ class Sim:
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.enable_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
-        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.prefill_only_step_tokens)
+        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.prefill_only_step_tokens,
+                                 self.prefill_order)  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
 
     def add(self, prompt: list[int], num_outputs: int) -> Request:
@@ -147,6 +149,8 @@ def test_config_validation() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="prefill_only_step_tokens"):
         SchedulerConfig(prefill_only_step_tokens=-1)
+    with pytest.raises(ValueError, match="prefill_order must be one of fcfs, shortest, got 'lifo'"):
+        SchedulerConfig(prefill_order="lifo")
 
 
 def test_steps_that_hold_up_no_stream_take_the_prefill_only_budget() -> None:
@@ -300,6 +304,54 @@ def test_no_cache_hits_when_caching_is_disabled() -> None:
     sim.check_all_done()
 
 
+def scheduled(out: SchedulerOutput) -> list[tuple[Request, int]]:
+    return [(s.request, s.num_new_tokens) for s in out.scheduled]
+
+
+@pytest.mark.parametrize("prefill_order", ["fcfs", "shortest"])
+def test_shortest_first_lets_a_short_prompt_overtake_a_long_one(prefill_order: str) -> None:
+    sim = Sim(num_blocks=64, max_num_batched_tokens=8, prefill_order=prefill_order)
+    long = sim.add(distinct_prompt(0, 40), num_outputs=2)
+    assert scheduled(sim.step()) == [(long, 8)]
+    short = sim.add(distinct_prompt(1, 6), num_outputs=3)
+    if prefill_order == "fcfs":
+        assert scheduled(sim.step()) == [(long, 8)]
+    else:
+        assert scheduled(sim.step()) == [(short, 6), (long, 2)]
+        # The short one streams now: its decode first, then the long prompt's chunk.
+        assert scheduled(sim.step()) == [(short, 1), (long, 7)]
+    sim.run(max_steps=50)
+    sim.check_all_done()
+
+
+def test_shortest_first_counts_cached_prefix_tokens_as_computed() -> None:
+    sim = Sim(num_blocks=64, max_num_batched_tokens=8, prefill_order="shortest")
+    cached = distinct_prompt(0, 24)
+    sim.add(cached, num_outputs=1)
+    sim.run(max_steps=10)
+    uncached = sim.add(distinct_prompt(1, 8), num_outputs=1)
+    continued = sim.add([*cached[:20], 1, 2, 3, 4], num_outputs=1)  # 20 tokens (5 blocks) from the cache
+    assert scheduled(sim.step()) == [(continued, 4), (uncached, 4)]
+    assert continued.num_cached_tokens == 20
+    sim.run(max_steps=20)
+    sim.check_all_done()
+
+
+def test_shortest_first_serves_a_prompt_passed_over_too_long() -> None:
+    sim = Sim(num_blocks=64, max_num_batched_tokens=4, prefill_order="shortest")
+    long = sim.add(distinct_prompt(0, 20), num_outputs=1)
+    first_served = None
+    for index in range(1, 3 * MAX_STEPS_PASSED_OVER):
+        sim.add(distinct_prompt(index, 4), num_outputs=1)  # each fills a step and finishes in it
+        out = sim.step()
+        if any(item.request is long for item in out.scheduled):
+            first_served = sim.num_steps
+            break
+    assert first_served == MAX_STEPS_PASSED_OVER + 1
+    sim.run(max_steps=500)
+    sim.check_all_done()
+
+
 def test_finishing_a_waiting_request_releases_nothing_and_removes_it() -> None:
     sim = Sim(num_blocks=16, max_num_seqs=1)
     running = sim.add(distinct_prompt(0, 5), num_outputs=3)
@@ -349,6 +401,7 @@ def test_random_workloads_finish_within_budget(
         max_num_seqs=max_num_seqs,
         enable_caching=enable_caching,
         prefill_only_step_tokens=data.draw(st.sampled_from([0, 3 * budget])),
+        prefill_order=data.draw(st.sampled_from(["fcfs", "shortest"])),
     )
     for shared, tail, num_outputs, delay in workload:
         for _ in range(delay):

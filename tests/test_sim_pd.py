@@ -181,10 +181,11 @@ def test_a_pull_waits_for_the_prefill_replicas_longest_step() -> None:
     assert SimConfig(block_size=16).prefill_chunk_tokens == 2048
 
 
-def test_kvyard_sim_gives_its_replicas_the_prefill_only_budget(tmp_path: Path) -> None:
+def test_kvyard_sim_gives_its_replicas_the_step_budgets_and_prefill_order(tmp_path: Path) -> None:
     ports_file = tmp_path / "ports.json"
     arguments = ["--port", "0", "--replicas", "2", "--prefill-replicas", "1", "--ports-file", str(ports_file),
-                 "--max-num-batched-tokens", "512", "--prefill-only-step-tokens", "4096"]  # fmt: skip
+                 "--max-num-batched-tokens", "512", "--prefill-only-step-tokens", "4096",
+                 "--prefill-order", "shortest"]  # fmt: skip
     with (tmp_path / "sim.log").open("wb") as log:
         sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
@@ -193,8 +194,8 @@ def test_kvyard_sim_gives_its_replicas_the_prefill_only_budget(tmp_path: Path) -
         assert sims.poll() is None, (tmp_path / "sim.log").read_text()
         urls = json.loads(ports_file.read_text())["urls"]
         infos = [httpx.get(f"{url}/get_server_info", timeout=10).json() for url in urls]
-        assert [(i["role"], i["chunked_prefill_size"], i["prefill_only_step_tokens"]) for i in infos] == [
-            ("prefill", 512, 4096), ("decode", 512, 4096)]  # fmt: skip
+        assert [(i["role"], i["chunked_prefill_size"], i["prefill_only_step_tokens"], i["prefill_order"])
+                for i in infos] == [("prefill", 512, 4096, "shortest"), ("decode", 512, 4096, "shortest")]  # fmt: skip
     finally:
         sims.send_signal(signal.SIGTERM)
         assert sims.wait(timeout=30) == 0

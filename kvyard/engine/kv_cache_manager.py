@@ -190,6 +190,18 @@ class KVCacheManager:
             blocks.extend(self._install_loaded(request, blocks, max_blocks, load))
         return blocks
 
+    def num_cached_tokens_estimate(self, request: Request) -> int:
+        """Prompt tokens the device cache, and a load that has finished, would give `request` now; nothing is taken
+        or installed (find_cached_prefix does that at admission)."""
+        if not self.pool.enable_caching:
+            return 0
+        max_blocks = self._max_cached_blocks(request)
+        num_blocks = len(self._device_prefix(request, max_blocks))
+        load = request.tier_load
+        if load is not None and load.future.done() and load.future.exception() is None:
+            num_blocks = max(num_blocks, min(max_blocks, load.first_block + len(load.future.result())))
+        return num_blocks * self.block_size
+
     def _max_cached_blocks(self, request: Request) -> int:
         if request.needs_prompt_logprobs:  # every prompt position's logits are wanted
             return 0

@@ -83,6 +83,7 @@ class Request:
     num_local_tier_tokens: int = 0  # of those, loaded from the replica's own lower tiers
     num_shared_tier_tokens: int = 0  # of those, loaded from the shared store
     num_preemptions: int = 0
+    num_steps_passed_over: int = 0  # steps that computed other prompts while this one waited (shortest-first)
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks of block_table entered into the prefix cache

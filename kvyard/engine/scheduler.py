@@ -7,6 +7,13 @@ prefill. Then waiting requests are admitted, oldest first, while the budget, `ma
 When a running request cannot get a block, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed (much of it usually from the prefix cache). Serving and
 admitting strictly by age means no request starves.
+
+With `prefill_order="shortest"` the decodes are served first, oldest first, and then the prompts, running or waiting
+alike, those with the fewest tokens left to compute first: a prompt that arrives while a long one is being computed
+starts at the next step instead of after it. Where a time-to-first-token bound grows with the prompt's length, as
+it does in an SLO, that lets the short prompts meet it at little cost to the long ones. A prompt passed over
+`MAX_STEPS_PASSED_OVER` times is served before the shorter ones, so none starves; and a prompt chunk never preempts
+a request already served in the step (it waits instead).
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ from kvyard.engine.kv_cache_manager import KVCacheManager
 from kvyard.engine.request import Request, RequestStatus
 from kvyard.settings import setting
 
+PREFILL_ORDERS = ("fcfs", "shortest")
+# Shortest-first starves nothing: a prompt passed over this many steps is served before the shorter ones.
+MAX_STEPS_PASSED_OVER = 64
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -28,8 +39,15 @@ class SchedulerConfig:
     prefill_only_step_tokens: int = setting(0, help="token budget of a step while no running request streams "
                                             "(has output or its whole prompt computed), so that no client waits on "
                                             "it, as on a prefill replica; 0: max_num_batched_tokens")  # fmt: skip
+    prefill_order: str = setting("fcfs", choices=PREFILL_ORDERS, help="which prompts a step computes first, once "
+                                 "the decodes are served: fcfs, oldest first; shortest, the fewest tokens left to "
+                                 "compute first (prefix-cache hits and pulled blocks not counted), so a long prompt "
+                                 "being computed yields to shorter ones that arrive meanwhile; a prompt passed over "
+                                 f"{MAX_STEPS_PASSED_OVER} steps goes first")  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.prefill_only_step_tokens < 0:
@@ -85,6 +103,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        if self.config.prefill_order == "shortest":
+            self._schedule_shortest_first(output, self._step_budget())
+            return output
         budget = self._schedule_running(output, self._step_budget())
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -97,10 +118,13 @@ class Scheduler:
             return larger
         return self.config.max_num_batched_tokens
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, decodes_only: bool = False) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if decodes_only and _tokens_left(request) > 1:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec = self._speculation(request, budget - num_new)
             # Proposed tokens get slots only when they are free: speculation never preempts anyone.
@@ -124,7 +148,12 @@ class Scheduler:
         return request.spec_token_ids[: max(0, min(budget, room))]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Blocks for `num_new` more tokens of `request`, preempting the newest running requests for them. False
+        when `request` itself was preempted, or when the newest already runs in this step (shortest-first serves
+        requests out of age order): then `request` waits."""
         while not self.kv.allocate_slots(request, num_new):
+            if any(item.request is self.running[-1] for item in output.scheduled):
+                return False
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
@@ -138,6 +167,58 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def _schedule_shortest_first(self, output: SchedulerOutput, budget: int) -> None:
+        """Decodes first, oldest first; then the prompts, running or waiting, fewest tokens left first."""
+        budget = self._schedule_running(output, budget, decodes_only=True)
+        prompts = [request for request in self.running if _tokens_left(request) > 1]
+        prompts += [request for request in self.waiting if self.kv.ready_to_admit(request)]
+        prompts.sort(key=self._prefill_priority)
+        admitting = not output.preempted
+        for request in prompts:
+            if budget <= 0:
+                request.num_steps_passed_over += 1
+            elif request.status is RequestStatus.RUNNING:
+                if request in self.running:  # not preempted for an earlier one this step
+                    budget = self._schedule_prompt_chunk(output, request, budget)
+                else:
+                    request.num_steps_passed_over += 1
+            elif admitting and len(self.running) < self.config.max_num_seqs and not output.preempted:
+                admitted = self._admit(output, request, budget)
+                budget -= admitted
+                admitting = admitted > 0
+
+    def _prefill_priority(self, request: Request) -> tuple[bool, int, float]:
+        if request.num_steps_passed_over >= MAX_STEPS_PASSED_OVER:
+            return False, 0, request.arrival_time
+        if request.status is RequestStatus.RUNNING:
+            return True, _tokens_left(request), request.arrival_time
+        return True, request.num_tokens - self.kv.num_cached_tokens_estimate(request), request.arrival_time
+
+    def _schedule_prompt_chunk(self, output: SchedulerOutput, request: Request, budget: int) -> int:
+        num_new = min(_tokens_left(request), budget)
+        if not self._allocate_or_preempt(request, num_new, output):
+            request.num_steps_passed_over += 1
+            return budget
+        output.scheduled.append(ScheduledRequest(request, num_new))
+        return budget - num_new
+
+    def _admit(self, output: SchedulerOutput, request: Request, budget: int) -> int:
+        """Admit a waiting request with up to `budget` tokens of it: the tokens scheduled (0: no room)."""
+        cached_blocks = self.kv.find_cached_prefix(request)
+        num_cached = len(cached_blocks) * self.kv.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            return 0
+        self.waiting.remove(request)
+        self.kv.record_lookup(request.num_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        self.running.append(request)
+        output.scheduled.append(ScheduledRequest(request, num_new))
+        return num_new
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         index = 0  # requests whose blocks are still loading from the KV tier wait; those behind them go on
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -145,20 +226,10 @@ class Scheduler:
             if not self.kv.ready_to_admit(request):
                 index += 1
                 continue
-            cached_blocks = self.kv.find_cached_prefix(request)
-            num_cached = len(cached_blocks) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            admitted = self._admit(output, request, budget)
+            if not admitted:
                 break
-            del self.waiting[index]
-            self.kv.record_lookup(request.num_tokens, num_cached)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget -= admitted
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of scheduling and release its blocks."""
@@ -168,3 +239,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+
+def _tokens_left(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens

@@ -198,7 +198,8 @@ class SimEngine:
     def server_info(self) -> dict[str, Any]:
         config = self.config
         return {"chunked_prefill_size": config.scheduler.max_num_batched_tokens,
-                "prefill_only_step_tokens": config.scheduler.prefill_only_step_tokens, "simulated": True,
+                "prefill_only_step_tokens": config.scheduler.prefill_only_step_tokens,
+                "prefill_order": config.scheduler.prefill_order, "simulated": True,
                 "replica_index": self.index, "time_scale": config.time_scale,
                 "cost_model": config.cost.to_json()}  # fmt: skip
 
