@@ -352,6 +352,16 @@ def test_shortest_first_serves_a_prompt_passed_over_too_long() -> None:
     sim.check_all_done()
 
 
+def test_shortest_first_chooses_among_the_oldest_max_num_seqs_waiting() -> None:
+    """Only they may start a tier load or a pull, so a long queue does not start one for every request."""
+    sim = Sim(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=2, prefill_order="shortest")
+    first, second = sim.add(distinct_prompt(0, 30), num_outputs=1), sim.add(distinct_prompt(1, 20), num_outputs=1)
+    sim.add(distinct_prompt(2, 4), num_outputs=1)  # shortest, but third in the queue
+    assert scheduled(sim.step()) == [(second, 20), (first, 30)]
+    sim.run(max_steps=10)
+    sim.check_all_done()
+
+
 def test_finishing_a_waiting_request_releases_nothing_and_removes_it() -> None:
     sim = Sim(num_blocks=16, max_num_seqs=1)
     running = sim.add(distinct_prompt(0, 5), num_outputs=3)

@@ -18,6 +18,7 @@ a request already served in the step (it waits instead).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -171,7 +172,7 @@ class Scheduler:
         """Decodes first, oldest first; then the prompts, running or waiting, fewest tokens left first."""
         budget = self._schedule_running(output, budget, decodes_only=True)
         prompts = [request for request in self.running if _tokens_left(request) > 1]
-        prompts += [request for request in self.waiting if self.kv.ready_to_admit(request)]
+        prompts += [request for request in self._oldest_waiting() if self.kv.ready_to_admit(request)]
         prompts.sort(key=self._prefill_priority)
         admitting = not output.preempted
         for request in prompts:
@@ -186,6 +187,11 @@ class Scheduler:
                 admitted = self._admit(output, request, budget)
                 budget -= admitted
                 admitting = admitted > 0
+
+    def _oldest_waiting(self) -> list[Request]:
+        """The waiting requests shortest-first chooses among: the oldest `max_num_seqs`, whose tier loads and pulls
+        (started by `ready_to_admit`) then run while other prompts are computed; a longer queue waits its turn."""
+        return list(itertools.islice(self.waiting, self.config.max_num_seqs))
 
     def _prefill_priority(self, request: Request) -> tuple[bool, int, float]:
         if request.num_steps_passed_over >= MAX_STEPS_PASSED_OVER:
