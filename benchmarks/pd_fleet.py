@@ -6,7 +6,8 @@ of P prefill plus 8-P decode replicas (`--splits`) under `--disaggregation condi
 step with 2,048 tokens (`--max-num-batched-tokens`), and with 8,192 while none of their requests streams
 (`--prefill-only-step-tokens`: a prefill replica's steps, unless it runs a request whole); unified fleets also run
 with 8,192-token steps and with 2,048 / 8,192 as the PD replicas (`--unified-step-tokens`), so the best unified fleet
-is the baseline, whichever budget that is. Each run
+is the baseline, whichever budget that is. `--prefill-order` (fcfs or shortest) is every replica's order of
+prompts, split and unified alike. Each run
 replays the first `--requests` requests of the Mooncake conversation trace at their (sped-up) arrival times as
 streaming completions, prompts and users built as in routing.py (one byte per token, equal hash ids give equal
 prefixes, `user = conv-<second hash id>`), each asking for its trace output length (capped by `--max-output`) with
@@ -30,7 +31,8 @@ the SLO at each load is reported too. Transfer bytes per request are the decode 
 a pull is held back after its last block for what the modeled link would still need (latency plus the last
 chunk's bytes over bandwidth, or more when the link could not keep up: `SimConfig.streamed_transfer_seconds`).
 A run that has not finished `--drain-s` wall seconds after its last arrival is cut: its unfinished requests count
-as failed.
+as failed. The sims keep their cost model's schedule through stalls of their shared event loop shorter than
+`kvyard sim --catch-up-s` (0.05 wall seconds); `sim_lag_wall_s` is how far each fell behind beyond that.
 
     .venv/bin/python benchmarks/pd_fleet.py                 # full size: benchmarks/results/pd_fleet.{json,png}
     .venv/bin/python benchmarks/pd_fleet.py --smoke         # about 3 minutes: benchmarks/results/pd_fleet_smoke.*
