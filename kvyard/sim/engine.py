@@ -6,7 +6,7 @@ ahead, steps run back to back without sleeping (their tokens may arrive up to `t
 longer tick means fewer wake-ups, so less CPU, at the cost of timing resolution. Outputs reach a
 stream at most every `stream_interval_s` (a first token at once), merged, which bounds the HTTP
 writes. A replica the process held up for less than `catch_up_s` catches up on its schedule
-(`sim.clock`); one held up longer runs late, never faster, and the time it skipped is `lag_s`, exported
+(`sim.clock`); one held up longer runs late, never faster, and the time it skipped is `clock.lag_s`, exported
 as `kvyard_sim_lag_seconds` so a benchmark can tell.
 
 Many of these run in one process and one event loop (`kvyard sim --replicas N`), so nothing here
@@ -132,14 +132,6 @@ class SimEngine:
         limits = PullLimits(transfer.kv_transfer_timeout_s * self.config.time_scale, transfer.kv_transfer_idle_s,
                             self._pull_headers)  # fmt: skip
         return ModeledPuller(KVPullLink(StandInBlocks(), limits), self.config)
-
-    @property
-    def lag_s(self) -> float:
-        return self.clock.lag_s
-
-    @property
-    def busy_s(self) -> float:
-        return self.clock.busy_s
 
     def pull_counters(self) -> PullCounters | None:
         """How pulls from prefill replicas went (None: this replica does not pull)."""
@@ -306,9 +298,9 @@ class _SimCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost "
-                                  "model (the process could not keep up)", value=self.engine.lag_s)  # fmt: skip
+                                  "model (the process could not keep up)", value=self.engine.clock.lag_s)  # fmt: skip
         yield GaugeMetricFamily("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps "
-                                  "(cost model times time scale)", value=self.engine.busy_s)  # fmt: skip
+                                  "(cost model times time scale)", value=self.engine.clock.busy_s)  # fmt: skip
         modeled = self.engine.modeled_transfers()
         yield CounterMetricFamily("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have "
                                   "moved in the simulated model", value=modeled.bytes)  # fmt: skip
