@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from kvyard.api.auth import REPLICA_ADMIN_KEY_ENV
+from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.cli import fail
 from kvyard.cli.options import add_config_options, add_log_level_option, config_from_args, configure_logging
 from kvyard.router.config import RouterConfig
@@ -18,6 +19,10 @@ def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser("route", help=DESCRIPTION, description=DESCRIPTION)
     parser.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL (repeatable; more via POST /admin/replicas at run time)")  # fmt: skip
+    parser.add_argument("--replica-events", action="append", default=[], metavar="ENDPOINT",
+                        help="the KV-event publisher of the vLLM or SGLang replica given by the --replica in the "
+                        "same position: tcp://HOST:PORT, or tcp://HOST:PORT,tcp://HOST:REPLAY_PORT with its replay "
+                        "socket ('-' for a replica without one; kvyard replicas need none)")  # fmt: skip
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a prefill replica (repeatable): prefills requests whose decode runs on a decode replica; "
                         "needs --replica-admin-key")  # fmt: skip
@@ -36,6 +41,13 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(RouterConfig, args)
     except (ValueError, TypeError) as error:
         return fail(str(error))
+    if len(args.replica_events) > len(args.replica):
+        return fail(f"{len(args.replica_events)} --replica-events for {len(args.replica)} --replica: each names the "
+                    "events of the --replica in the same position")  # fmt: skip
+    try:
+        events = [None if text == "-" else EventEndpoints.parse(text) for text in args.replica_events]
+    except ValueError as error:
+        return fail(f"--replica-events: {error}")
     if args.prefill and not (config.replica_admin_key or os.environ.get(REPLICA_ADMIN_KEY_ENV)):
         return fail("--prefill needs --replica-admin-key (or $KVYARD_REPLICA_ADMIN_KEY): replicas accept "
                     "disaggregated requests only with their admin key")  # fmt: skip
@@ -43,5 +55,5 @@ def run(args: argparse.Namespace) -> int:
 
     from kvyard.router.app import serve
 
-    uvloop.run(serve(config, args.replica, args.host, args.port, args.prefill, args.decode))
+    uvloop.run(serve(config, args.replica, args.host, args.port, args.prefill, args.decode, events))
     return 0

@@ -24,19 +24,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvyard import __version__
 from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
+from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder, method_endpoint
 from kvyard.router.config import RouterConfig
+from kvyard.router.engine_probe import KVYARD, VLLM
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.pd import PREFILL, PDPlan, PDPlanner, prefill_leg
 from kvyard.router.policies import Decision, Policy, RouteRequest, make_policy
 from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import ModelCard, Replica
-from kvyard.router.resume import StreamFollower
+from kvyard.router.resume import Follower, StreamFollower
+from kvyard.router.token_resume import TokenFollower
 from kvyard.router.tokens import Tokenizer, estimated_tokens_asked
 
 _LOG = logging.getLogger(__name__)
@@ -114,16 +117,19 @@ class Router:
         except OSError as error:
             _LOG.error("cannot read the API-key file, keeping the current keys: %s", error)
 
-    def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
-        """Routable replicas (Registry.routable) serving `model`, less `exclude` (one list object per state of the
-        fleet and model, so a policy can keep lookups over it)."""
+    def candidates(
+        self, model: str | None, exclude: set[str], kinds: frozenset[str] | None = None
+    ) -> list[Replica]:
+        """Routable replicas (Registry.routable) serving `model`, less `exclude`, of one of `kinds` if given (one
+        list object per state of the fleet and model, so a policy can keep lookups over it)."""
         routable = self.registry.routable()
         cached = self._candidates
-        if not exclude and cached is not None and cached[0] is routable and cached[1] == model:
+        if not exclude and kinds is None and cached is not None and cached[0] is routable and cached[1] == model:
             return cached[2]
         chosen = [replica for replica in routable if replica.url not in exclude and
-                  (model is None or not replica.model_ids or model in replica.model_ids)]  # fmt: skip
-        if not exclude:
+                  (model is None or not replica.model_ids or model in replica.model_ids) and
+                  (kinds is None or replica.kind in kinds)]  # fmt: skip
+        if not exclude and kinds is None:
             self._candidates = (routable, model, chosen)
         return chosen
 
@@ -164,13 +170,14 @@ class Router:
         tried: set[str] = set()
         last: Retry | None = None
         stream = body.get("stream") is True
-        follower = StreamFollower.for_request(kind, body) if stream else None
+        follower: Follower | None = None
         route_request: RouteRequest | None = None
         for _ in range(self.config.max_attempts):
-            candidates = self.candidates(model, tried)
+            resuming = follower is not None and follower.relayed
+            candidates = self.candidates(model, tried, follower.kinds if follower is not None and resuming else None)
             if not candidates:
                 break
-            disaggregate = self._disaggregated(candidates) and not (follower is not None and follower.relayed)
+            disaggregate = self._disaggregated(candidates) and not resuming
             if route_request is None:
                 route_request = await self._route_request(request, kind, body, candidates, disaggregate)
             started = time.perf_counter()
@@ -179,12 +186,18 @@ class Router:
             else:
                 decision, attempt = self.policy.choose(route_request, candidates), body
             self.metrics.decision_latency.observe(time.perf_counter() - started)
-            tried.add(decision.replica.url)
+            replica = decision.replica
+            tried.add(replica.url)
+            if stream and not resuming:  # how a broken stream resumes depends on the replica that serves it
+                follower = _follower(kind, body, replica)
+            attempt = _with_engine_fields(replica, attempt)
             if follower is not None:
                 attempt_body = follower.upstream_body(attempt)
             else:
                 attempt_body = upstream_body if attempt is body else orjson.dumps(attempt)
-            outcome = await self.forwarder.forward(request, responder, path, decision, stream, attempt_body, follower)
+            attempt_path = follower.upstream_path(path) if follower is not None else path
+            outcome = await self.forwarder.forward(request, responder, attempt_path, decision, stream, attempt_body,
+                                                   follower)  # fmt: skip
             if outcome is None:
                 return
             last = outcome
@@ -250,6 +263,27 @@ class Router:
         if known and model not in known:
             raise APIError(404, f"model {model!r} is not served here; available: {', '.join(sorted(known))}",
                            param="model", code="model_not_found")  # fmt: skip
+
+
+def _follower(kind: str, body: dict[str, Any], replica: Replica) -> Follower | None:
+    """What follows a stream on `replica` so that another replica can finish it: kvyard's replicas resume from
+    progress lines, vLLM's from token ids; another server's stream is not resumed (a failure ends it with an
+    error event)."""
+    if replica.kind == KVYARD:
+        return StreamFollower.for_request(kind, body)
+    if replica.kind == VLLM:
+        limits = [card.max_model_len for card in replica.model_cards if card.id == body.get("model")]
+        return TokenFollower.for_request(kind, body, limits[0] if limits else None)
+    return None
+
+
+def _with_engine_fields(replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
+    """What the replica's engine needs beyond the client's request: a vLLM replica whose KV events the router
+    follows also announces the cached blocks a request reuses (so an index that missed events relearns them)."""
+    if replica.kind != VLLM or not replica.index.has_events:
+        return body
+    xargs = body.get("vllm_xargs")
+    return {**body, "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}), "kv_cache_report_mode": "full"}}
 
 
 def _describe_plan(plan: PDPlan, request: RouteRequest) -> str:
@@ -332,21 +366,37 @@ async def _list_replicas(router: Router, request: HttpRequest, responder: Respon
 
 
 def _admin_url(request: HttpRequest) -> str:
+    return _admin_fields(request)[0]
+
+
+def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None]:
+    """The replica's URL (query or body) and, in the body, where it publishes KV events (vLLM, SGLang)."""
     url: Any = parse_qs(request.query).get("url", [None])[0]
-    if url is None and request.body:
+    body: Any = {}
+    if request.body:
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             raise bad_request("request body is not valid JSON", "url") from None
-        url = body.get("url") if isinstance(body, dict) else None
+        if url is None:
+            url = body.get("url") if isinstance(body, dict) else None
     if not isinstance(url, str) or not url:
         raise bad_request("give the replica as {'url': 'http://host:port'}", "url")
-    return url
+    events = body.get("events") if isinstance(body, dict) else None
+    if events is None:
+        return url, None
+    if not isinstance(events, str):
+        raise bad_request("'events' must be a string: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]", "events")
+    try:
+        return url, EventEndpoints.parse(events)
+    except ValueError as error:
+        raise bad_request(str(error), "events") from None
 
 
 async def _add_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
+    url, events = _admin_fields(request)
     try:
-        replica = router.registry.add(_admin_url(request))
+        replica = router.registry.add(url, events=events)
     except ValueError as error:
         raise bad_request(str(error), "url") from None
     responder.send_json(200, replica.describe())
@@ -393,12 +443,13 @@ _ACCESS: dict[str, Access] = {
 
 async def serve(
     config: RouterConfig, replica_urls: Sequence[str], host: str, port: int, prefill_urls: Sequence[str] = (),
-    decode_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (), replica_events: Sequence[EventEndpoints | None] = (),
 ) -> None:  # fmt: skip
-    """Run the router until SIGINT/SIGTERM, then let requests in progress finish."""
+    """Run the router until SIGINT/SIGTERM, then let requests in progress finish. `replica_events[i]` is where the
+    vLLM or SGLang replica `replica_urls[i]` publishes its KV events."""
     router = Router.create(config)
-    for url in replica_urls:
-        router.registry.add(url)
+    for number, url in enumerate(replica_urls):
+        router.registry.add(url, events=replica_events[number] if number < len(replica_events) else None)
     for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
         for url in urls:
             router.registry.add(url, role)

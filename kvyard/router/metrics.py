@@ -16,6 +16,7 @@ class ReplicaMetrics:
     routed: Counter
     predicted_cached: Counter
     reported_cached: Counter
+    cached_error: Counter
     prompt_tokens: Counter
     predicted_by_source: dict[str, Counter]
     reported_by_source: dict[str, Counter]
@@ -31,6 +32,7 @@ class RouterMetrics:
     routed: Counter = field(init=False)
     predicted_cached: Counter = field(init=False)
     reported_cached: Counter = field(init=False)
+    cached_error: Counter = field(init=False)
     prompt_tokens: Counter = field(init=False)
     predicted_by_source: Counter = field(init=False)
     reported_by_source: Counter = field(init=False)
@@ -62,6 +64,9 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.cached_error = Counter(
+            "kvyard_router_cached_tokens_error", "Sum over requests of |predicted - reported| cached prompt tokens "
+            "(every source together; 0 when the router's index is exact)", ["replica"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter(
             "kvyard_router_prompt_tokens", "usage.prompt_tokens as reported by the replica", ["replica"], registry=r
         )
@@ -105,7 +110,7 @@ class RouterMetrics:
         if children is None:
             children = self._replicas[url] = ReplicaMetrics(
                 self.routed.labels(url), self.predicted_cached.labels(url), self.reported_cached.labels(url),
-                self.prompt_tokens.labels(url),
+                self.cached_error.labels(url), self.prompt_tokens.labels(url),
                 {source: self.predicted_by_source.labels(url, source) for source in SOURCES},
                 {source: self.reported_by_source.labels(url, source) for source in SOURCES},
                 {source: self.error_by_source.labels(url, source) for source in SOURCES},

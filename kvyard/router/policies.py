@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -64,6 +65,7 @@ class Decision:
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     load_s: float = 0.0  # predicted seconds of its KV-tier loads (CacheAware)
     kv_tokens: int = 0  # KV tokens the request will hold there (prompt and asked output; PD decode legs)
+    queue_cost: float = 0.0  # work ahead of it there when it was decided, in prefill-token equivalents (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 
@@ -180,7 +182,6 @@ class CacheAware:
             candidates = self._shortlist(request, fleet, keys_by_root, home_url)
         else:
             rates = self.fleet_rates(candidates)
-        s_per_token = rates.s_per_token
         config = self.config
         options: list[tuple[Replica, tuple[int, int, int] | None, float]] = []  # (replica, tokens held, cost)
         for replica in candidates:
@@ -194,7 +195,7 @@ class CacheAware:
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
-        best_load_s = 0.0
+        best_load_s = best_queue = 0.0
         for option in options:
             replica, held, cost = option
             # Loads from the tiers are paid once, by this request; computing is paid again by everyone queued
@@ -204,16 +205,18 @@ class CacheAware:
                 extra += config.session_recompute_weight * max(0.0, cost - home_cost)
             load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
-            seconds = (self._queue_cost(replica) + cost + extra) * s_per_token + waited_s + load_s
+            queue = self._queue_cost(replica)
+            seconds = (queue + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
             rank = (seconds, replica.url != home_url, -_tokens_of(held), replica.in_flight,
                     self._last_chosen.get(replica.url, -1))  # fmt: skip
             if best is None or rank < best:
-                best, best_option, best_load_s = rank, option, load_s
+                best, best_option, best_load_s, best_queue = rank, option, load_s, queue
         replica, held, cost = best_option
         split = _split_of(held)
-        chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s)
+        chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s,
+                          queue_cost=best_queue)  # fmt: skip
         self._last_chosen[replica.url] = next(self._decisions)
         if request.session_key:
             self._remember_session(request.session_key, replica.url)
@@ -287,11 +290,20 @@ class CacheAware:
 
     def fleet_rates(self, replicas: list[Replica]) -> TierRates:
         """The fleet's medians of what replicas report: seconds per prefill token (the configured guess until one
-        reports), and load seconds per block from local tiers and the shared store (for replicas yet to load)."""
+        reports), and load seconds per block from local tiers and the shared store (for replicas yet to load). A
+        fleet of several engines (kvyard's and vLLM's, say) has one speed per engine: the median of its replicas'
+        (for vLLM's, the router's own measurement, ttft_fit)."""
+        guess = self.config.prefill_s_per_token
+        by_kind: dict[str, float] = {}
+        kinds = {replica.kind for replica in replicas}
+        if len(kinds) > 1:
+            for kind in kinds:
+                by_kind[kind] = _median([r.load.prefill_s_per_token for r in replicas if r.kind == kind]) or guess
         return TierRates(
-            _median([r.load.prefill_s_per_token for r in replicas]) or self.config.prefill_s_per_token,
+            _median([r.load.prefill_s_per_token for r in replicas]) or guess,
             _median([r.load.local_tier_s_per_block for r in replicas]),
             _median([r.load.shared_tier_s_per_block for r in replicas]),
+            by_kind,
         )
 
     def _remember_session(self, session_key: str, url: str) -> None:
@@ -368,6 +380,8 @@ class CacheAware:
         if namespace is None:
             model = str(request.body.get("model") or (replica.model_ids[0] if replica.model_ids else ""))
             namespace = KeyNamespace(model, "router-approx", "", self.config.approx_block_size)
+        elif replica.lora_ids and request.body.get("model") in replica.lora_ids:
+            namespace = dataclasses.replace(namespace, model_name=request.body["model"])  # an adapter's own blocks
         # The salt the replica will use: the request's, combined with the router's key salt when the replica splits
         # its cache by caller key (the router is its caller).
         salt = tenant_salt(replica.salt_key, request.cache_salt, per_key=replica.salt_key is not None)
@@ -416,13 +430,17 @@ class TierRates:
     s_per_token: float
     local_s_per_block: float = 0.0
     shared_s_per_block: float = 0.0
+    by_kind: dict[str, float] = field(default_factory=dict)  # seconds per prefill token, in a mixed fleet
+
+    def s_per_token_of(self, replica: Replica) -> float:
+        return self.by_kind.get(replica.kind, self.s_per_token) if self.by_kind else self.s_per_token
 
     def per_block(self, replica: Replica) -> tuple[float, float]:
         """The replica's load seconds per block (local, shared): its own figure, else the fleet's, else what
         computing a block costs (no gain is promised for a tier nobody has measured); its own tiers are taken to be
         no slower than the shared store until they are measured."""
         block_size = replica.namespace.block_size if replica.namespace is not None else 1
-        unmeasured = block_size * self.s_per_token
+        unmeasured = block_size * self.s_per_token_of(replica)
         load = replica.load
         shared = load.shared_tier_s_per_block or self.shared_s_per_block or unmeasured
         return load.local_tier_s_per_block or self.local_s_per_block or shared, shared

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final
@@ -26,7 +27,7 @@ from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import CachedSplit, Decision
 from kvyard.router.registry import Registry
 from kvyard.router.replica import Replica
-from kvyard.router.resume import StreamFollower
+from kvyard.router.resume import Follower
 
 FirstByte = Callable[[], None]
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
@@ -63,7 +64,7 @@ class _Relay:
     replica: Replica
     on_first_byte: FirstByte
     on_usage: Callable[[bytes], None]
-    follower: StreamFollower | None = None
+    follower: Follower | None = None
     content_type: str = "text/event-stream"
     started: bool = False  # this replica's answer reaches the client
 
@@ -94,7 +95,7 @@ class Forwarder:
 
     async def forward(
         self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool, body: bytes,
-        follower: StreamFollower | None = None,
+        follower: Follower | None = None,
     ) -> Retry | None:  # fmt: skip
         """Proxy the request (`body`: what the replica gets) to the decided replica; None once the client has
         its answer. `follower` follows a stream that another replica may have to resume."""
@@ -121,7 +122,14 @@ class Forwarder:
                 if decision.keys:
                     replica.index.note_routed(decision.keys)
 
-        relay = _Relay(responder, replica, on_first_byte, lambda body: self._account_usage(decision, body), follower)
+        sent = time.monotonic()
+
+        def on_first_chunk() -> None:  # of a stream: its time to first token calibrates the replica's speed
+            if not first_byte:
+                replica.ttft.observe(decision.queue_cost + decision.prefill_cost, time.monotonic() - sent)
+            on_first_byte()
+
+        relay = _Relay(responder, replica, on_first_chunk, lambda body: self._account_usage(decision, body), follower)
         if follower is not None:
             follower.start_attempt()
         try:
@@ -213,7 +221,7 @@ class Forwarder:
                 replica.index.note_routed(decision.keys)
             self.metrics.pd_prefills.labels(outcome).inc()
 
-    def _broken_mid_stream(self, responder: Responder, follower: StreamFollower | None, reason: str) -> Retry | None:
+    def _broken_mid_stream(self, responder: Responder, follower: Follower | None, reason: str) -> Retry | None:
         if follower is not None and follower.answered:  # only the usage chunk is missing
             responder.write(b"data: [DONE]\n\n")
             responder.end()
@@ -228,16 +236,18 @@ class Forwarder:
         if cached is None:
             return
         replica_metrics = self.metrics.replica(decision.replica.url)
-        replica_metrics.reported_cached.inc(int(cached.group(1)))
+        reported = int(cached.group(1))
+        replica_metrics.reported_cached.inc(reported)
         prompt = _PROMPT_TOKENS.search(body)
         if prompt is not None:
             replica_metrics.prompt_tokens.inc(int(prompt.group(1)))
         if decision.predicted_cached_tokens is not None:
             replica_metrics.predicted_cached.inc(decision.predicted_cached_tokens)
+            replica_metrics.cached_error.inc(abs(decision.predicted_cached_tokens - reported))
         by_source = _BY_SOURCE.search(body)
         if by_source is not None and decision.predicted_split is not None:
-            reported = CachedSplit(*(int(group) for group in by_source.groups()))
-            self._account_sources(decision, decision.predicted_split, reported)
+            split = CachedSplit(*(int(group) for group in by_source.groups()))
+            self._account_sources(decision, decision.predicted_split, split)
 
     def _account_sources(self, decision: Decision, predicted: CachedSplit, reported: CachedSplit) -> None:
         replica_metrics = self.metrics.replica(decision.replica.url)

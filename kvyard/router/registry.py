@@ -12,11 +12,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
+import zmq.asyncio
 
 from kvyard.api.auth import ADMIN_KEY_HEADER, REPLICA_ADMIN_KEY_ENV, REPLICA_API_KEY_ENV
+from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.load import LoadReport
+from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
+from kvyard.router.engine_index import EngineBlockKeys
+from kvyard.router.engine_probe import (
+    ENGINE_KINDS,
+    KVYARD,
+    OPENAI,
+    EngineMetrics,
+    kind_from_metrics,
+    kind_from_owner,
+)
+from kvyard.router.engine_sync import EngineEventSync
 from kvyard.router.holders import KeyHolders
 from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
@@ -55,12 +68,15 @@ class Registry:
     _routable: list[Replica] | None = None  # the replicas routed to, kept until a state changes
     panicking: bool = False  # too few replicas are healthy: ejected ones are routed to too
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
+    _zmq: zmq.asyncio.Context | None = None  # for the KV events of vLLM and SGLang replicas, made on first use
+    _warned: set[str] = field(default_factory=set)  # replicas whose missing load metrics were logged
 
     def __post_init__(self) -> None:
         self.shared_stores.max_keys = self.config.shared_index_keys
 
-    def add(self, url: str, role: str | None = None) -> Replica:
-        """Route to `url`; `role` (prefill or decode) overrides the role the replica reports."""
+    def add(self, url: str, role: str | None = None, events: EventEndpoints | None = None) -> Replica:
+        """Route to `url`; `role` (prefill or decode) overrides the role the replica reports; `events` is where a
+        vLLM or SGLang replica publishes its KV events."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
@@ -73,13 +89,12 @@ class Registry:
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks, holders=self.holders)
         replica = Replica(url, configured_role=role, index=index, connect_timeout_s=self.config.connect_timeout_s,
-                          api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers)  # fmt: skip
+                          api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers,
+                          events=events)  # fmt: skip
         index.owner = replica
         self.replicas[url] = replica
-        self._tasks[url] = [
-            asyncio.create_task(self._health_loop(replica), name=f"health {url}"),
-            asyncio.create_task(self._kv_sync_loop(replica), name=f"kv-sync {url}"),
-        ]
+        # The index follows the replica's events once its health check has found what kind of server it is.
+        self._tasks[url] = [asyncio.create_task(self._health_loop(replica), name=f"health {url}")]
         self._refresh_gauge()
         return replica
 
@@ -107,6 +122,8 @@ class Registry:
     async def close(self) -> None:
         for url in list(self.replicas):
             await self.remove(url)
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
 
     def routable(self) -> list[Replica]:
         """The replicas new requests go to (the same list until one changes state: do not change it): the healthy
@@ -169,7 +186,11 @@ class Registry:
                 if not replica.model_ids:
                     replica.model_cards = await self._model_cards(replica, timeout)
                     replica.model_ids = tuple(card.id for card in replica.model_cards)
+                    replica.lora_ids = frozenset(card.id for card in replica.model_cards if card.parent)
                     self._refresh_gauge()  # the models it serves decide which requests it is a candidate for
+                if not replica.kind:
+                    replica.kind = await self._kind(replica, timeout)
+                    self._follow_index(replica)
                 role = replica.role
                 replica.load = await self._load(replica, timeout)
                 if replica.role != role:
@@ -198,13 +219,70 @@ class Registry:
             body = await response.json()
         return tuple(ModelCard.from_json(card) for card in body["data"])
 
-    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
+    async def _kind(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> str:
+        """What the replica is (engine_probe): what its models' owned_by says, else what it answers."""
+        for card in replica.model_cards:
+            kind = kind_from_owner(card.owned_by)
+            if kind is not None:
+                return kind
         async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
-            if response.status == 404:  # another engine's server: health only, the router's own counts
-                return await self._health_only(replica, timeout)
+            if response.status == 200 and "num_waiting" in await response.json(content_type=None):
+                return KVYARD  # kvyard's load report (vLLM's /load has only server_load)
+        async with self.session.get(f"{replica.url}/metrics", timeout=timeout, headers=replica.api_headers) as response:
+            return kind_from_metrics(await response.text()) if response.status == 200 else OPENAI
+
+    def _follow_index(self, replica: Replica) -> None:
+        """Start keeping the replica's cache index: kvyard's over HTTP (/kv/events), vLLM's and SGLang's over ZMQ."""
+        kind, events, url = replica.kind, replica.events, replica.url
+        if kind == KVYARD:
+            if events is not None:
+                _LOG.warning("%s is a kvyard replica: its KV events come over HTTP, %s is not used", url, events)
+            self._tasks[url].append(asyncio.create_task(self._kv_sync_loop(replica), name=f"kv-sync {url}"))
+        elif kind in ENGINE_KINDS and events is not None:
+            self._tasks[url].append(asyncio.create_task(self._engine_sync(replica, events), name=f"kv-events {url}"))
+        else:
+            _LOG.warning("%s is a %s server without --replica-events: routed by its load and the prompts sent to it",
+                         url, kind)  # fmt: skip
+
+    async def _engine_sync(self, replica: Replica, events: EventEndpoints) -> None:
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        model = replica.model_cards[0] if replica.model_cards else None
+        # The block size is the metrics' (or, failing that, a placeholder the first event replaces).
+        metrics = await self._engine_metrics(replica, aiohttp.ClientTimeout(total=self.config.health_timeout_s))
+        namespace = KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
+                                 metrics.cache_dtype or "auto", metrics.block_size or 16)  # fmt: skip
+        blocks = EngineBlockKeys(replica.index, namespace)
+        await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()
+
+    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
+        if replica.kind in ENGINE_KINDS:
+            return self._engine_load(replica, await self._engine_metrics(replica, timeout))
+        if replica.kind != KVYARD:  # another server: health only, the router's own counts
+            return await self._health_only(replica, timeout)
+        async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
             response.raise_for_status()
             body = await response.json()
         return LoadReport.from_json(body)
+
+    async def _engine_metrics(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> EngineMetrics:
+        async with self.session.get(f"{replica.url}/metrics", timeout=timeout, headers=replica.api_headers) as response:
+            response.raise_for_status()
+            return EngineMetrics.parse(replica.kind, await response.text())
+
+    def _engine_load(self, replica: Replica, metrics: EngineMetrics) -> LoadReport:
+        """vLLM's or SGLang's metrics as a load report, with the speed the router measured (TtftFit)."""
+        if not metrics.has_load and replica.url not in self._warned:
+            self._warned.add(replica.url)
+            _LOG.warning("%s publishes no load metrics (a vLLM started with --disable-log-stats?): it is scored by "
+                         "the requests the router sent it", replica.url)  # fmt: skip
+        if replica.started_at is not None and metrics.started_at != replica.started_at and not replica.index.has_events:
+            replica.index.clear()  # restarted with an empty cache (an index from events learns it from the events)
+        replica.started_at = metrics.started_at
+        total = metrics.num_blocks or 0
+        return LoadReport(num_waiting=metrics.waiting, num_running=metrics.running,
+                          kv_blocks_used=round(metrics.kv_usage * total), kv_blocks_total=total,
+                          prefill_s_per_token=replica.ttft.s_per_token)  # fmt: skip
 
     async def _health_only(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
         async with self.session.get(f"{replica.url}/health", timeout=timeout) as response:
@@ -217,4 +295,4 @@ class Registry:
     def _on_resync(self, replica: Replica, reason: str) -> None:
         replica.resyncs += 1
         self.metrics.resyncs.labels(replica.url, reason).inc()
-        _LOG.info("cache index of %s reloaded from its snapshot (%s)", replica.url, reason)
+        _LOG.info("cache index of %s rebuilt (%s)", replica.url, reason)

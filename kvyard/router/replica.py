@@ -6,10 +6,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.net.http_client import HttpClient
 from kvyard.router.cache_index import CacheIndex
+from kvyard.router.ttft_fit import TtftFit
 
 
 class State(enum.StrEnum):
@@ -26,6 +28,8 @@ class ModelCard:
     created: int | None = None
     owned_by: str | None = None
     max_model_len: int | None = None
+    parent: str | None = None  # the base model of a LoRA adapter (vLLM lists adapters beside their base)
+    root: str | None = None  # where the server loaded it from (vLLM)
 
     @classmethod
     def from_json(cls, card: dict[str, Any]) -> ModelCard:
@@ -33,15 +37,20 @@ class ModelCard:
             value = card.get(name)
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-        owned_by = card.get("owned_by")
-        return cls(str(card["id"]), number("created"), owned_by if isinstance(owned_by, str) else None,
-                   number("max_model_len"))  # fmt: skip
+        def text(name: str) -> str | None:
+            value = card.get(name)
+            return value if isinstance(value, str) else None
+
+        return cls(str(card["id"]), number("created"), text("owned_by"), number("max_model_len"), text("parent"),
+                   text("root"))  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)  # identity: replicas are keys of the fleet's key -> holders index
 class Replica:
     url: str
     state: State = State.HEALTHY
+    kind: str = ""  # kvyard, vllm, sglang or openai (engine_probe), asked of the replica; "" until it answers
+    events: EventEndpoints | None = None  # a vLLM or SGLang replica's KV-event publisher (ZMQ)
     configured_role: str | None = None  # --prefill/--decode; None: the role its load report states
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
@@ -49,6 +58,7 @@ class Replica:
     salt_key: str | None = None  # the router's key, when the replica salts its cache by caller key (tenant_salt)
     model_ids: tuple[str, ...] = ()
     model_cards: tuple[ModelCard, ...] = ()  # as its /v1/models describes them
+    lora_ids: frozenset[str] = frozenset()  # the models it serves that are LoRA adapters (their blocks differ)
     load: LoadReport = field(default_factory=LoadReport)
     # The router's own account of work it sent, so a burst is scored on what it just did, not on the
     # last load report: requests waiting for their first byte and the prefill work still to do for them.
@@ -63,6 +73,8 @@ class Replica:
     ejections: int = 0
     resyncs: int = 0
     connect_timeout_s: float = 3.0
+    ttft: TtftFit = field(default_factory=TtftFit)  # its speed, from first-token times (replicas without /load)
+    started_at: float | None = None  # its server's start time, where its metrics say (a change is a restart)
     api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
     admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*
     http: HttpClient = field(init=False)  # the proxy's keep-alive connections to this replica
@@ -89,12 +101,16 @@ class Replica:
             "url": self.url,
             "state": self.state.value,
             "role": self.role,
+            "kind": self.kind or "unknown",
             "models": list(self.model_ids),
             "kv_events": self.index.has_events,
+            "kv_events_endpoint": str(self.events) if self.events is not None else None,
             "index_blocks": self.index.num_blocks,
             "local_tier_blocks": len(self.index.local),
             "shared_store": self.shared_store_id,
             "index_seq": self.index.seq,
+            "block_size": self.namespace.block_size if self.namespace is not None else None,
+            "s_per_prefill_token": self.load.prefill_s_per_token,
             "resyncs": self.resyncs,
             "ejections": self.ejections,
             "in_flight": self.in_flight,

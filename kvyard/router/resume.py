@@ -14,7 +14,7 @@ does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -22,6 +22,29 @@ _EVENT_END = b"\n\n"
 _PROGRESS = b": progress "
 _DONE = b"data: [DONE]"
 _ERROR = b'data: {"error"'
+
+
+class Follower(Protocol):
+    """Follows one streamed choice as the client receives it, so that another replica can finish it."""
+
+    relayed: bool  # some event reached the client
+
+    @property
+    def answered(self) -> bool: ...  # the choice's last chunk reached the client (only usage may be missing)
+
+    @property
+    def resumable(self) -> bool: ...
+
+    @property
+    def kinds(self) -> frozenset[str]: ...  # the kinds of replica that can resume it
+
+    def upstream_path(self, path: str) -> str: ...
+
+    def upstream_body(self, body: dict[str, Any]) -> bytes: ...
+
+    def start_attempt(self) -> None: ...
+
+    def feed(self, data: bytes) -> bytes: ...  # what of the replica's bytes the client gets
 
 
 @dataclass(slots=True)
@@ -43,6 +66,14 @@ class StreamFollower:
         if kind == "completion" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             return None  # a list of prompts is several choices
         return cls()
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The replicas that can resume it: kvyard's (and its simulator's), which take `resume`."""
+        return frozenset({"kvyard"})
+
+    def upstream_path(self, path: str) -> str:
+        return path
 
     def upstream_body(self, body: dict[str, Any]) -> bytes:
         """What the next replica gets: the request, asking for progress lines, and where to resume once the

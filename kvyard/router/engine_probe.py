@@ -1,0 +1,92 @@
+"""What a replica is, asked of the replica itself, and the load of replicas that are other engines' servers.
+
+kvyard's servers (and its simulator) answer `GET /load`; a vLLM server says `owned_by: vllm` in `/v1/models`, an
+SGLang server `owned_by: sglang`; both answer `/version` and publish Prometheus metrics, from which their load
+(running and waiting requests, KV-cache usage) and their KV-cache shape (block size, blocks, dtype) are read.
+Anything else is an OpenAI-compatible server the router knows only by its health and its own counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KVYARD = "kvyard"
+VLLM = "vllm"
+SGLANG = "sglang"
+OPENAI = "openai"
+ENGINE_KINDS = frozenset({VLLM, SGLANG})  # other engines whose KV events and metrics the router reads
+
+# The metric names each engine's load is read from: running, waiting, KV-cache usage (a fraction).
+_LOAD_METRICS = {
+    VLLM: ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    SGLANG: ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+}
+_CACHE_INFO = {VLLM: "vllm:cache_config_info", SGLANG: "sglang:cache_config_info"}
+
+
+def kind_from_owner(owned_by: str | None) -> str | None:
+    """The engine a `/v1/models` card's `owned_by` names, if it names one the router knows."""
+    owner = (owned_by or "").lower()
+    return owner if owner in (VLLM, SGLANG, KVYARD) else None
+
+
+def kind_from_metrics(text: str) -> str:
+    """vLLM or SGLang by the prefix of its metrics; OPENAI when neither's are there."""
+    if "\nvllm:" in text or text.startswith("vllm:"):
+        return VLLM
+    if "\nsglang:" in text or text.startswith("sglang:"):
+        return SGLANG
+    return OPENAI
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """What one scrape of an engine's `/metrics` says (summed over its data-parallel engines)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    cache_dtype: str | None = None
+    started_at: float | None = None  # process_start_time_seconds: changes when the server restarts
+    has_load: bool = False  # the load gauges were there (vLLM drops them with --disable-log-stats)
+
+    @classmethod
+    def parse(cls, kind: str, text: str) -> EngineMetrics:
+        """Only the lines of the few metrics the router reads are parsed (an engine publishes hundreds)."""
+        running_name, waiting_name, usage_name = _LOAD_METRICS[kind]
+        info_name = _CACHE_INFO[kind]
+        wanted = (running_name, waiting_name, usage_name, info_name, "process_start_time_seconds")
+        lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+        running = waiting = 0.0
+        has_load = False
+        usages: list[float] = []
+        info: dict[str, str] = {}
+        started_at = None
+        for family in text_string_to_metric_families(lines):
+            for sample in family.samples:
+                if not math.isfinite(sample.value):
+                    continue
+                if sample.name == running_name:
+                    running += sample.value
+                    has_load = True
+                elif sample.name == waiting_name:
+                    waiting += sample.value
+                elif sample.name == usage_name:
+                    usages.append(sample.value)
+                elif sample.name == info_name:
+                    info = dict(sample.labels)
+                elif sample.name == "process_start_time_seconds":
+                    started_at = sample.value
+        return cls(int(running), int(waiting), sum(usages) / len(usages) if usages else 0.0,
+                   _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"),
+                   info.get("cache_dtype"), started_at, has_load)  # fmt: skip
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    value = labels.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
