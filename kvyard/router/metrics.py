@@ -90,8 +90,9 @@ class RouterMetrics:
         self.retries = Counter("kvyard_router_retries", "Requests retried on another replica", ["reason"], registry=r)
         self.ejections = Counter("kvyard_router_ejections", "Replicas ejected", ["replica", "reason"], registry=r)
         self.resyncs = Counter(
-            "kvyard_router_index_resyncs", "Cache-index reloads from /kv/snapshot", ["replica", "reason"], registry=r
-        )
+            "kvyard_router_index_resyncs", "Cache-index rebuilds, by reason: a kvyard replica's /kv/snapshot loaded "
+            "again, or a vLLM or SGLang replica's events replayed or started over", ["replica", "reason"],
+            registry=r)  # fmt: skip
         self.rejected = Counter("kvyard_router_rejected", "Requests answered 429/503 by the router", ["reason"],
                                 registry=r)  # fmt: skip
         self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from kvyard.api.auth import tenant_salt
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
+from kvyard.router.engine_probe import KVYARD
 from kvyard.router.holders import KeyHolders
 from kvyard.router.keys import PromptKeys
 from kvyard.router.replica import Replica
@@ -65,7 +66,8 @@ class Decision:
     prefill_cost: float = 0.0  # work the replica is predicted to do before the first token (CacheAware)
     load_s: float = 0.0  # predicted seconds of its KV-tier loads (CacheAware)
     kv_tokens: int = 0  # KV tokens the request will hold there (prompt and asked output; PD decode legs)
-    queue_cost: float = 0.0  # work ahead of it there when it was decided, in prefill-token equivalents (CacheAware)
+    prefill_ahead: float = 0.0  # prefill work queued there when it was decided, in prefill-token equivalents
+    running: int = 0  # requests running there when it was decided (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 
@@ -195,7 +197,7 @@ class CacheAware:
         home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
-        best_load_s = best_queue = 0.0
+        best_load_s = 0.0
         for option in options:
             replica, held, cost = option
             # Loads from the tiers are paid once, by this request; computing is paid again by everyone queued
@@ -205,18 +207,17 @@ class CacheAware:
                 extra += config.session_recompute_weight * max(0.0, cost - home_cost)
             load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
-            queue = self._queue_cost(replica)
-            seconds = (queue + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
+            seconds = (self._queue_cost(replica) + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
             rank = (seconds, replica.url != home_url, -_tokens_of(held), replica.in_flight,
                     self._last_chosen.get(replica.url, -1))  # fmt: skip
             if best is None or rank < best:
-                best, best_option, best_load_s, best_queue = rank, option, load_s, queue
+                best, best_option, best_load_s = rank, option, load_s
         replica, held, cost = best_option
         split = _split_of(held)
         chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s,
-                          queue_cost=best_queue)  # fmt: skip
+                          prefill_ahead=self.prefill_ahead(replica), running=_running(replica))  # fmt: skip
         self._last_chosen[replica.url] = next(self._decisions)
         if request.session_key:
             self._remember_session(request.session_key, replica.url)
@@ -364,8 +365,16 @@ class CacheAware:
         return self._queue_cost(replica)
 
     def _queue_cost(self, replica: Replica) -> float:
-        running = max(replica.load.num_running, replica.streaming)
-        return self.prefill_ahead(replica) + running * self.config.running_request_cost
+        return self.prefill_ahead(replica) + _running(replica) * self.running_cost(replica)
+
+    def running_cost(self, replica: Replica) -> float:
+        """How much a running request slows a new prefill there, in prefill tokens: the configured figure (kvyard's
+        engine), or for another engine's replica what its first-token times say (ttft_fit)."""
+        if replica.kind != KVYARD:
+            fitted = replica.ttft.running_cost
+            if fitted is not None:
+                return fitted
+        return self.config.running_request_cost
 
     def prefill_ahead(self, replica: Replica) -> float:
         """The prefill work queued on `replica` (what a new prompt's prefill waits for when running decodes share
@@ -474,6 +483,14 @@ def _blocks_in_time(blocks: int, budget_s: float, s_per_block: float, extension_
     if s_per_block <= extension_s_per_block:
         return blocks
     return min(blocks, int(budget_s / (s_per_block - extension_s_per_block)))
+
+
+def _running(replica: Replica) -> int:
+    """Requests decoding there: the streams the router relays, and those the last load report counts beyond the
+    router's own requests at that time (other clients'). A report is up to a health interval old: taking it as
+    it is would count the router's streams that ended since."""
+    others = replica.load.num_running - replica.streaming_at_load - replica.awaiting_at_load
+    return replica.streaming + max(0, others)
 
 
 def _tokens_of(held: tuple[int, int, int] | None) -> int:

@@ -126,7 +126,8 @@ class Forwarder:
 
         def on_first_chunk() -> None:  # of a stream: its time to first token calibrates the replica's speed
             if not first_byte:
-                replica.ttft.observe(decision.queue_cost + decision.prefill_cost, time.monotonic() - sent)
+                work = decision.prefill_ahead + decision.prefill_cost
+                replica.ttft.observe(work, decision.running, time.monotonic() - sent)
             on_first_byte()
 
         relay = _Relay(responder, replica, on_first_chunk, lambda body: self._account_usage(decision, body), follower)

@@ -35,6 +35,7 @@ from kvyard.router.kv_sync import KVSync
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.replica import ModelCard, Replica, State
 from kvyard.router.tier_index import SharedStores
+from kvyard.router.ttft_fit import TtftFit
 
 _LOG = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Registry:
     _tasks: dict[str, list[asyncio.Task[None]]] = field(default_factory=dict)
     _zmq: zmq.asyncio.Context | None = None  # for the KV events of vLLM and SGLang replicas, made on first use
     _warned: set[str] = field(default_factory=set)  # replicas whose missing load metrics were logged
+    _speeds: dict[str, TtftFit] = field(default_factory=dict)  # one per engine: its replicas' samples pooled
 
     def __post_init__(self) -> None:
         self.shared_stores.max_keys = self.config.shared_index_keys
@@ -190,12 +192,16 @@ class Registry:
                     self._refresh_gauge()  # the models it serves decide which requests it is a candidate for
                 if not replica.kind:
                     replica.kind = await self._kind(replica, timeout)
+                    # Replicas of one engine share a fit: one replica's few samples would make its own noisy, and a
+                    # replica that looks slower gets fewer requests, so fewer samples to correct it.
+                    replica.ttft = self._speeds.setdefault(replica.kind, TtftFit())
                     self._follow_index(replica)
                 role = replica.role
                 replica.load = await self._load(replica, timeout)
                 if replica.role != role:
                     self._refresh_gauge()  # lists of candidates carry roles (prefill/decode disaggregation)
                 replica.first_bytes_since_load = 0
+                replica.streaming_at_load, replica.awaiting_at_load = replica.streaming, replica.awaiting_first_byte
                 replica.consecutive_failures = 0
                 self._readmit(replica)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as error:

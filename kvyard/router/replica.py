@@ -64,6 +64,10 @@ class Replica:
     # last load report: requests waiting for their first byte and the prefill work still to do for them.
     awaiting_first_byte: int = 0
     first_bytes_since_load: int = 0  # requests that left the replica's queue since its last load report
+    # The router's own streams and requests awaiting their first byte when the last load report came: what the
+    # report counts beyond them came from other clients.
+    streaming_at_load: int = 0
+    awaiting_at_load: int = 0
     pending_prefill_cost: float = 0.0  # prefill-token equivalents (see RouterConfig)
     pending_load_s: float = 0.0  # predicted KV-tier load seconds of those requests (one loader: they queue)
     pending_kv_tokens: int = 0  # KV tokens those requests will hold (prompt and asked output), where known
@@ -73,7 +77,7 @@ class Replica:
     ejections: int = 0
     resyncs: int = 0
     connect_timeout_s: float = 3.0
-    ttft: TtftFit = field(default_factory=TtftFit)  # its speed, from first-token times (replicas without /load)
+    ttft: TtftFit = field(default_factory=TtftFit)  # its engine's speed from first-token times (ttft_fit), shared
     started_at: float | None = None  # its server's start time, where its metrics say (a change is a restart)
     api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
     admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*

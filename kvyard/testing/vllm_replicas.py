@@ -89,10 +89,11 @@ class VllmReplica:
 def start_vllm(
     model_dir: Path, log_dir: Path, *, served_name: str, port: int | None = None, events_port: int | None = None,
     replay_port: int | None = None, events: bool = True, replay: bool = True, cpus: str = "auto",
-    kv_cache_gb: int = 1, extra: tuple[str, ...] = (),
+    kv_cache_gb: int = 1, extra: tuple[str, ...] = (), environment: dict[str, str] | None = None,
 ) -> VllmReplica:  # fmt: skip
     """Start a vLLM server (returns at once; `wait_ready` waits). `cpus` is VLLM_CPU_OMP_THREADS_BIND ("0", "1",
-    "0-1", "auto"); KV events, when on, go to a PUB socket on `events_port` and a replay socket on `replay_port`."""
+    "0-1", "auto"); KV events, when on, go to a PUB socket on `events_port` and a replay socket on `replay_port`;
+    `environment` adds variables (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache)."""
     python = vllm_python()
     if python is None:
         raise FileNotFoundError("no vLLM here: run `bash scripts/setup.sh --vllm` (or set $KVYARD_VLLM_PYTHON)")
@@ -108,13 +109,14 @@ def start_vllm(
         if replay_port is not None:
             config["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
         command += ["--kv-events-config", json.dumps(config)]
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": cpus}
+    variables = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                 **(environment or {})}  # fmt: skip
     openmp = python.parent.parent / "lib" / "libiomp5.so"  # vLLM's CPU build runs on Intel's OpenMP
     if openmp.exists():
-        environment["LD_PRELOAD"] = str(openmp)
+        variables["LD_PRELOAD"] = str(openmp)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env=environment,
+        process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env=variables,
                                    start_new_session=True)  # fmt: skip
     return VllmReplica(process, port, events_port, replay_port, log_path)
 

@@ -1,0 +1,46 @@
+"""The speed the router fits for replicas that do not report their own (ttft_fit), and the running requests it
+counts: its own streams, plus what a load report counts beyond the router's own requests of that moment."""
+
+from __future__ import annotations
+
+import random
+
+from kvyard.api.load import LoadReport
+from kvyard.router.policies import _running
+from kvyard.router.replica import Replica
+from kvyard.router.ttft_fit import MIN_SAMPLES, TtftFit
+
+
+def test_the_fit_recovers_seconds_per_token_and_what_a_running_request_costs() -> None:
+    rng = random.Random(0)
+    fit = TtftFit()
+    for _ in range(MIN_SAMPLES - 1):
+        fit.observe(1000.0, 1, 0.5)
+    assert fit.s_per_token == 0.0 and fit.running_cost is None  # too few samples: the fleet's figures are used
+    fit = TtftFit()
+    for _ in range(200):
+        work, running = rng.uniform(100, 5000), rng.randrange(8)
+        fit.observe(work, running, 0.02 + 1e-4 * work + 0.03 * running + rng.gauss(0, 0.002))
+    assert abs(fit.s_per_token - 1e-4) < 5e-6
+    assert fit.running_cost is not None and abs(fit.running_cost - 300) < 30
+
+
+def test_without_spread_in_the_running_count_only_the_speed_is_fitted() -> None:
+    fit = TtftFit()
+    for work in range(100, 3300, 100):
+        fit.observe(float(work), 2, 0.05 + 2e-4 * work)
+    assert abs(fit.s_per_token - 2e-4) < 1e-6 and fit.running_cost == 0.0
+    flat = TtftFit()
+    for _ in range(32):
+        flat.observe(500.0, 0, 0.1)  # the work never varied: time per unit of work, overhead included
+    assert abs(flat.s_per_token - 0.1 / 500) < 1e-9
+
+
+def test_running_requests_are_the_routers_streams_plus_other_clients_ones() -> None:
+    replica = Replica("http://127.0.0.1:1")
+    replica.load = LoadReport(num_running=5)
+    replica.streaming_at_load, replica.awaiting_at_load = 3, 1  # the report counted 4 of the router's own
+    replica.streaming = 1  # two of the router's streams ended since the report
+    assert _running(replica) == 1 + (5 - 4)
+    replica.load = LoadReport(num_running=2)  # fewer than the router's own at report time: none are others'
+    assert _running(replica) == 1
