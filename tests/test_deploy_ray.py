@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 from router_utils import wait_for
-from server_utils import free_port
+from server_utils import free_port, start_server
 
 RAY = str(Path(sys.executable).parent / "ray")
 WORKER_RESOURCES = ({"replica_slot": 2, "node_a": 1}, {"replica_slot": 2, "node_b": 1})
@@ -103,8 +103,11 @@ def _wait_for_nodes(port: int, count: int, timeout_s: float = 120) -> None:
     raise AssertionError(f"the Ray cluster did not reach {count} nodes")
 
 
-def write_spec(path: Path, name: str, model: Path, roles: dict[str, int], routers: int = 1) -> Path:
-    spec = {
+def write_spec(
+    path: Path, name: str, model: Path, roles: dict[str, int], routers: int = 1,
+    external: list[dict[str, str]] | None = None,
+) -> Path:  # fmt: skip
+    spec: dict[str, Any] = {
         "name": name,
         "model": str(model),
         "roles": {role: {"replicas": count, "num_cpus": 1, "resources": {"replica_slot": 1}}
@@ -112,6 +115,8 @@ def write_spec(path: Path, name: str, model: Path, roles: dict[str, int], router
         "router": {"replicas": routers, "port": _free_port_pair(), "num_cpus": 0},
         "ready_timeout_s": 240,
     }  # fmt: skip
+    if external:
+        spec["external_replicas"] = external
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -266,12 +271,21 @@ def _restarted(status: dict[str, Any], victim: dict[str, Any]) -> bool:
 def test_two_routers_over_one_fleet_one_killed_under_load(
     ray_cluster: RayCluster, llama_dir: Path, tmp_path: Path
 ) -> None:
-    spec = write_spec(tmp_path / "fleet.yaml", "t-ha", llama_dir, {"unified": 1}, routers=2)
+    """Also a replica the fleet does not run (`external_replicas`, as a vLLM server would be): every router routes
+    to it, with the KV-event endpoint the spec gives, and the controller never removes it."""
+    outside = start_server(llama_dir, tmp_path)
+    events = "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
+    spec = write_spec(tmp_path / "fleet.yaml", "t-ha", llama_dir, {"unified": 1}, routers=2,
+                      external=[{"url": outside.url, "events": events}])  # fmt: skip
     deployed = ray_cluster.deploy(str(spec))
     assert deployed.returncode == 0, deployed.stderr
     try:
         status = ray_cluster.status("t-ha")
         first, second = members(status, "router")
+        for router in (first, second):
+            wait_for(lambda url=router["url"]: routed_replicas(url) == 2, 60, "the routers to route to both")
+        for view in ray_cluster.status("t-ha")["routers"].values():
+            assert view[outside.url]["kv_events_endpoint"] == events and view[outside.url]["kind"] == "kvyard"
         load = Load(second["url"])
         time.sleep(2)
         os.kill(first["actor_pid"], signal.SIGKILL)
@@ -279,10 +293,12 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
         load.stop()
         assert load.errors == [] and set(load.statuses) == {200}, (load.errors, set(load.statuses))
         # Ray restarts the killed router on its port; the controller gives it the fleet's replicas again.
-        wait_for(lambda: routed_replicas(first["url"]) == 1, 120, "the restarted router's replica list")
+        wait_for(lambda: routed_replicas(first["url"]) == 2, 120, "the restarted router's replica list")
         assert complete(first["url"], "after the restart").status_code == 200
     finally:
         assert ray_cluster.deploy(str(spec), "--down").returncode == 0
+        assert outside.process.poll() is None, "a replica the fleet does not run outlives it"
+        outside.stop()
 
 
 def test_a_disaggregated_fleet(ray_cluster: RayCluster, llama_dir: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,11 +57,25 @@ def test_defaults_fill_what_the_spec_leaves_out() -> None:
      "kv_tier.redis_url"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1}}, "name": "Has Spaces"}, "name"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1}}, "colour": "blue"}, "colour"),
+    ({"external_replicas": [{"url": "10.0.0.1:8000"}]}, r"external_replicas[0].url"),
+    ({"external_replicas": [{"url": "http://h:1", "events": "h:5557"}]}, r"external_replicas[0].events"),
+    ({"external_replicas": [{"url": "http://h:1", "port": 1}]}, r"external_replicas[0].port"),
+    ({"external_replicas": [{"url": "http://h:1"}, {"url": "http://h:1/"}]}, "each URL once"),
+    ({"external_replicas": "http://h:1"}, "external_replicas"),
     (["not", "a", "mapping"], "the fleet spec"),
 ])  # fmt: skip
 def test_a_bad_spec_names_its_field(document: Any, field: str) -> None:
-    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+    with pytest.raises(SpecError, match=re.escape(field)):
         parse_spec(document)
+
+
+def test_replicas_the_fleet_does_not_run_are_listed_with_their_kv_events() -> None:
+    spec = parse_spec({"external_replicas": [{"url": "http://10.0.0.1:8000/", "events": "tcp://10.0.0.1:5557"},
+                                             {"url": "http://10.0.0.2:8000"}]})  # fmt: skip
+    assert not any(role.replicas for role in spec.roles.values())  # a fleet of vLLM servers only: no model needed
+    first, second = spec.external_replicas
+    assert first.url == "http://10.0.0.1:8000" and str(first.events) == "tcp://10.0.0.1:5557"
+    assert second.events is None
 
 
 def test_the_command_refuses_a_bad_spec_before_touching_ray(tmp_path: Path) -> None:

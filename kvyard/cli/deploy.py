@@ -205,6 +205,8 @@ def _parse_scale(text: str) -> tuple[str, int]:
 
 def _summary(spec: Any) -> str:
     parts = [f"{role.replicas} {name}" for name, role in spec.roles.items() if role.replicas]
+    if spec.external_replicas:
+        parts.append(f"{len(spec.external_replicas)} external")
     return f"{', '.join(parts)} replica(s) and {spec.router.replicas} router(s)"
 
 

@@ -180,8 +180,12 @@ class FleetController:
                 self.routers_admin.add(router_url, url)
             elif url in listed and member.draining and listed[url]["state"] != "draining":
                 self.routers_admin.drain(router_url, url)
+        external = {replica.url: replica for replica in self.spec.external_replicas}
+        for url, replica in external.items():  # servers the fleet does not run (vLLM): routed to, never stopped
+            if url not in listed:
+                self.routers_admin.add(router_url, url, str(replica.events) if replica.events else None)
         for url in listed:
-            if url not in wanted:  # an actor restarted on a new port, or a member that left
+            if url not in wanted and url not in external:  # an actor restarted on a new port, or a member that left
                 self.routers_admin.remove(router_url, url)
 
     def _refresh(self, members: list[Member]) -> None:
@@ -253,7 +257,8 @@ class FleetController:
             listed = self.routers_admin.replicas(router.url or "")
         except AdminError as error:
             return {"error": str(error)}
-        return {url: {"state": entry["state"], "in_flight": entry["in_flight"], "role": entry["role"]}
+        return {url: {"state": entry["state"], "in_flight": entry["in_flight"], "role": entry["role"],
+                      "kind": entry.get("kind"), "kv_events_endpoint": entry.get("kv_events_endpoint")}
                 for url, entry in listed.items()}  # fmt: skip
 
     def _replicas(self, role: str) -> list[Member]:

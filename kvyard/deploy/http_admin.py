@@ -28,8 +28,9 @@ class AdminClient:
         body = self._call("GET", f"{router_url}/admin/replicas")
         return {entry["url"]: entry for entry in body["replicas"]}
 
-    def add(self, router_url: str, replica_url: str) -> None:
-        self._call("POST", f"{router_url}/admin/replicas", {"url": replica_url})
+    def add(self, router_url: str, replica_url: str, events: str | None = None) -> None:
+        body = {"url": replica_url} if events is None else {"url": replica_url, "events": events}
+        self._call("POST", f"{router_url}/admin/replicas", body)
 
     def drain(self, router_url: str, replica_url: str) -> None:
         self._call("POST", f"{router_url}/admin/replicas/drain", {"url": replica_url})

@@ -1,5 +1,6 @@
-"""The fleet spec: one model, its replicas by role, the routers in front of them and the KV tier they share,
-read from YAML and checked field by field (an error names the field, as `roles.unified.replicas`)."""
+"""The fleet spec: one model, its replicas by role, the routers in front of them and the KV tier they share, and
+replicas the fleet does not start (vLLM servers, say) that its routers route to as well; read from YAML and checked
+field by field (an error names the field, as `roles.unified.replicas`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kvyard.api.engine_kv_events import EventEndpoints
 
 ROLES = ("unified", "prefill", "decode")
 POLICIES = ("round_robin", "least_load", "session", "cache_aware")
@@ -55,6 +58,15 @@ class KVTierSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ExternalReplica:
+    """A replica the fleet's routers route to but the fleet does not run: another engine's server (vLLM, SGLang),
+    with where it publishes its KV events."""
+
+    url: str
+    events: EventEndpoints | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     name: str
     model: str  # a model directory present on every node, or "demo" for the embedded demo model
@@ -62,6 +74,7 @@ class FleetSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     kv_tier: KVTierSpec = field(default_factory=KVTierSpec)
     ready_timeout_s: float = 600.0  # longest wait for one process to answer /health
+    external_replicas: tuple[ExternalReplica, ...] = ()
 
     @property
     def namespace(self) -> str:
@@ -95,26 +108,51 @@ def load_spec(path: str | Path) -> FleetSpec:
 
 
 def parse_spec(document: Any) -> FleetSpec:
-    top = _mapping(document, "the fleet spec", {"name", "model", "roles", "router", "kv_tier", "ready_timeout_s"})
+    top = _mapping(document, "the fleet spec", {"name", "model", "roles", "router", "kv_tier", "ready_timeout_s",
+                                                "external_replicas"})  # fmt: skip
     name = _string(top.get("name", "default"), "name")
     if not _NAME.match(name):
         raise SpecError(f"name must be lower-case letters, digits and '-', at most 40, got {name!r}")
-    if "model" not in top:
-        raise SpecError('model is required: a model directory on every node, or "demo"')
     roles_doc = _mapping(top.get("roles", {}), "roles", set(ROLES))
     roles = {role: _role(roles_doc.get(role, {}), f"roles.{role}") for role in ROLES}
-    if not any(spec.replicas for spec in roles.values()):
-        raise SpecError("roles: at least one replica is needed (roles.unified.replicas, or prefill and decode)")
+    external = _external_replicas(top.get("external_replicas", []))
+    if "model" not in top and any(spec.replicas for spec in roles.values()):
+        raise SpecError('model is required: a model directory on every node, or "demo"')
+    if not any(spec.replicas for spec in roles.values()) and not external:
+        raise SpecError("roles: at least one replica is needed (roles.unified.replicas, or prefill and decode, or "
+                        "external_replicas)")  # fmt: skip
     if roles["prefill"].replicas and not roles["decode"].replicas and not roles["unified"].replicas:
         raise SpecError("roles.prefill needs replicas that decode: roles.decode.replicas or roles.unified.replicas")
     return FleetSpec(
         name=name,
-        model=_string(top["model"], "model"),
+        model=_string(top.get("model", "demo"), "model"),
         roles=roles,
         router=_router(top.get("router", {})),
         kv_tier=_kv_tier(top.get("kv_tier", {})),
         ready_timeout_s=_number(top.get("ready_timeout_s", 600.0), "ready_timeout_s", minimum=1.0),
+        external_replicas=external,
     )
+
+
+def _external_replicas(value: Any) -> tuple[ExternalReplica, ...]:
+    if not isinstance(value, list):
+        raise SpecError(f"external_replicas must be a list of {{url, events}}, got {type(value).__name__}")
+    replicas = []
+    for position, entry in enumerate(value):
+        where = f"external_replicas[{position}]"
+        doc = _mapping(entry, where, {"url", "events"})
+        url = _string(doc.get("url"), f"{where}.url")
+        if not url.startswith(("http://", "https://")):
+            raise SpecError(f"{where}.url must start with http:// or https://, got {url!r}")
+        events = doc.get("events")
+        try:
+            endpoints = EventEndpoints.parse(_string(events, f"{where}.events")) if events is not None else None
+        except ValueError as error:
+            raise SpecError(f"{where}.events: {error}") from None
+        replicas.append(ExternalReplica(url.rstrip("/"), endpoints))
+    if len({replica.url for replica in replicas}) != len(replicas):
+        raise SpecError("external_replicas: each URL once")
+    return tuple(replicas)
 
 
 def _role(document: Any, where: str) -> RoleSpec:
