@@ -319,3 +319,14 @@ def test_a_publisher_that_goes_away_drops_the_index_until_it_is_back() -> None:
         await until(lambda: not replica.index.has_events, "index dropped")
 
     follow(scenario)
+
+
+def test_blocks_announced_again_keep_their_keys_and_a_missing_parent_is_remembered() -> None:
+    blocks = engine_keys()
+    tokens = list(range(200, 216))
+    apply(blocks, 1, stored([1, 2], tokens[:8]))
+    assert blocks.missed_at == float("-inf")
+    apply(blocks, 2, stored([1, 2, 3, 4], tokens))  # a request reused blocks 1-2 and stored 3-4
+    assert blocks.index.exact is not None and list(blocks.index.exact) == keys_of(tokens)
+    apply(blocks, 3, stored([9], [1, 1, 1, 1], parent=77))
+    assert blocks.missed_at > float("-inf")

@@ -278,9 +278,10 @@ def _follower(kind: str, body: dict[str, Any], replica: Replica) -> Follower | N
 
 
 def _with_engine_fields(replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
-    """What the replica's engine needs beyond the client's request: a vLLM replica whose KV events the router
-    follows also announces the cached blocks a request reuses (so an index that missed events relearns them)."""
-    if replica.kind != VLLM or not replica.index.has_events:
+    """What the replica's engine needs beyond the client's request: while the router's index of a vLLM replica is
+    known to miss blocks (engine_sync), the replica also announces the cached blocks each request reuses, so the
+    index learns them back (it costs the engine an event per request, so only then)."""
+    if replica.kind != VLLM or not replica.index.has_events or time.monotonic() > replica.report_reuse_until:
         return body
     xargs = body.get("vllm_xargs")
     return {**body, "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}), "kv_cache_report_mode": "full"}}

@@ -10,6 +10,8 @@ tokens, a LoRA and a cache salt (images, prompt embeddings) are not keyed either
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field, replace
 
 from kvyard.api.engine_kv_events import AllCleared, EngineEvent, EngineHash, RemovedBlocks, StoredBlocks
@@ -33,6 +35,9 @@ class EngineBlockKeys:
     _roots: dict[tuple[str | None, str | None], bytes] = field(default_factory=dict)
     unkeyed_blocks: int = 0  # stored blocks that could not be keyed, since the router started
     ignored_group_blocks: int = 0  # blocks of KV-cache groups past the first (hybrid models)
+    # When the index last learned it does not know everything the engine holds (a block whose parent it never saw,
+    # or a history it could not replay whole): `engine_sync` then asks the engine to announce reused blocks.
+    missed_at: float = -math.inf
 
     def apply(self, seq: int, event: EngineEvent) -> None:
         if isinstance(event, StoredBlocks):
@@ -68,15 +73,22 @@ class EngineBlockKeys:
         parent = self._root(event.lora_name, event.cache_salt) if event.parent is None else self._keys.get(event.parent)
         keyable = event.keyable if parent is not None else 0
         self.unkeyed_blocks += len(event.hashes) - keyable
+        if parent is None:
+            self.missed_at = time.monotonic()
         if parent is None or not keyable:
             return
-        width = 4 * event.block_size
-        encoded = encode_tokens(event.token_ids[: keyable * event.block_size])
-        keys = []
-        for number, engine_hash in enumerate(event.hashes[:keyable]):
-            parent = key_from_encoded(parent, encoded[number * width : (number + 1) * width])
-            self._keys[engine_hash] = parent
-            keys.append(parent)
+        # Blocks announced again (an engine reporting the blocks a request reused) keep the keys they have.
+        known, keys = self._keys, list[bytes]()
+        while len(keys) < keyable and (key := known.get(event.hashes[len(keys)])) is not None:
+            keys.append(key)
+        if len(keys) < keyable:
+            size, width = event.block_size, 4 * event.block_size
+            parent = keys[-1] if keys else parent
+            encoded = encode_tokens(event.token_ids[len(keys) * size : keyable * size])
+            for number, engine_hash in enumerate(event.hashes[len(keys) : keyable]):
+                parent = key_from_encoded(parent, encoded[number * width : (number + 1) * width])
+                known[engine_hash] = parent
+                keys.append(parent)
         self.index.apply(seq, "stored", keys, medium_source(event.medium))
 
     def _removed(self, seq: int, event: RemovedBlocks) -> None:

@@ -43,6 +43,9 @@ from kvyard.router.replica import Replica
 _LOG = logging.getLogger(__name__)
 REPLAY_IDLE_TIMEOUT_S = 2.0  # a replay that sends nothing for this long has failed
 UNREACHABLE_WARNING_S = 10.0
+# After the index learns it misses blocks the engine holds, this long the router asks vLLM to announce the blocks
+# each request reuses (their keys are learned back from the requests that hit them).
+REPORT_REUSE_S = 60.0
 MAX_REPLAY_TRIES = 3
 _ANY = -1  # `expected` while a rebuild had nothing to replay: the next batch starts the stream
 
@@ -134,9 +137,13 @@ class EngineEventSync:
         """Start the index over from the publisher's replay buffer."""
         self.blocks.reset(0)
         self.expected, self.last_timestamp, self.live = _ANY, 0.0, True
-        for batch in await self._replay(0) or ():
+        replayed = await self._replay(0)
+        if replayed is None or (replayed and replayed[0].seq != 0):
+            self.blocks.missed_at = time.monotonic()  # no replay, or its buffer no longer starts at the beginning
+        for batch in replayed or ():
             self._apply(batch)
         self.replica.namespace = self.blocks.namespace
+        self.replica.report_reuse_until = self.blocks.missed_at + REPORT_REUSE_S
         self.on_resync(self.replica, reason)
 
     def _apply(self, batch: EventBatch) -> None:
@@ -151,6 +158,7 @@ class EngineEventSync:
         self.last_timestamp = max(self.last_timestamp, batch.timestamp)
         if self.replica.namespace is not blocks.namespace:  # the events' block size replaced the configured one
             self.replica.namespace = blocks.namespace
+        self.replica.report_reuse_until = blocks.missed_at + REPORT_REUSE_S
 
     def _drop(self) -> None:
         self.live = False
