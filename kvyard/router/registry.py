@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ from kvyard.router.tier_index import SharedStores
 from kvyard.router.ttft_fit import TtftFit
 
 _LOG = logging.getLogger(__name__)
+# A vLLM or SGLang replica's Prometheus page is large (vLLM's: about 50 KB, 3 ms of its server's CPU to render):
+# it is read this often at most; the health checks between two reads ask /health only.
+ENGINE_METRICS_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +201,14 @@ class Registry:
                     replica.ttft = self._speeds.setdefault(replica.kind, TtftFit())
                     self._follow_index(replica)
                 role = replica.role
-                replica.load = await self._load(replica, timeout)
-                if replica.role != role:
-                    self._refresh_gauge()  # lists of candidates carry roles (prefill/decode disaggregation)
-                replica.first_bytes_since_load = 0
-                replica.streaming_at_load, replica.awaiting_at_load = replica.streaming, replica.awaiting_first_byte
+                load = await self._load(replica, timeout)
+                if load is not None:
+                    replica.load = load
+                    if replica.role != role:
+                        self._refresh_gauge()  # lists of candidates carry roles (prefill/decode disaggregation)
+                    replica.first_bytes_since_load = 0
+                    replica.streaming_at_load = replica.streaming
+                    replica.awaiting_at_load = replica.awaiting_first_byte
                 replica.consecutive_failures = 0
                 self._readmit(replica)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as error:
@@ -261,8 +268,15 @@ class Registry:
         blocks = EngineBlockKeys(replica.index, namespace)
         await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()
 
-    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
+    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport | None:
+        """The replica's load report, after checking its health; None when only its health was checked (the report
+        it had stands, and the router's own counts of what it sent keep it current)."""
         if replica.kind in ENGINE_KINDS:
+            now = time.monotonic()
+            if now - replica.metrics_at < ENGINE_METRICS_INTERVAL_S:
+                await self._health_only(replica, timeout)
+                return None
+            replica.metrics_at = now
             return self._engine_load(replica, await self._engine_metrics(replica, timeout))
         if replica.kind != KVYARD:  # another server: health only, the router's own counts
             return await self._health_only(replica, timeout)

@@ -79,6 +79,7 @@ class Replica:
     connect_timeout_s: float = 3.0
     ttft: TtftFit = field(default_factory=TtftFit)  # its engine's speed from first-token times (ttft_fit), shared
     started_at: float | None = None  # its server's start time, where its metrics say (a change is a restart)
+    metrics_at: float = -1e9  # time.monotonic() of its last metrics scrape (vLLM, SGLang)
     report_reuse_until: float = 0.0  # time.monotonic() until which it is asked to announce reused blocks (vLLM)
     api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
     admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*
