@@ -9,6 +9,7 @@ that a lost batch is exactly reproducible; `test_vllm_fleet.py` follows real vLL
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -330,3 +331,28 @@ def test_blocks_announced_again_keep_their_keys_and_a_missing_parent_is_remember
     assert blocks.index.exact is not None and list(blocks.index.exact) == keys_of(tokens)
     apply(blocks, 3, stored([9], [1, 1, 1, 1], parent=77))
     assert blocks.missed_at > float("-inf")
+
+
+def test_an_endpoint_nobody_publishes_on_is_a_warning_and_no_index(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("kvyard.router.engine_sync.UNREACHABLE_WARNING_S", 0.2)
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        replica = Replica("http://127.0.0.1:1")
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        endpoints = EventEndpoints(f"tcp://127.0.0.1:{port}")
+        sync = EngineEventSync(replica, endpoints, context, lambda *_: None, EngineBlockKeys(replica.index, NAMESPACE))
+        task = asyncio.create_task(sync.run())
+        await until(lambda: "nothing answers" in caplog.text, "the warning", timeout=5)
+        assert not replica.index.has_events  # routed by its load and the prompts sent to it
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        context.destroy(linger=0)
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(main())
