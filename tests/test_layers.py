@@ -1,4 +1,4 @@
-"""The package layout is the architecture: each package imports only the layers below it (README, Architecture)."""
+"""The package layout is the architecture: each package imports only the layers below it (docs/architecture.md)."""
 
 from __future__ import annotations
 

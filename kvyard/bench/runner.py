@@ -32,7 +32,7 @@ class RunSettings:
 
 
 def run_benchmark(settings: RunSettings, build_workload: Callable[[ServerInfo], Workload]) -> dict[str, Any]:
-    """Run and return the result document (see README, "Benchmark client")."""
+    """Run and return the result document (see docs/bench.md)."""
     return asyncio.run(_run(settings, build_workload))
 
 

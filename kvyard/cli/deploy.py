@@ -27,7 +27,7 @@ def add_parser(commands: Any) -> None:
         "deploy", help="run a fleet of replicas and routers on Ray", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("spec", nargs="?", metavar="FLEET.yaml", help="the fleet spec (see README: Fleets on Ray)")
+    parser.add_argument("spec", nargs="?", metavar="FLEET.yaml", help="the fleet spec (see docs/deploy.md)")
     parser.add_argument("--name", help="the fleet's name, instead of reading it from FLEET.yaml")
     parser.add_argument("--address", help="the Ray cluster (host:port); default $RAY_ADDRESS, else the one running "
                         "on this machine, else (deploy only) a new single-node one")  # fmt: skip
