@@ -239,8 +239,9 @@ class Registry:
             if kind is not None:
                 return kind
         async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
-            if response.status == 200 and "num_waiting" in await response.json(content_type=None):
-                return KVYARD  # kvyard's load report (vLLM's /load has only server_load)
+            body = await response.read()
+        if response.status == 200 and b'"num_waiting"' in body:
+            return KVYARD  # kvyard's load report (vLLM's /load has only server_load)
         async with self.session.get(f"{replica.url}/metrics", timeout=timeout, headers=replica.api_headers) as response:
             return kind_from_metrics(await response.text()) if response.status == 200 else OPENAI
 
@@ -262,7 +263,11 @@ class Registry:
             self._zmq = zmq.asyncio.Context()
         model = replica.model_cards[0] if replica.model_cards else None
         # The block size is the metrics' (or, failing that, a placeholder the first event replaces).
-        metrics = await self._engine_metrics(replica, aiohttp.ClientTimeout(total=self.config.health_timeout_s))
+        try:
+            metrics = await self._engine_metrics(replica, aiohttp.ClientTimeout(total=self.config.health_timeout_s))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            _LOG.info("metrics of %s unread (%s): the block size is taken from its events", replica.url, error)
+            metrics = EngineMetrics()
         namespace = KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
                                  metrics.cache_dtype or "auto", metrics.block_size or 16)  # fmt: skip
         blocks = EngineBlockKeys(replica.index, namespace)
