@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -261,6 +262,34 @@ def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
         assert ok.status_code == 200
 
 
+def test_a_chat_stream_sends_its_role_chunk_with_its_first_token() -> None:
+    """A client that times the first token from the first chunk (vLLM's bench) must not get one before prefill: a
+    chat queued behind a running request (one sequence at a time) sends nothing until that request is done."""
+    config = replace(CONFIG, scheduler=SchedulerConfig(max_num_seqs=1), time_scale=0.2)
+    with SimCluster([config]) as sim:
+        url = sim.urls[0]
+        running_body = {"prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        first_chat_line: list[tuple[float, str]] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=running_body, timeout=30) as running:
+            lines = running.iter_lines()
+            next(lines)
+
+            def read_chat() -> None:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body, timeout=30) as chat:
+                    line = next(line for line in chat.iter_lines() if line)
+                    first_chat_line.append((time.monotonic(), line))
+
+            reader = threading.Thread(target=read_chat)
+            reader.start()
+            wait_for(lambda: httpx.get(f"{url}/load").json()["num_waiting"] == 1)
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+            running_done = time.monotonic()
+        reader.join(timeout=30)
+        ((arrived, line),) = first_chat_line
+        assert arrived >= running_done and json.loads(line[6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
 # ---------------------------------------------------------------------------- info, probes, metrics
 
 
@@ -410,12 +439,35 @@ def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) ->
     assert result.returncode == 2 and message in result.stderr
 
 
-def test_completions_ignore_fields_other_routers_add(cluster: SimCluster) -> None:
+def test_unknown_fields_are_ignored_and_named_in_a_header(
+    cluster: SimCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     url = cluster.urls[0]
-    extra = {"no_stop_trim": True, "separate_reasoning": False}
-    completion = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **extra})
+    extra = {"no_stop_trim": True, "metadata": {"k": "v"}, "store": False, "reasoning_effort": "low", "a\r\nX-Evil": 1}
+    with caplog.at_level("WARNING", logger="kvyard.server.app"):
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **extra})
     assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
-    chat = httpx.post(
-        f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
-    )
-    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 2
+    named = "metadata, no_stop_trim, reasoning_effort, store, ..."  # the name that could break a header is left out
+    assert completion.headers["x-kvyard-ignored-fields"] == named and "x-evil" not in completion.headers
+    assert any(named in record.getMessage() for record in caplog.records)
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True, "store": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body) as chat:
+        assert chat.status_code == 200 and chat.headers["x-kvyard-ignored-fields"] == "store"
+        assert [line for line in chat.iter_lines() if line][-1] == "data: [DONE]"
+    wrong_type = httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": "2", "store": True})
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"  # known: strict
+    known = httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1})
+    assert "x-kvyard-ignored-fields" not in known.headers
+    schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+    assert schema["additionalProperties"] is True
+
+
+def test_reject_unknown_fields_restores_the_strict_rule() -> None:
+    with SimCluster([CONFIG], replace(sim_server_options(), reject_unknown_fields=True)) as sim:
+        url = sim.urls[0]
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 1, "store": False})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+        tokenize = httpx.post(f"{url}/tokenize", json={"prompt": "ab", "return_token_strs": True})
+        assert tokenize.status_code == 400 and tokenize.json()["error"]["param"] == "return_token_strs"
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+        assert schema["additionalProperties"] is False

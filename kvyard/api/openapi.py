@@ -28,14 +28,18 @@ _ERROR = {
 }  # fmt: skip
 
 
-def openapi_document(version: str, paths: tuple[str, ...] = (*_BODIES, *_GETS)) -> dict[str, Any]:
-    """The document for the endpoints in `paths` (a router serves the OpenAI ones only)."""
+def openapi_document(
+    version: str, paths: tuple[str, ...] = (*_BODIES, *_GETS), unknown_fields_ignored: bool = False
+) -> dict[str, Any]:
+    """The document for the endpoints in `paths` (a router serves the OpenAI ones only); with
+    `unknown_fields_ignored`, request bodies may carry fields beyond the known ones (the server drops them)."""
     schemas: dict[str, Any] = {"Error": _ERROR}
     operations: dict[str, Any] = {}
     for path in paths:
         if path in _BODIES:
             model, summary = _BODIES[path]
             operations[path] = {"post": _post(model, summary, schemas)}
+            schemas[model.__name__]["additionalProperties"] = unknown_fields_ignored
         elif path in _GETS:
             operations[path] = {"get": {"summary": _GETS[path], "responses": {"200": {"description": "OK"}}}}
     info = {"title": "kvyard OpenAI-compatible API", "version": version}

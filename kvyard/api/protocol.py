@@ -6,6 +6,7 @@ list of token ids; every number has the range the engine can take (a seed fits a
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -18,6 +19,7 @@ MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n samples with seed + i, a signed 64-bit generator seed
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Model = TypeVar("Model", bound=BaseModel)
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -31,15 +33,29 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def validate(body: dict[str, Any], model: type[Model], ignore_unknown: bool = False) -> Model:
-    """`body` as `model`, or a 400 naming the first bad field. `ignore_unknown` drops fields the model does
-    not know instead of refusing them (for clients, such as other routers, that add their engine's fields)."""
-    if ignore_unknown:
-        body = {name: value for name, value in body.items() if name in model.model_fields}
+def validate(body: dict[str, Any], model: type[Model]) -> Model:
+    """`body` as `model`, or a 400 naming the first bad field (an unknown one included: see `drop_unknown`)."""
     try:
         return model.model_validate(body)
     except ValidationError as error:
         raise validation_error(error) from None
+
+
+def drop_unknown(body: dict[str, Any], model: type[BaseModel]) -> list[str]:
+    """Takes the top-level fields `model` does not know out of `body`; their names, sorted. vLLM ignores such
+    fields (OpenAI's `metadata`, `store`, another engine's options), so clients send them; the known ones stay
+    strictly typed."""
+    unknown = sorted(name for name in body if name not in model.model_fields)
+    for name in unknown:
+        del body[name]
+    return unknown
+
+
+def header_safe_names(names: list[str], limit: int = 16) -> str:
+    """Client-chosen field names as one header value: names of word characters, dots and dashes only (no line
+    breaks reach a header), at most `limit` of them."""
+    kept = [name for name in names if _FIELD_NAME.fullmatch(name)][:limit]
+    return ", ".join(kept) + (", ..." if len(kept) < len(names) else "")
 
 
 def validation_error(error: ValidationError) -> APIError:

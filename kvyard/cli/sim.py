@@ -27,7 +27,7 @@ from kvyard.sim.config import SimConfig
 from kvyard.sim.roofline import ROOFLINE_PRESETS, roofline_preset
 
 DESCRIPTION = "Serve N simulated replicas on ports P..P+N-1 from one process."
-SIM_SERVER_DEFAULTS = {"max_queued_seqs": 1024, "ignore_unknown_fields": True, "shutdown_grace_s": 5.0}
+SIM_SERVER_DEFAULTS = {"max_queued_seqs": 1024, "shutdown_grace_s": 5.0}
 
 
 def add_parser(commands: Any) -> None:

@@ -14,11 +14,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from kvyard import __version__
 from kvyard.api import kv_events
@@ -34,6 +35,8 @@ from kvyard.api.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    drop_unknown,
+    header_safe_names,
     json_object,
     take_token_ids,
     validate,
@@ -57,6 +60,7 @@ from kvyard.server.transfer import send_transfer
 
 _LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+IGNORED_FIELDS_HEADER = "X-Kvyard-Ignored-Fields"
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller bodies tokenize on the event loop (a thread hop costs more)
 TOKENIZE_QUEUE = 64  # large requests waiting for the tokenizer thread at most; more wait for a slot
 Prepared = TypeVar("Prepared")
@@ -182,20 +186,35 @@ class ReplicaApp:
         engine = self.ready()
         raw = json_object(request.body)
         token_ids = take_token_ids(raw)
-        body = validate(raw, CompletionRequest, self.options.ignore_unknown_fields)
+        ignored = self._ignored_fields(raw, CompletionRequest)
+        body = validate(raw, CompletionRequest)
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
         prepared = await self._prepare(engine, request, lambda: prepare_completion(engine, body, token_ids, salt))
-        await self._serve(engine, request, prepared, responder)
+        await self._serve(engine, request, prepared, responder, ignored)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
-        body = validate(json_object(request.body), ChatCompletionRequest, self.options.ignore_unknown_fields)
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, ChatCompletionRequest)
+        body = validate(raw, ChatCompletionRequest)
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
         parser = self.options.tool_call_parser
         prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser))
-        await self._serve(engine, request, prepared, responder)
+        await self._serve(engine, request, prepared, responder, ignored)
+
+    def _ignored_fields(self, body: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
+        """Unknown top-level fields taken out of `body` (refused instead under --reject-unknown-fields), logged,
+        and named in the headers returned for the response."""
+        if self.options.reject_unknown_fields:
+            return {}
+        ignored = drop_unknown(body, model)
+        if not ignored:
+            return {}
+        names = header_safe_names(ignored)
+        _LOG.warning("request fields ignored (kvyard does not know them): %s", names)
+        return {IGNORED_FIELDS_HEADER: names}
 
     async def _prepare(self, engine: ReplicaEngine, request: HttpRequest, work: Callable[[], Prepared]) -> Prepared:
         """Run `work` (tokenization, chat templates): inline when it is cheap, else on the tokenizer thread, so a
@@ -216,17 +235,18 @@ class ReplicaApp:
         return tenant_salt(self.caller_key(request), request_salt, self.options.access.cache_salt_per_api_key)
 
     async def _serve(
-        self, engine: ReplicaEngine, request: HttpRequest, prepared: PreparedRequest, responder: Responder
-    ) -> None:
+        self, engine: ReplicaEngine, request: HttpRequest, prepared: PreparedRequest, responder: Responder,
+        headers: dict[str, str],
+    ) -> None:  # fmt: skip
         self.limiter.admit(self.caller_key(request) or request.peer, prepared.num_tokens_asked)
         num_seqs = prepared.num_choices
         self._admit(engine, num_seqs)
         runner = CompletionRunner(engine, self.metrics)
         try:
             if not prepared.stream:
-                responder.send_json(200, await runner.complete(prepared))
+                responder.send_json(200, await runner.complete(prepared), headers)
                 return
-            responder.start(200, SSE_HEADERS)
+            responder.start(200, {**SSE_HEADERS, **headers})
             await _stream(responder, runner.sse_events(prepared))
         except asyncio.CancelledError:  # the client went away; its engine requests are aborted
             self.metrics.requests.labels(outcome="abort").inc()
@@ -255,7 +275,9 @@ class ReplicaApp:
 
     async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
-        body = validate(json_object(request.body), TokenizeRequest, self.options.ignore_unknown_fields)
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, TokenizeRequest)
+        body = validate(raw, TokenizeRequest)
         check_model(engine, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
@@ -270,16 +292,19 @@ class ReplicaApp:
         else:
             tokens = body.prompt or []
             check_token_ids(tokens, engine.limits.vocab_size)
-        responder.send_json(200, {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_model_len})
+        answer = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_model_len}
+        responder.send_json(200, answer, ignored)
 
     async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
-        body = validate(json_object(request.body), DetokenizeRequest, self.options.ignore_unknown_fields)
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, DetokenizeRequest)
+        body = validate(raw, DetokenizeRequest)
         check_model(engine, body.model)
         vocabulary = vocabulary_of(engine, "tokens")
         if body.tokens:
             check_token_ids(body.tokens, engine.limits.vocab_size, "tokens", "tokens")
-        responder.send_json(200, {"prompt": vocabulary.decode(body.tokens)})
+        responder.send_json(200, {"prompt": vocabulary.decode(body.tokens)}, ignored)
 
     # ------------------------------------------------------------------ state and info
 
@@ -329,7 +354,8 @@ class ReplicaApp:
         responder.send(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: HttpRequest, responder: Responder) -> None:
-        responder.send_json(200, openapi_document(__version__))
+        lenient = not self.options.reject_unknown_fields
+        responder.send_json(200, openapi_document(__version__, unknown_fields_ignored=lenient))
 
     async def version(self, request: HttpRequest, responder: Responder) -> None:
         responder.send_json(200, {"version": __version__, "server": self.options.owned_by})
@@ -445,4 +471,3 @@ def _int_query(query: dict[str, list[str]], name: str, default: int) -> int:
         return int(values[-1])
     except ValueError:
         raise bad_request(f"{name} must be an integer, got {values[-1]!r}", name) from None
-

@@ -193,11 +193,15 @@ class CompletionRunner:
         """Server-sent events: one chunk per new piece of text, then usage (if asked) and [DONE]. An error after
         the stream started ends it with an error event and no [DONE]."""
         choices: dict[int, ChoiceState] = {}
-        if prepared.kind == "chat" and prepared.resume is None:  # a resumed stream's client has the role chunk
-            for index in range(prepared.num_choices):
-                yield _sse(self._chunk(prepared, index, {"role": "assistant", "content": ""}, None, None))
+        # The role chunks go with the first output, as vLLM sends them: a client that times the first token from
+        # the first chunk must not see one before prefill. A resumed stream's client has them already.
+        role_chunks_due = prepared.kind == "chat" and prepared.resume is None
         try:
             async for choice, output in self.stream_outputs(prepared):
+                if role_chunks_due:
+                    role_chunks_due = False
+                    for index in range(prepared.num_choices):
+                        yield _sse(self._chunk(prepared, index, {"role": "assistant", "content": ""}, None, None))
                 choices[choice.index] = choice
                 chunk = self._delta_chunk(prepared, choice, output)
                 if chunk is not None and prepared.continuous_usage:

@@ -22,8 +22,9 @@ class ServerOptions:
     role: str = setting("unified", choices=ROLES, help="what the router sends here: whole requests (unified), "
                         "prefills whose decode runs elsewhere (prefill), or decodes of prompts prefilled elsewhere "
                         "(decode); every role still serves any request")  # fmt: skip
-    ignore_unknown_fields: bool = setting(False, help="ignore request fields kvyard does not know instead of "
-                                          "answering 400 (for clients that send other engines' fields)")  # fmt: skip
+    reject_unknown_fields: bool = setting(False, help="answer 400 to a request field kvyard does not know (by "
+                                          "default such fields are ignored with a logged warning and an "
+                                          "X-Kvyard-Ignored-Fields header, as vLLM ignores them)")  # fmt: skip
     tool_call_parser: str = setting("auto", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the "
                                     "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
                                     "Qwen), a bare JSON object (llama3_json), or the one the chat template "

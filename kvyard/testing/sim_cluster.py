@@ -62,10 +62,9 @@ def tier_collector(engine: SimEngine) -> Collector:
 def sim_server_options(
     max_queued_seqs: int = 1024, http: HttpServerConfig | None = None, **access: object
 ) -> ServerOptions:
-    """Simulated replicas ignore request fields they do not know: other routers add their engine's own.
-    `access`: AccessConfig settings (the admin key is TEST_ADMIN_KEY unless given)."""
+    """`access`: AccessConfig settings (the admin key is TEST_ADMIN_KEY unless given)."""
     settings = {"admin_key": TEST_ADMIN_KEY, **access}
-    return ServerOptions(max_queued_seqs=max_queued_seqs, ignore_unknown_fields=True, owned_by="kvyard-sim",
+    return ServerOptions(max_queued_seqs=max_queued_seqs, owned_by="kvyard-sim",
                          access=AccessConfig(**settings), http=http or HttpServerConfig())  # type: ignore[arg-type]  # fmt: skip
 
 
