@@ -51,6 +51,20 @@ def test_sampled_json_schema_outputs_are_valid_and_end_when_the_object_closes(ll
         assert output.text.rstrip().endswith("}")
 
 
+def test_an_object_schema_that_does_not_say_takes_no_other_keys(llama_dir: Path) -> None:
+    """A schema without `additionalProperties` (instructor's, LangChain's non-strict ones) is read as vLLM's default
+    backend reads it: no keys beyond `properties`, so a model cannot pad the object until max_tokens."""
+    nested = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    properties = {key: value for key, value in PERSON["properties"].items() if key != "tags"}
+    open_person = {"type": "object", "properties": {**properties, "home": nested}, "required": ["name", "home"]}
+    params = [constrained(StructuredOutput.json_schema(open_person), temperature=1.0, seed=seed) for seed in range(16)]
+    outputs = LLM(str(llama_dir)).generate(["A person as JSON: "] * len(params), params)
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        person = json.loads(output.text)
+        assert set(person) <= set(open_person["properties"]) and set(person["home"]) == {"city"}, output.text
+
+
 def test_regex_choice_and_lark_grammar_constrain_the_output(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir))
     regex = StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}")
@@ -154,9 +168,22 @@ def test_streamed_json_schema_chat_equals_the_whole_answer_and_structured_output
     whole = client.chat.completions.create(**request).choices[0]
     assert finish == whole.finish_reason == "stop" and "".join(pieces) == whole.message.content
     jsonschema.validate(json.loads("".join(pieces)), PERSON)
-    picked = client.completions.create(model="tiny-llama", prompt="Pick one:", max_tokens=20, seed=1,
-                                       extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    picked = client.completions.create(
+        model="tiny-llama",
+        prompt="Pick one:",
+        max_tokens=20,
+        seed=1,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )
     assert picked.choices[0].text in {"red", "green", "blue"}
+    guided = client.completions.create(
+        model="tiny-llama",
+        prompt="Pick one:",
+        max_tokens=20,
+        seed=1,
+        extra_body={"guided_choice": ["red", "green", "blue"]},
+    )  # vLLM's older name
+    assert guided.choices[0].text == picked.choices[0].text
 
 
 def test_json_object_outputs_that_end_are_json_objects(llama_dir: Path) -> None:
@@ -174,14 +201,18 @@ def test_json_object_outputs_that_end_are_json_objects(llama_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-         "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex"),
+        ({"guided_regex": "[a-"}, "structured_outputs"),
     ],
 )
 def test_bad_constraints_get_a_400_naming_the_field_before_any_stream(

@@ -19,6 +19,7 @@ MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n samples with seed + i, a signed 64-bit generator seed
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Model = TypeVar("Model", bound=BaseModel)
+_GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's guided_json, ... (structured_outputs' members)
 _FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -202,6 +203,23 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's earlier names for structured_outputs' members, still sent by clients (LiteLLM, older SDK code)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, max_length=16384)
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(default=None, max_length=65536)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields_as_structured_outputs(cls, data: Any) -> Any:
+        """guided_* fields become the structured_outputs they name (unless that is given too: see unsupported)."""
+        if not isinstance(data, dict) or data.get("structured_outputs") is not None:
+            return data
+        guided = {name: data[f"guided_{name}"] for name in _GUIDED if data.get(f"guided_{name}") is not None}
+        if not guided:
+            return data
+        rest = {key: value for key, value in data.items() if not key.startswith("guided_")}
+        return {**rest, "structured_outputs": guided}
 
     @field_validator("logit_bias")
     @classmethod
@@ -227,6 +245,9 @@ class SamplingFields(BaseModel):
         """(field, reason) for a parameter kvyard accepts syntactically but does not implement."""
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             return "structured_outputs", "give response_format or structured_outputs, not both"
+        for name in _GUIDED:
+            if getattr(self, f"guided_{name}") is not None:
+                return f"guided_{name}", "give structured_outputs or the guided_* fields, not both"
         if self.resume is not None and self.n != 1:
             return "resume", "resume continues one choice: n must be 1"
         if self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode and self.n != 1:

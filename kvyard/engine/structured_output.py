@@ -152,7 +152,7 @@ def _grammar_source(structured: StructuredOutput) -> str:
         if structured.kind == "json_object":
             return str(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if structured.kind == "json_schema":
-            return str(LLMatcher.grammar_from_json_schema(structured.spec, defaults=options))
+            return str(LLMatcher.grammar_from_json_schema(_closed_objects(structured.spec), defaults=options))
         if structured.kind == "regex":
             return str(LLMatcher.grammar_from_regex(structured.spec))
         if structured.kind == "choice":
@@ -161,6 +161,43 @@ def _grammar_source(structured: StructuredOutput) -> str:
         return str(LLMatcher.grammar_from_lark(structured.spec))
     except ValueError as error:
         raise InputError(f"{structured.param}: {error}", structured.param) from None
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else")
+
+
+def _closed_objects(spec: str) -> str:
+    """The schema with `additionalProperties: false` on every object schema that lists `properties` and does not
+    say (as vLLM's default backend reads schemas): otherwise a model may pad an object with keys of its own until
+    `max_tokens`. Members of an `allOf` stay open, since each lists only part of the properties."""
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec  # llguidance names what is wrong with it
+    return json.dumps(_close(schema, in_all_of=False))
+
+
+def _close(schema: Any, in_all_of: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    says = "additionalProperties" in closed or "unevaluatedProperties" in closed
+    if "properties" in closed and not says and not in_all_of:
+        closed["additionalProperties"] = False
+    for key in _SUBSCHEMAS:
+        if key in closed:
+            closed[key] = _close(closed[key], in_all_of=False)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [_close(member, in_all_of=False) for member in closed[key]]
+    if isinstance(closed.get("allOf"), list):
+        closed["allOf"] = [_close(member, in_all_of=True) for member in closed["allOf"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _close(member, in_all_of=False) for name, member in closed[key].items()}
+    return closed
 
 
 _REGEX_META = frozenset("\\.+*?()|[]{}^$-#&~")
