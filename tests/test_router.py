@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from kvyard.sim.config import SimConfig
@@ -110,6 +111,11 @@ def test_head_requests_and_the_model_list_through_the_router(cluster: SimCluster
         assert [card["id"] for card in models] == [MODEL]
         assert models[0]["max_model_len"] == replica_card["max_model_len"] > 0
         assert 0 < models[0]["created"] <= replica_card["created"] + 60
+        for url in (router.url, cluster.urls[0]):  # GET /v1/models/{id}, from the router and from a replica
+            assert openai.OpenAI(base_url=f"{url}/v1", api_key="x").models.retrieve(MODEL).id == MODEL
+            missing = httpx.get(f"{url}/v1/models/no%2Fsuch-model", timeout=10)
+            assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+            assert "no/such-model" in missing.json()["error"]["message"]
     finally:
         router.stop()
 

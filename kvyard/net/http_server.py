@@ -339,19 +339,30 @@ class RouteTable:
     """Endpoints by path and method."""
 
     routes: dict[str, dict[str, Endpoint]] = field(default_factory=dict)
+    prefixes: dict[str, dict[str, Endpoint]] = field(default_factory=dict)  # "/v1/models/" serves /v1/models/{id}
 
     def add(self, method: str, path: str, endpoint: Endpoint) -> None:
-        self.routes.setdefault(path, {})[method] = endpoint
+        """Serve `path`; a path ending in "/" also serves every longer path below it (its last part a name)."""
+        table = self.prefixes if path.endswith("/") else self.routes
+        table.setdefault(path, {})[method] = endpoint
 
     def find(self, request: HttpRequest) -> Endpoint:
         """The endpoint for the request; HttpServerError 404 or 405 when there is none."""
-        methods = self.routes.get(request.path)
+        methods = self.routes.get(request.path) or under_prefix(self.prefixes, request.path)
         if methods is None:
             raise HttpServerError(404, f"{request.method} {request.path}: not found")
         endpoint = method_endpoint(methods, request.method)
         if endpoint is None:
             raise HttpServerError(405, f"{request.method} {request.path}: method not allowed")
         return endpoint
+
+
+def under_prefix(prefixes: dict[str, dict[str, Route]], path: str) -> dict[str, Route] | None:
+    """The methods of the prefix `path` continues (with a non-empty name), if any."""
+    for prefix, methods in prefixes.items():
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return methods
+    return None
 
 
 def method_endpoint(methods: dict[str, Route], method: str) -> Route | None:

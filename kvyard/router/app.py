@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import aiohttp
 import orjson
@@ -29,7 +29,7 @@ from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
-from kvyard.net.http_server import HttpRequest, HttpServer, Responder, method_endpoint
+from kvyard.net.http_server import HttpRequest, HttpServer, Responder, method_endpoint, under_prefix
 from kvyard.router.config import RouterConfig
 from kvyard.router.engine_probe import KVYARD, VLLM
 from kvyard.router.metrics import RouterMetrics
@@ -86,7 +86,7 @@ class Router:
     async def handle(self, request: HttpRequest, responder: Responder) -> None:
         """The HTTP server's entry point: dispatch, and turn APIError into an OpenAI-style error."""
         try:
-            methods = _ROUTES.get(request.path)
+            methods = _ROUTES.get(request.path) or under_prefix(_PREFIX_ROUTES, request.path)
             if methods is None:
                 raise APIError(404, f"{request.method} {request.path}: not found", code="not_found")
             endpoint = method_endpoint(methods, request.method)
@@ -334,6 +334,15 @@ async def _models(router: Router, request: HttpRequest, responder: Responder) ->
     responder.send_json(200, {"object": "list", "data": [_fleet_card(by_id[i]) for i in sorted(by_id)]})
 
 
+async def _model(router: Router, request: HttpRequest, responder: Responder) -> None:
+    """GET /v1/models/{id}: the model as the fleet serves it, or a 404."""
+    model = unquote(request.path.removeprefix(MODELS_PREFIX))
+    cards = [card for replica in router.registry.replicas.values() for card in replica.model_cards if card.id == model]
+    if not cards:
+        raise APIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+    responder.send_json(200, _fleet_card(cards))
+
+
 def _fleet_card(cards: list[ModelCard]) -> dict[str, Any]:
     """One model as the fleet serves it: created when its first replica was, and the context every replica
     serving it can hold (the smallest)."""
@@ -430,6 +439,8 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},
     "/admin/replicas/drain": {"POST": _drain_replica},
 }
+MODELS_PREFIX = "/v1/models/"
+_PREFIX_ROUTES: dict[str, dict[str, Endpoint]] = {MODELS_PREFIX: {"GET": _model}}
 _ACCESS: dict[str, Access] = {
     "/health": Access.PUBLIC,
     "/openapi.json": Access.PUBLIC,

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -61,6 +61,7 @@ from kvyard.server.transfer import send_transfer
 _LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 IGNORED_FIELDS_HEADER = "X-Kvyard-Ignored-Fields"
+MODELS_PREFIX = "/v1/models/"
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller bodies tokenize on the event loop (a thread hop costs more)
 TOKENIZE_QUEUE = 64  # large requests waiting for the tokenizer thread at most; more wait for a slot
 Prepared = TypeVar("Prepared")
@@ -167,6 +168,7 @@ class ReplicaApp:
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("GET", "/v1/models"): self.models,
+            ("GET", MODELS_PREFIX): self.model,
             ("GET", "/load"): self.load,
             ("GET", "/metrics"): self.prometheus,
             ("POST", "/tokenize"): self.tokenize,
@@ -315,10 +317,17 @@ class ReplicaApp:
         responder.send_json(200, {"status": "ok"})
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
+        responder.send_json(200, {"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest, responder: Responder) -> None:
+        """GET /v1/models/{id}: the model's card, or a 404 for a model this replica does not serve."""
+        check_model(self.ready(), unquote(request.path.removeprefix(MODELS_PREFIX)))
+        responder.send_json(200, self._model_card())
+
+    def _model_card(self) -> dict[str, object]:
         engine = self.ready()
-        card = {"id": engine.model_name, "object": "model", "created": int(self.started),
+        return {"id": engine.model_name, "object": "model", "created": int(self.started),
                 "owned_by": self.options.owned_by, "max_model_len": engine.limits.max_model_len}  # fmt: skip
-        responder.send_json(200, {"object": "list", "data": [card]})
 
     def load_report(self) -> LoadReport:
         stats = self.ready().stats()
