@@ -111,6 +111,13 @@ def test_head_requests_and_the_model_list_through_the_router(cluster: SimCluster
         assert [card["id"] for card in models] == [MODEL]
         assert models[0]["max_model_len"] == replica_card["max_model_len"] > 0
         assert 0 < models[0]["created"] <= replica_card["created"] + 60
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "store": False, "metadata": {"a": "b"}}
+        whole = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert whole.status_code == 200 and whole.headers["x-kvyard-ignored-fields"] == "metadata, store"
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=30) as stream:
+            assert stream.headers["x-kvyard-ignored-fields"] == "metadata, store"
+            assert stream.headers["cache-control"] == "no-cache"  # no proxy between holds a stream back
+            assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
         for url in (router.url, cluster.urls[0]):  # GET /v1/models/{id}, from the router and from a replica
             assert openai.OpenAI(base_url=f"{url}/v1", api_key="x").models.retrieve(MODEL).id == MODEL
             missing = httpx.get(f"{url}/v1/models/no%2Fsuch-model", timeout=10)

@@ -19,6 +19,7 @@ MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n samples with seed + i, a signed 64-bit generator seed
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Model = TypeVar("Model", bound=BaseModel)
+IGNORED_FIELDS_HEADER = "X-Kvyard-Ignored-Fields"  # names the request fields a replica ignored (drop_unknown)
 _GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's guided_json, ... (structured_outputs' members)
 _FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 

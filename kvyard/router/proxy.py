@@ -21,6 +21,7 @@ from typing import Any, Final
 import orjson
 
 from kvyard.api.errors import error_body
+from kvyard.api.protocol import IGNORED_FIELDS_HEADER
 from kvyard.net.http_client import ConnectError, HttpError, Response
 from kvyard.net.http_server import HttpRequest, Responder
 from kvyard.router.metrics import RouterMetrics
@@ -33,11 +34,13 @@ FirstByte = Callable[[], None]
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
 # A client's Authorization never goes upstream: the router calls replicas with its own key (contract 8).
 _FORWARDED_HEADERS: Final = ("x-request-id", "openai-organization")
-_PASSED_HEADERS: Final = ("retry-after", "cache-control")
+_PASSED_HEADERS: Final = ("retry-after", "cache-control", IGNORED_FIELDS_HEADER.lower())
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_BY_SOURCE = re.compile(rb'"cached_tokens_by_source"\s*:\s*\{\s*"device"\s*:\s*(\d+)\s*,\s*"local"\s*:\s*(\d+)'
-                        rb'\s*,\s*"shared"\s*:\s*(\d+)')
+_BY_SOURCE = re.compile(
+    rb'"cached_tokens_by_source"\s*:\s*\{\s*"device"\s*:\s*(\d+)\s*,\s*"local"\s*:\s*(\d+)'
+    rb'\s*,\s*"shared"\s*:\s*(\d+)'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +70,11 @@ class _Relay:
     follower: Follower | None = None
     content_type: str = "text/event-stream"
     started: bool = False  # this replica's answer reaches the client
+    ignored_fields: str | None = None  # the replica's X-Kvyard-Ignored-Fields
 
     def on_head(self, response: Response) -> None:
         self.content_type = response.headers.get("content-type", self.content_type)
+        self.ignored_fields = response.headers.get(IGNORED_FIELDS_HEADER.lower())
 
     def on_body(self, data: bytes, _arrived: float) -> None:
         if self.follower is not None:
@@ -82,6 +87,10 @@ class _Relay:
             self.replica.streaming += 1
             if not self.responder.started:  # a resumed stream's head went out with the first replica's bytes
                 headers = [("Content-Type", self.content_type), ("X-Kvyard-Replica", self.replica.url)]
+                if self.content_type.startswith("text/event-stream"):
+                    headers.append(("Cache-Control", "no-cache"))  # proxies must not hold a stream back
+                if self.ignored_fields:
+                    headers.append((IGNORED_FIELDS_HEADER, self.ignored_fields))
                 self.responder.start(200, headers)
         if b'"usage"' in data:
             self.on_usage(data)

@@ -30,6 +30,7 @@ from kvyard.api.load import LoadReport
 from kvyard.api.metrics import REJECTED_OVERLOAD, ServerMetrics
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import (
+    IGNORED_FIELDS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -60,7 +61,6 @@ from kvyard.server.transfer import send_transfer
 
 _LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-IGNORED_FIELDS_HEADER = "X-Kvyard-Ignored-Fields"
 MODELS_PREFIX = "/v1/models/"
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller bodies tokenize on the event loop (a thread hop costs more)
 TOKENIZE_QUEUE = 64  # large requests waiting for the tokenizer thread at most; more wait for a slot
