@@ -118,6 +118,14 @@ def test_head_requests_and_the_model_list_through_the_router(cluster: SimCluster
             assert stream.headers["x-kvyard-ignored-fields"] == "metadata, store"
             assert stream.headers["cache-control"] == "no-cache"  # no proxy between holds a stream back
             assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
+        tokens = httpx.post(f"{router.url}/tokenize", json={"model": MODEL, "prompt": "hé"}, timeout=10)
+        assert tokens.json() == httpx.post(f"{cluster.urls[0]}/tokenize", json={"prompt": "hé"}).json()
+        text = httpx.post(f"{router.url}/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=10)
+        assert text.json() == {"prompt": "hé"}
+        refused = httpx.post(f"{router.url}/tokenize", json={"prompt": "a", "model": "other"}, timeout=10)
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+        assert httpx.get(f"{router.url}/version", timeout=10).json()["version"]
+        assert "/tokenize" in httpx.get(f"{router.url}/openapi.json", timeout=10).json()["paths"]
         for url in (router.url, cluster.urls[0]):  # GET /v1/models/{id}, from the router and from a replica
             assert openai.OpenAI(base_url=f"{url}/v1", api_key="x").models.retrieve(MODEL).id == MODEL
             missing = httpx.get(f"{url}/v1/models/no%2Fsuch-model", timeout=10)

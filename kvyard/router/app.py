@@ -29,6 +29,7 @@ from kvyard.api.errors import APIError, bad_request, error_body
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
+from kvyard.net.http_client import ConnectError, HttpError
 from kvyard.net.http_server import HttpRequest, HttpServer, Responder, method_endpoint, under_prefix
 from kvyard.router.config import RouterConfig
 from kvyard.router.engine_probe import KVYARD, VLLM
@@ -356,6 +357,38 @@ def _fleet_card(cards: list[ModelCard]) -> dict[str, Any]:
     return body
 
 
+async def _tokenize(router: Router, request: HttpRequest, responder: Responder) -> None:
+    await _to_one_replica(router, request, responder, "/tokenize")
+
+
+async def _detokenize(router: Router, request: HttpRequest, responder: Responder) -> None:
+    await _to_one_replica(router, request, responder, "/detokenize")
+
+
+async def _to_one_replica(router: Router, request: HttpRequest, responder: Responder, path: str) -> None:
+    """A request any replica of the model answers alike (tokens): to the least busy one, its answer as it is."""
+    body = json_object(request.body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    router._check_model(model)
+    candidates = router.candidates(model, set())
+    if not candidates:
+        raise APIError(503, "no healthy replica", code="no_replica", retry_after=1)
+    replica = min(candidates, key=lambda candidate: candidate.in_flight)
+    headers = {"Content-Type": "application/json", **replica.api_headers}
+    try:
+        response = await replica.http.request("POST", path, request.body, headers=headers)
+    except (ConnectError, HttpError) as error:
+        raise APIError(502, f"replica {replica.url} did not answer: {error}", code="replica_error") from None
+    content_type = response.headers.get("content-type", "application/json")
+    responder.send(response.status, bytes(response.body), [("X-Kvyard-Replica", replica.url)], content_type)
+
+
+async def _version(router: Router, request: HttpRequest, responder: Responder) -> None:
+    responder.send_json(200, {"version": __version__})
+
+
 async def _health(router: Router, request: HttpRequest, responder: Responder) -> None:
     if not router.registry.healthy_count():
         raise APIError(503, "no healthy replica", code="no_replica", retry_after=1)
@@ -363,7 +396,7 @@ async def _health(router: Router, request: HttpRequest, responder: Responder) ->
 
 
 async def _openapi(router: Router, request: HttpRequest, responder: Responder) -> None:
-    paths = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+    paths = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models", "/health", "/version")
     responder.send_json(200, openapi_document(__version__, paths))
 
 
@@ -434,6 +467,9 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/v1/chat/completions": {"POST": _chat_completions},
     "/v1/models": {"GET": _models},
     "/health": {"GET": _health},
+    "/tokenize": {"POST": _tokenize},
+    "/detokenize": {"POST": _detokenize},
+    "/version": {"GET": _version},
     "/openapi.json": {"GET": _openapi},
     "/metrics": {"GET": _metrics},
     "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},
@@ -443,6 +479,7 @@ MODELS_PREFIX = "/v1/models/"
 _PREFIX_ROUTES: dict[str, dict[str, Endpoint]] = {MODELS_PREFIX: {"GET": _model}}
 _ACCESS: dict[str, Access] = {
     "/health": Access.PUBLIC,
+    "/version": Access.PUBLIC,
     "/openapi.json": Access.PUBLIC,
     "/metrics": Access.PUBLIC,  # unless metrics_need_key
     "/admin/replicas": Access.ADMIN,
