@@ -209,6 +209,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1, 2], "model": "other"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0.content",
+    ),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]

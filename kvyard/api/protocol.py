@@ -301,6 +301,16 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallMessage] | None = None  # on an assistant turn
     tool_call_id: str | None = None  # on a tool turn: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind[:40]!r} are not supported: the served models take "
+                                 "text only (no images, audio or files)")  # fmt: skip
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
