@@ -220,6 +220,16 @@ def test_router_and_replica_agree_on_tenant_salts(keyed: SimCluster, tmp_path: P
             predicted = _metric_sum(metrics, "kvyard_router_predicted_cached_tokens_total")
             reported = _metric_sum(metrics, "kvyard_router_reported_cached_tokens_total")
             assert predicted == reported == 72
+            for depth in (300, 1000):  # orjson reads 1,024 levels but writes 254: the salted body is re-written
+                nested = b'{"prompt": [1, 2], "max_tokens": 1, "x": ' + b"[" * depth + b"]" * depth + b"}"
+                deep = httpx.post(
+                    f"{router.url}/v1/completions",
+                    content=nested,
+                    timeout=10,
+                    headers={"Authorization": f"Bearer {KEY_X}", "Content-Type": "application/json"},
+                )
+                assert deep.status_code == 400 and deep.json()["error"]["param"] == "body", deep.text
+            assert complete(router.url, KEY_X, prompt=tokens, cache_salt="s").status_code == 200
         finally:
             router.stop()
 

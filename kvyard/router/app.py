@@ -162,7 +162,10 @@ class Router:
             raise bad_request("'cache_salt' must be a string", "cache_salt")
         caller = self.keys.authenticate(request.headers) or bearer_token(request.headers)
         body["cache_salt"] = tenant_salt(caller, salt, per_key=True)
-        return orjson.dumps(body)
+        try:
+            return orjson.dumps(body)
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels), though it reads 1,024
+            raise bad_request("request body is nested too deeply", "body") from None
 
     async def _attempts(
         self, request: HttpRequest, responder: Responder, kind: str, path: str, body: dict[str, Any],
