@@ -6,6 +6,7 @@ import json
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +50,10 @@ BAD_BODIES = [
     (json.dumps({"prompt": ["x"] * 300}).encode(), "prompt"),  # a prompt list past the cap
     (json.dumps({"prompt": ["x"] * 8, "n": 2}).encode(), "n"),  # 16 sequences; the server takes 8 at once
     (json.dumps({"prompt": [1, 2], "n": 2, "resume": {"token_ids": [3], "sent_chars": 0}}).encode(), "resume"),
-    (json.dumps({"prompt": [1, 2], "max_tokens": 2, "resume": {"token_ids": [3, 4], "sent_chars": 0}}).encode(),
-     "resume.token_ids"),  # nothing left to generate
+    (
+        json.dumps({"prompt": [1, 2], "max_tokens": 2, "resume": {"token_ids": [3, 4], "sent_chars": 0}}).encode(),
+        "resume.token_ids",
+    ),  # nothing left to generate
     (json.dumps({"prompt": [1, 2], "resume": {"token_ids": [-1], "sent_chars": 0}}).encode(), "resume.token_ids"),
     (json.dumps({"prompt": [1] * 3000, "max_tokens": 1}).encode(), "prompt"),  # alone past the KV pool (2048)
     (json.dumps({"prompt": [1] * 1000, "max_tokens": 1500}).encode(), "max_tokens"),  # only with max_tokens
@@ -84,7 +87,7 @@ def test_a_body_over_the_limit_gets_413_and_the_server_stays_up(url: str) -> Non
 def test_a_slow_client_gets_408_and_its_connection_closed(url: str) -> None:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt"')
         started = time.monotonic()
         answer = _read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within" in answer
@@ -110,11 +113,29 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def test_tls_serves_https_with_the_given_certificate(tmp_path: Path) -> None:
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)  # fmt: skip
+    return cert, key
+
+
+def test_kvyard_serve_with_tls_says_https_where_it_listens(llama_dir: Path, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    command = [sys.executable, "-m", "kvyard", "serve", str(llama_dir), "--port", "0", "--kv-tier", "memory",
+               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as server:
+        try:
+            assert server.stdout is not None
+            banner = next(line for line in server.stdout if "listening on" in line)
+            assert "listening on https://" in banner, banner
+        finally:
+            server.terminate()
+
+
+def test_tls_serves_https_with_the_given_certificate(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
     tls = HttpServerConfig(ssl_certfile=str(cert), ssl_keyfile=str(key))
     with SimCluster([CONFIG], sim_server_options(http=tls)) as sim:
         https = sim.urls[0].replace("http://", "https://")

@@ -39,7 +39,8 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
     except OSError as error:
         say(f"cannot listen on {host_name}:{port}: {error}")
         return 1
-    say(f"listening on http://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
+    scheme = "https" if options.http.ssl_certfile else "http"
+    say(f"listening on {scheme}://{host_name}:{hosted.port} (/health answers 503 until the model has loaded)")
     engine_box: list[AsyncEngine] = []
     loader = asyncio.create_task(_load(app, config, engine_box))
     stopper = asyncio.create_task(wait_for_stop_signal([app]))
