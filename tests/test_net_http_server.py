@@ -127,6 +127,26 @@ def test_expect_continue_gets_100_before_the_body_is_sent() -> None:
     run(scenario)
 
 
+def test_a_client_still_sending_a_refused_body_reads_its_413() -> None:
+    """As nginx's lingering close: the server reads and drops the rest of a too-large body after its 413, so the
+    client gets the answer instead of a reset."""
+
+    async def scenario(server: HttpServer, seen: list[HttpRequest]) -> None:
+        size, chunk = 16 << 20, b"x" * (256 << 10)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"body_too_large" in answer
+        ok = await exchange(server.port, b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 OK")
+
+    run(scenario)
+
+
 @pytest.mark.parametrize(
     ("raw", "status"),
     [

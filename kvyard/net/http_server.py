@@ -215,8 +215,9 @@ class _Connection(asyncio.Protocol):
         self.pending: list[tuple[HttpRequest, bool]] = []
         self.task: asyncio.Task[None] | None = None
         self.closing = False
-        self.timer: asyncio.TimerHandle | None = None  # the idle or the request-read deadline
+        self.timer: asyncio.TimerHandle | None = None  # the idle, request-read or lingering deadline
         self.timer_kind = ""
+        self.linger = False  # the next close reads and drops what the client still sends, for a while
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
@@ -234,6 +235,8 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self.closing:  # lingering after an error answer: the rest of a refused body is dropped
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -258,6 +261,22 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closing = True
+        if self.transport is None or self.timer_kind == "linger":
+            return
+        if self.linger:
+            # As nginx's lingering close: a client still sending a refused body would get a reset (the unread bytes)
+            # instead of the answer; its bytes are read and dropped until it stops or LINGER_S passes.
+            self.linger = False
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._set_timer(LINGER_S, "linger")
+            return
+        self.transport.close()
+
+    def close_now(self) -> None:
+        """Close, lingering or not (the server is stopping)."""
+        self.closing, self.linger = True, False
+        self._set_timer(None)
         if self.transport is not None:
             self.transport.close()
 
@@ -294,6 +313,8 @@ class _Connection(asyncio.Protocol):
     def _watch(self) -> None:
         """Arm the deadline that applies now: reading a request, idle between requests, or none while a handler
         runs (a long stream is not idle)."""
+        if self.timer_kind == "linger":
+            return
         if self.closing or self.task is not None:
             self._set_timer(None)
         elif self.parsed.reading:
@@ -311,18 +332,22 @@ class _Connection(asyncio.Protocol):
 
     def _expired(self, kind: str) -> None:
         self.timer = None
-        if kind == "read":
+        if kind == "linger" and self.transport is not None:
+            self.transport.close()
+        elif kind == "read":
             self._reject(408, f"the request did not arrive within {self.server.config.request_read_timeout_s:g} s")
         else:
             self.close()
 
     def _reject(self, status: int, message: str) -> None:
         if self.task is None and self.transport is not None:
+            self.linger = status == 413
             responder = Responder(self, keep_alive=False)
             responder.send_json(status, _error_payload(status, message))
         self.close()
 
 
+LINGER_S = 2.0  # after a 413, how long the rest of the refused body is read and dropped at most
 _CODES = {400: "malformed_request", 408: "request_timeout", 413: "body_too_large", 431: "headers_too_large"}
 
 
@@ -435,6 +460,6 @@ class HttpServer:
         while any(c.task is not None for c in self.connections) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for connection in list(self.connections):
-            connection.close()
+            connection.close_now()
         if self._server is not None:
             await self._server.wait_closed()
