@@ -181,7 +181,8 @@ async def add_replicas(router: str, urls: list[str]) -> None:
             except aiohttp.ClientError:
                 await asyncio.sleep(0.2)
         for url in urls:
-            async with session.post(f"{router}/admin/replicas", json={"url": url}, headers=headers) as response:
+            added = {"url": url, "admin_key": ADMIN_KEY}  # its key: the router follows its KV events
+            async with session.post(f"{router}/admin/replicas", json=added, headers=headers) as response:
                 response.raise_for_status()
 
 

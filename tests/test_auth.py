@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -124,8 +125,11 @@ class RecordingReplica(BaseHTTPRequestHandler):
     """An OpenAI-compatible upstream that answers every completion and records what it was sent."""
 
     seen: list[dict[str, str]] = []  # noqa: RUF012  # one list per test process is the point
+    record_gets = False  # health checks and model lists too, not only completions
 
     def do_GET(self) -> None:
+        if self.record_gets:
+            type(self).seen.append({name.lower(): value for name, value in self.headers.items()})
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         elif self.path == "/health":
@@ -135,7 +139,7 @@ class RecordingReplica(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
-        RecordingReplica.seen.append({name.lower(): value for name, value in self.headers.items()})
+        type(self).seen.append({name.lower(): value for name, value in self.headers.items()})
         self._send(200, {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
                          "choices": [{"index": 0, "text": "upstream", "finish_reason": "length"}]})  # fmt: skip
 
@@ -159,6 +163,52 @@ def recording_replica() -> Iterator[str]:
     RecordingReplica.seen.clear()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+@contextlib.contextmanager
+def stranger_upstream() -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Another recording upstream, with headers of its own: (its URL, what it was sent)."""
+
+    class Stranger(RecordingReplica):
+        seen: list[dict[str, str]] = []  # noqa: RUF012
+        record_gets = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stranger)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", Stranger.seen
+    finally:
+        server.shutdown()
+
+
+def test_the_routers_replica_keys_reach_only_the_replicas_it_was_started_with(
+    tmp_path: Path, recording_replica: str
+) -> None:
+    """An upstream added through the admin API gets the keys given with it, never the router's configured ones
+    (an admin key in the wrong hands must not collect the fleet's replica credentials)."""
+    router = start_router(tmp_path, [recording_replica], "--policy", "round_robin", "--replica-api-key", "sk-fleet",
+                          replicas_publish_events=False)  # fmt: skip
+    try:
+        with stranger_upstream() as (bare, bare_seen), stranger_upstream() as (keyed_url, keyed_seen):
+            for url, keys in ((bare, {}), (keyed_url, {"api_key": "sk-own", "admin_key": "sk-own-admin"})):
+                added = httpx.post(f"{router.url}/admin/replicas", json={"url": url, **keys}, headers=ADMIN)
+                assert added.status_code == 200
+            wait_for(lambda: bool(bare_seen and keyed_seen), 20, "both added upstreams checked")
+            for _ in range(6):
+                assert complete(router.url, None, prompt=[1, 2]).status_code == 200
+            assert any(h.get("content-type") == "application/json" for h in bare_seen)  # completions reached it
+            everything = [value for headers in bare_seen + keyed_seen for value in headers.values()]
+            assert not any("sk-fleet" in value or TEST_ADMIN_KEY in value for value in everything)
+            assert not any("authorization" in headers for headers in bare_seen)
+            keyed = [headers["authorization"] for headers in keyed_seen if "authorization" in headers]
+            assert keyed and set(keyed) == {"Bearer sk-own"}  # /health goes without a key
+            assert RecordingReplica.seen and all(
+                h.get("authorization") == "Bearer sk-fleet" for h in RecordingReplica.seen
+            )
+            refused = httpx.post(f"{router.url}/admin/replicas", json={"url": bare, "api_key": 5}, headers=ADMIN)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "api_key"
+    finally:
+        router.stop()
 
 
 def test_the_router_hijack_fails_at_every_step_without_the_admin_key(keyed: SimCluster, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvyard.sim.config import SimConfig
-from kvyard.testing.sim_cluster import SimCluster
+from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster
 from tests.router_utils import admin, labelled_metric, replica_state, replicas_of, start_router, wait_for
 from tests.server_utils import ADMIN, ServerProcess
 
@@ -238,7 +238,12 @@ def test_kv_event_gap_triggers_a_resync(log_dir: Path) -> None:
 def test_admin_api_adds_drains_and_removes_replicas(cluster: SimCluster, log_dir: Path) -> None:
     router = start_router(log_dir, cluster.urls[:1], "--policy", "round_robin")
     try:
-        added = httpx.post(f"{router.url}/admin/replicas", headers=ADMIN, json={"url": cluster.urls[1]}, timeout=10)
+        added = httpx.post(
+            f"{router.url}/admin/replicas",
+            headers=ADMIN,
+            timeout=10,
+            json={"url": cluster.urls[1], "admin_key": TEST_ADMIN_KEY},
+        )  # its key: for its KV events
         assert added.status_code == 200 and added.json()["url"] == cluster.urls[1]
         wait_for(lambda: all(r["state"] == "healthy" and r["models"] for r in replicas_of(router)), 20, "healthy")
         assert {served_by(complete(router, {"prompt": prompt(i, 8)})) for i in range(6)} == set(cluster.urls[:2])

@@ -177,12 +177,13 @@ class FleetController:
         for url, member in wanted.items():
             assert url is not None
             if url not in listed and not member.draining:
-                self.routers_admin.add(router_url, url)
+                self.routers_admin.add(router_url, url, api_key=self.secrets.replica_api_key,
+                                       admin_key=self.secrets.replica_admin_key)  # fmt: skip
             elif url in listed and member.draining and listed[url]["state"] != "draining":
                 self.routers_admin.drain(router_url, url)
         external = {replica.url: replica for replica in self.spec.external_replicas}
         for url, replica in external.items():  # servers the fleet does not run (vLLM): routed to, never stopped
-            if url not in listed:
+            if url not in listed:  # sent none of the fleet's keys
                 self.routers_admin.add(router_url, url, str(replica.events) if replica.events else None)
         for url in listed:
             if url not in wanted and url not in external:  # an actor restarted on a new port, or a member that left

@@ -218,12 +218,10 @@ class Router:
                        retry_after=1)  # fmt: skip
 
     def _disaggregated(self, candidates: list[Replica]) -> bool:
-        """Prefill replicas are among the candidates, and the router holds the admin key PD legs need."""
-        if not self.registry.upstream.pd_headers:
-            return False
+        """Prefill replicas are among the candidates, and the router holds the admin key PD legs need (for them)."""
         # Once per candidate list, not per request: the registry makes a new list when a role changes.
         if self._has_prefill is None or self._has_prefill[0] is not candidates:
-            self._has_prefill = (candidates, any(r.role == PREFILL for r in candidates))
+            self._has_prefill = (candidates, any(r.role == PREFILL and r.pd_headers for r in candidates))
         return self._has_prefill[1]
 
     def _plan_pd(
@@ -237,13 +235,13 @@ class Router:
         if plan.prefill is None:
             return plan.decode, body
         self._send_prefill_leg(kind, path, body, plan)
-        plan.decode.headers = self.registry.upstream.pd_headers
+        plan.decode.headers = plan.decode.replica.pd_headers
         plan.decode.prefill_cost = 0.0  # it pulls the prompt's blocks, computing only the last few tokens
         return plan.decode, {**body, "kv_transfer_params": plan.decode_fields()}
 
     def _send_prefill_leg(self, kind: str, path: str, body: dict[str, Any], plan: PDPlan) -> None:
         assert plan.prefill is not None
-        plan.prefill.headers = self.registry.upstream.pd_headers
+        plan.prefill.headers = plan.prefill.replica.pd_headers
         leg = orjson.dumps(prefill_leg(kind, body, plan.transfer_id))
         task = asyncio.create_task(self.forwarder.prefill(plan.prefill, path, leg))
         self._prefill_legs.add(task)
@@ -415,6 +413,17 @@ def _admin_url(request: HttpRequest) -> str:
     return _admin_fields(request)[0]
 
 
+def _admin_auth(request: HttpRequest) -> UpstreamAuth:
+    """The keys a replica added through the admin API is sent: those given with it (`api_key`, `admin_key`), never
+    the router's own configured ones, which go only to the replicas it was started with."""
+    body: Any = orjson.loads(request.body) if request.body else {}
+    keys = {name: body.get(name) if isinstance(body, dict) else None for name in ("api_key", "admin_key")}
+    for name, key in keys.items():
+        if key is not None and not isinstance(key, str):
+            raise bad_request(f"'{name}' must be a string", name)
+    return UpstreamAuth.of_keys(keys["api_key"], keys["admin_key"])
+
+
 def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None]:
     """The replica's URL (query or body) and, in the body, where it publishes KV events (vLLM, SGLang)."""
     url: Any = parse_qs(request.query).get("url", [None])[0]
@@ -442,7 +451,7 @@ def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None]:
 async def _add_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
     url, events = _admin_fields(request)
     try:
-        replica = router.registry.add(url, events=events)
+        replica = router.registry.add(url, events=events, auth=_admin_auth(request))
     except ValueError as error:
         raise bad_request(str(error), "url") from None
     responder.send_json(200, replica.describe())

@@ -56,6 +56,10 @@ class UpstreamAuth:
     def from_config(cls, config: RouterConfig, environ: Mapping[str, str] = os.environ) -> UpstreamAuth:
         api_key = config.replica_api_key or environ.get(REPLICA_API_KEY_ENV)
         admin_key = config.replica_admin_key or environ.get(REPLICA_ADMIN_KEY_ENV)
+        return cls.of_keys(api_key, admin_key)
+
+    @classmethod
+    def of_keys(cls, api_key: str | None, admin_key: str | None) -> UpstreamAuth:
         return cls({"Authorization": f"Bearer {api_key}"} if api_key else {},
                    {"Authorization": f"Bearer {admin_key}"} if admin_key else {},
                    {ADMIN_KEY_HEADER: admin_key} if admin_key else {})  # fmt: skip
@@ -80,9 +84,12 @@ class Registry:
     def __post_init__(self) -> None:
         self.shared_stores.max_keys = self.config.shared_index_keys
 
-    def add(self, url: str, role: str | None = None, events: EventEndpoints | None = None) -> Replica:
+    def add(
+        self, url: str, role: str | None = None, events: EventEndpoints | None = None, auth: UpstreamAuth | None = None
+    ) -> Replica:
         """Route to `url`; `role` (prefill or decode) overrides the role the replica reports; `events` is where a
-        vLLM or SGLang replica publishes its KV events."""
+        vLLM or SGLang replica publishes its KV events; `auth`: the keys it is sent (default: the router's
+        configured replica keys, for the replicas it was started with)."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
@@ -94,8 +101,9 @@ class Registry:
             replica.configured_role = role or replica.configured_role
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks, holders=self.holders)
+        auth = auth or self.upstream
         replica = Replica(url, configured_role=role, index=index, connect_timeout_s=self.config.connect_timeout_s,
-                          api_headers=self.upstream.api_headers, admin_headers=self.upstream.admin_headers,
+                          api_headers=auth.api_headers, admin_headers=auth.admin_headers, pd_headers=auth.pd_headers,
                           events=events)  # fmt: skip
         index.owner = replica
         self.replicas[url] = replica

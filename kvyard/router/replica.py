@@ -83,6 +83,7 @@ class Replica:
     report_reuse_until: float = 0.0  # time.monotonic() until which it is asked to announce reused blocks (vLLM)
     api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
     admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*
+    pd_headers: dict[str, str] = field(default_factory=dict)  # the same key as PD legs carry it
     http: HttpClient = field(init=False)  # the proxy's keep-alive connections to this replica
 
     def __post_init__(self) -> None:
