@@ -131,3 +131,17 @@ def test_a_model_that_cannot_load_ends_the_command_with_the_reason(tmp_path: Pat
     result = run_kvyard(command, str(tmp_path), *extra)
     assert result.returncode == code
     assert f"no config.json in model directory {tmp_path}" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "route", "bench", "sim"])
+def test_an_unknown_option_is_answered_with_the_commands_own_usage(command: str) -> None:
+    result = run_kvyard(command, "--bogus")
+    assert result.returncode == 2
+    assert f"usage: kvyard {command}" in result.stderr and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_a_model_path_that_does_not_exist_is_refused_before_serving(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    result = run_kvyard("serve", str(missing), "--port", "0")
+    assert result.returncode == 2 and f"no such model directory: {missing}" in result.stderr
+    assert "listening on" not in result.stderr + result.stdout

@@ -39,12 +39,24 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # answered with the command's own usage, not kvyard's list of commands
+        command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         result: int = args.handler(args)
     except KeyboardInterrupt:
         return 130
     return result
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one command, from kvyard's parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    raise KeyError(command)
 
 
 def fail(message: str, code: int = 2) -> int:

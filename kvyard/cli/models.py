@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvyard.cli.options import add_config_options, config_from_args
@@ -17,8 +18,12 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The given model directory, or the embedded demo model."""
+    """The given model directory, or the embedded demo model; ValueError for a path that does not exist (said
+    before a server prints where it listens)."""
     if model:
+        if not Path(model).exists():
+            raise ValueError(f"no such model directory: {model} (a Hugging Face checkpoint or a kvyard weight "
+                             "package; no model at all serves the embedded demo model)")  # fmt: skip
         return model
     from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
