@@ -123,9 +123,7 @@ def test_multiturn_with_think_time_and_rewrites(server: ServerProcess, tmp_path:
 
 
 def test_mooncake_first_200_requests_report_hit_ratio_next_to_ideal(server: ServerProcess, tmp_path: Path) -> None:
-    trace = resolve_trace("mooncake")
-    if not trace.is_file():
-        pytest.skip(f"no Mooncake trace at {trace}")
+    assert resolve_trace("mooncake").is_file()  # shipped with kvyard
     before = counters(server.url)
     # 512-token blocks become 16 tokens (the server's block size); 72 s of arrivals replay in 1.4 s.
     result = bench(server.url, tmp_path / "t.json", "--workload", "trace", "--trace", "mooncake",
@@ -143,9 +141,7 @@ def test_mooncake_first_200_requests_report_hit_ratio_next_to_ideal(server: Serv
 
 
 def test_azure_trace_replays_without_prefix_information(server: ServerProcess, tmp_path: Path) -> None:
-    trace = resolve_trace("azure")
-    if not trace.is_file():
-        pytest.skip(f"no Azure trace at {trace}")
+    trace = resolve_trace("azure")  # shipped with kvyard, given as a path (gzip-compressed)
     before = counters(server.url)
     result = bench(server.url, tmp_path / "a.json", "--workload", "trace", "--trace", str(trace),
                    "--num-requests", "15", "--length-scale", "0.02", "--output-scale", "0.1",

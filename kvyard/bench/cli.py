@@ -125,7 +125,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
     trace = parser.add_argument_group("trace")
     trace.add_argument("--trace", default="mooncake",
-                       help="mooncake, azure (the files in ../shared/traces) or a .jsonl/.csv path")  # fmt: skip
+                       help="mooncake, azure (public traces kvyard ships) or a .jsonl/.csv path (.gz too)")  # fmt: skip
     trace.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by this")
     trace.add_argument("--length-scale", type=float, default=1.0, help="input lengths are multiplied by this")
     trace.add_argument("--output-scale", type=float, default=1.0, help="output lengths are multiplied by this")

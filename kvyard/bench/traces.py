@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-
-import kvyard
+from typing import TextIO
 
 MOONCAKE_BLOCK_TOKENS = 512
-TRACE_FILES = {
-    "mooncake": "traces/mooncake/conversation_trace.jsonl",
-    "azure": "traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv",
-}
+TRACE_DIR = Path(__file__).resolve().parent / "trace_files"  # shipped with kvyard: see SOURCES.md there
+TRACE_FILES = {"mooncake": "mooncake_conversation.jsonl.gz", "azure": "azure_llm_2023_code.csv.gz"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,29 +23,31 @@ class TraceRequest:
     hash_ids: tuple[int, ...] | None  # one id per 512-token prefix block (Mooncake); None when unknown
 
 
-def shared_dir() -> Path:
-    """`../shared` next to the repository kvyard runs from."""
-    return Path(kvyard.__file__).resolve().parent.parent.parent / "shared"
-
-
 def resolve_trace(name_or_path: str) -> Path:
-    """`mooncake` and `azure` name the traces in ../shared; anything else is a path."""
+    """`mooncake` and `azure` name the traces kvyard ships; anything else is a path (.jsonl or .csv, maybe .gz)."""
     if name_or_path in TRACE_FILES:
-        return shared_dir() / TRACE_FILES[name_or_path]
+        return TRACE_DIR / TRACE_FILES[name_or_path]
     return Path(name_or_path)
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    if path.suffix == ".csv":
+    if path.name.removesuffix(".gz").endswith(".csv"):
         return load_azure(path, limit)
     return load_mooncake(path, limit)
 
 
+def open_text(path: Path) -> TextIO:
+    """A trace file's text, gzip-compressed or not."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline="")
+    return path.open(newline="")
+
+
 def load_mooncake(path: Path, limit: int | None = None) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
-    with path.open() as lines:
+    with open_text(path) as lines:
         for number, line in enumerate(lines, start=1):
             if limit is not None and len(requests) >= limit:
                 break
@@ -71,7 +71,7 @@ def load_mooncake(path: Path, limit: int | None = None) -> list[TraceRequest]:
 def load_azure(path: Path, limit: int | None = None) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
     first: datetime | None = None
-    with path.open(newline="") as handle:
+    with open_text(path) as handle:
         for number, row in enumerate(csv.DictReader(handle), start=2):
             if limit is not None and len(requests) >= limit:
                 break
