@@ -40,14 +40,20 @@ LLAMACPP_RUNS = (("f32", "off"), ("f16", "off"), ("f16", "auto"), ("q8_0", "on")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, GGUF files and logs ($KVYARD_BENCH_DIR)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, GGUF files and logs ($KVYARD_BENCH_DIR)",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="random prompts scored at every position")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_cache_quality.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_cache_quality.json", help="JSON result file"
+    )
     return parser.parse_args()
 
 

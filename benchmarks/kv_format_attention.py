@@ -36,13 +36,18 @@ CASES = [(batch, context) for batch in (1, 16, 64) for context in (512, 2048)]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per case and format")
     # None: torch's own thread count, read in main() (torch takes 1 s to import: not before --help has had its chance)
     parser.add_argument("--threads", type=int, default=None, help="threads (None: torch's own count)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_format_attention.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "kv_format_attention.json",
+        help="JSON result file",
+    )
     return parser.parse_args()
 
 

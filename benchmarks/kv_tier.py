@@ -108,8 +108,9 @@ def measure_tier(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="tokens of the stored prompt")
     parser.add_argument("--repeats", type=int, default=3, help="timed reads per tier (median reported)")
     parser.add_argument("--model", default=None, help="model dir (None: the embedded bench model)")

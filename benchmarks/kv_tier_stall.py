@@ -111,13 +111,15 @@ def measure(model: Path, redis: RedisProcess, stored: list[list[int]], args: arg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=4, help="running greedy decodes")
     parser.add_argument("--phase-s", type=float, default=5.0, help="seconds of each phase and of the stall")
     parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each stored prompt")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_tier_stall.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/kv_tier_stall.json", help="JSON result file"
+    )
     args = parser.parse_args()
     from redis_utils import start_redis
 
@@ -136,10 +138,17 @@ def main() -> None:
         finally:
             redis.kill()
     result = {
-        "conditions": {"model": "embedded default (kvyard.testing)", "dtype": "float32", "device": "cpu (2 cores)",
-                       "engine": "offline LLMEngine stepped by hand", "tiers": ["redis"], "streams": args.streams,
-                       "phase_s": args.phase_s, "stored_prompt_tokens": args.prompt_len,
-                       "stall": "redis DEBUG SLEEP for the stall phase"},
+        "conditions": {
+            "model": "embedded default (kvyard.testing)",
+            "dtype": "float32",
+            "device": "cpu (2 cores)",
+            "engine": "offline LLMEngine stepped by hand",
+            "tiers": ["redis"],
+            "streams": args.streams,
+            "phase_s": args.phase_s,
+            "stored_prompt_tokens": args.prompt_len,
+            "stall": "redis DEBUG SLEEP for the stall phase",
+        },
         **results,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -143,8 +143,9 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--prompts", type=int, default=5, help="prompts transferred")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="tokens of each prompt")

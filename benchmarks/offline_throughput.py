@@ -86,9 +86,14 @@ class Engine:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--engines", default=",".join(ALL_ENGINES), help="comma-separated subset of " + ",".join(ALL_ENGINES)
-        + ", or kvyard[-WEIGHTS][+kv-FORMAT][+mm-bf16] (FORMAT: " + ",".join(KV_FORMATS) + "; +mm-bf16: "
-        "--matmul-dtype bfloat16)"
+        "--engines",
+        default=",".join(ALL_ENGINES),
+        help="comma-separated subset of "
+        + ",".join(ALL_ENGINES)
+        + ", or kvyard[-WEIGHTS][+kv-FORMAT][+mm-bf16] (FORMAT: "
+        + ",".join(KV_FORMATS)
+        + "; +mm-bf16: "
+        "--matmul-dtype bfloat16)",
     )
     p.add_argument("--num-prompts", type=int, default=None, help="prompts in the offline batch (default 64, quick 8)")
     p.add_argument("--quick", action="store_true", help="tiny workload for smoke-testing")

@@ -548,7 +548,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def trace_slice(args: argparse.Namespace) -> list[TraceRequest]:
-    requests = load_trace(args.trace, args.skip + args.requests, args.max_output)[args.skip:]
+    requests = load_trace(args.trace, args.skip + args.requests, args.max_output)[args.skip :]
     start = requests[0].arrival_s
     return [dataclasses.replace(r, arrival_s=r.arrival_s - start) for r in requests]
 

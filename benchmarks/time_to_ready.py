@@ -51,15 +51,21 @@ class Server:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, packages and logs ($KVYARD_BENCH_DIR)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, packages and logs ($KVYARD_BENCH_DIR)",
+    )
     parser.add_argument("--peers", default="llamacpp,vllm", help="comma-separated subset of llamacpp,vllm ('' none)")
     parser.add_argument("--repeats", type=int, default=3, help="starts of each server (medians reported)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a server may take to become ready")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "time_to_ready.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "time_to_ready.json", help="JSON result file"
+    )
     return parser.parse_args()
 
 

@@ -136,8 +136,24 @@ def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload
         hits0, queries0 = prefix_counters(replicas)
         cpu0 = cpu_seconds(router.pid)
         result_path = scratch / f"{name.replace(' ', '_')}.json"
-        bench = [sys.executable, "-m", "kvyard", "bench", "--base-url", url, "--model", MODEL, "--seed", str(seed),
-                 "--ideal-block-size", str(VLLM_BLOCK_SIZE), "--no-progress", "--out", str(result_path), *workload]
+        bench = [
+            sys.executable,
+            "-m",
+            "kvyard",
+            "bench",
+            "--base-url",
+            url,
+            "--model",
+            MODEL,
+            "--seed",
+            str(seed),
+            "--ideal-block-size",
+            str(VLLM_BLOCK_SIZE),
+            "--no-progress",
+            "--out",
+            str(result_path),
+            *workload,
+        ]
         started = time.monotonic()
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         wall = time.monotonic() - started

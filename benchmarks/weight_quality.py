@@ -41,17 +41,23 @@ PEERS = PEERS_DIR
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-                        help="models, packages and logs ($KVYARD_BENCH_DIR)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
+        help="models, packages and logs ($KVYARD_BENCH_DIR)",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="random prompts scored at every position")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--gguf-types", default="q8_0,f16", help="llama.cpp conversions compared ('' none)")
     parser.add_argument("--llamacpp-no-repack", action="store_true", help="llama.cpp without its weight repacking "
                         "and AMX path (it crashed on an Intel Xeon VM with AMX)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "weight_quality.json",
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "weight_quality.json", help="JSON result file"
+    )
     return parser.parse_args()
 
 

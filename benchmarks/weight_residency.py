@@ -142,14 +142,16 @@ def ratios_of(results: dict[str, float], rows: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--preset", choices=PRESETS, default="bench", help="whose shapes the weights take")
     parser.add_argument("--verify-rows", type=int, default=5, help="rows of a verification (K + 1)")
     parser.add_argument("--draft-passes", type=int, default=4, help="int8 passes before each fp32 pass (K)")
     parser.add_argument("--repeats", type=int, default=40, help="timed passes per case (medians reported)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_residency.json"),
-                        help="JSON result file")
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/weight_residency.json"), help="JSON result file"
+    )
     args = parser.parse_args()
     from kvyard.bench.provenance import command_line, git_state, host, utc_now
     from kvyard.testing.create_model import preset_spec

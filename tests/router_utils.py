@@ -17,7 +17,11 @@ from tests.server_utils import ADMIN, ServerProcess, free_port
 
 
 def start_router(
-    log_dir: Path, replicas: list[str], *extra: str, timeout: float = 60.0, replicas_publish_events: bool = True,
+    log_dir: Path,
+    replicas: list[str],
+    *extra: str,
+    timeout: float = 60.0,
+    replicas_publish_events: bool = True,
     wait_healthy: bool = True,
 ) -> ServerProcess:
     """A router over `replicas`, returned once every replica is healthy and (when replicas publish KV events) its

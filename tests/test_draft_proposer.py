@@ -35,8 +35,13 @@ def token_ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY)
 
 
 def draft(method: str, draft_dir: Path | None = None, **options: object) -> SpeculativeConfig:
-    return SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=False,
-                             draft_model=str(draft_dir) if draft_dir else None, **options)  # type: ignore[arg-type]
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=4,
+        adaptive=False,
+        draft_model=str(draft_dir) if draft_dir else None,
+        **options,
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +206,8 @@ def test_a_self_draft_leaves_the_served_models_blocks_as_they_were(llama_dir: Pa
         assert isinstance(proposer, SelfDraftProposer)
         proposer.propose(engine.scheduler.running, [4] * len(engine.scheduler.running))
         assert all(torch.equal(old, new) for old, new in zip(before, contents(held + cached), strict=True))
+
+
 def test_sampled_requests_with_a_draft_keep_their_seeded_output(llama_dir: Path) -> None:
     batch = prompts(4, seed=4)
     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=9, ignore_eos=True)

@@ -270,7 +270,6 @@ def test_a_full_write_queue_drops_blocks_instead_of_blocking(llama_dir: Path, tm
         assert output.token_ids == plain.generate([PROMPT], params)[0].token_ids
 
 
-
 def route_turn(router: ServerProcess, prompt: list[int], session: str = "chat-1") -> tuple[str, dict[str, int], str]:
     """One turn through the router: the replica that served it, its cached tokens by source, and its text."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}

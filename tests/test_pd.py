@@ -163,9 +163,7 @@ def test_kv_transfer_params_need_the_admin_key(pair: tuple[ServerProcess, Server
         assert admitted.status_code == 200
 
 
-def test_a_prefill_replica_killed_mid_transfer_falls_back(
-    model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_a_prefill_replica_killed_mid_transfer_falls_back(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     model = model_dirs["llama"]
     prefill = start_server(model, tmp_path, "--kv-tier", "none")
     decode = start_server(model, tmp_path, "--kv-tier", "none")

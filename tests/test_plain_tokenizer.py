@@ -236,9 +236,11 @@ def test_directories_transformers_must_read(llama_dir: Path, tmp_path: Path) -> 
 
 
 def test_serving_path_does_not_import_transformers(llama_dir: Path) -> None:
-    script = ("import sys\nfrom kvyard.engine.llm import LLM\nllm = LLM(sys.argv[1])\n"
-              "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')\n"
-              "print(type(llm.tokenizer).__name__, loaded)")
+    script = (
+        "import sys\nfrom kvyard.engine.llm import LLM\nllm = LLM(sys.argv[1])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')\n"
+        "print(type(llm.tokenizer).__name__, loaded)"
+    )
     result = subprocess.run([sys.executable, "-c", script, str(llama_dir)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["PlainTokenizer", "[]"], result.stdout

@@ -110,8 +110,10 @@ def test_int8_linear_gives_the_same_rows_through_the_kernel_and_the_dequantized_
 
 
 # in_features from 1024 on: two chains per sum (AVX2); 1032: and a last group of 8 weights
-@pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 64, 128), (9, 19, 64), (17, 130, 40), (3, 5, 7), (7, 19, 1408), (13, 9, 1032)])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 64, 128), (9, 19, 64), (17, 130, 40), (3, 5, 7), (7, 19, 1408), (13, 9, 1032)],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_half_kernel_matches_a_float64_reference(
     vector_kernels: NativeKernels, rows: int, out_features: int, in_features: int, dtype: torch.dtype

@@ -157,7 +157,6 @@ def test_logprobs(client: openai.OpenAI) -> None:
 # ---------------------------------------------------------------------------- concurrency and cancellation
 
 
-
 def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, llama_dir: Path) -> None:
     llm = LLM(str(llama_dir))
     forced = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=5, temperature=0.7,
@@ -173,6 +172,7 @@ def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, llama
     )  # fmt: skip
     plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert result.choices[0].text == llm.generate([prompt], penalised)[0].text != plain[0].text
+
 
 def test_fifty_concurrent_streams_complete_with_correct_usage(server: ServerProcess) -> None:
     async def one(client: openai.AsyncOpenAI, index: int) -> tuple[int, int]:

@@ -128,8 +128,12 @@ def test_a_burst_of_disaggregated_requests_spreads_over_the_prefill_pool(tmp_pat
 
             async def send_all() -> list[httpx.Response]:
                 async with httpx.AsyncClient(timeout=120) as client:
-                    return await asyncio.gather(*(client.post(f"{router.url}/v1/completions",
-                                                              json={"ignore_eos": True, **body}) for body in burst))
+                    return await asyncio.gather(
+                        *(
+                            client.post(f"{router.url}/v1/completions", json={"ignore_eos": True, **body})
+                            for body in burst
+                        )
+                    )
 
             assert all(response.status_code == 200 for response in asyncio.run(send_all()))
             legs = [labelled_metric(metrics(url), "kvyard_requests_total") for url in sim.urls[:3]]
@@ -210,7 +214,6 @@ def test_kvyard_sim_rejects_more_prefill_replicas_than_replicas() -> None:
 def test_pd_roles() -> None:
     assert pd_roles(3, 0) == ["unified"] * 3
     assert pd_roles(4, 1) == ["prefill", "decode", "decode", "decode"]
-
 
 
 def test_pulled_blocks_of_waiting_requests_never_stall_the_decode_replica() -> None:

@@ -244,8 +244,14 @@ def test_kvyard_sim_rejects_a_negative_tier_capacity() -> None:
 def test_kvyard_sim_help_lists_the_tier_settings() -> None:
     result = kvyard_sim("--help")
     assert result.returncode == 0
-    for flag in ("--host-tier-blocks", "--host-tier-gb-per-s", "--shared-store-blocks", "--shared-store-gb-per-s",
-                 "--shared-store-latency-s", "--tier-load-deadline-s"):
+    for flag in (
+        "--host-tier-blocks",
+        "--host-tier-gb-per-s",
+        "--shared-store-blocks",
+        "--shared-store-gb-per-s",
+        "--shared-store-latency-s",
+        "--tier-load-deadline-s",
+    ):
         assert flag in result.stdout
 
 

@@ -41,7 +41,9 @@ def test_hermes_parser_reads_content_and_every_call() -> None:
     parser = HermesParser()
     calls = parser.calls(HERMES_TEXT, finished=True)
     assert calls is not None and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}),
+        ("get_time", {"zone": "CET"}),
+    ]
     assert HERMES_TEXT[: parser.content_end(HERMES_TEXT, True)] == "Let me check. "
     unclosed = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'  # the model stopped before the tag
     assert parser.calls(unclosed, finished=False) == []
@@ -123,8 +125,11 @@ def test_required_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
     _assert_valid_calls(choice.message.tool_calls)
     call = choice.message.tool_calls[0]
-    history: Any = [USER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 7, "sky": "rain"}'}]
+    history: Any = [
+        USER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 7, "sky": "rain"}'},
+    ]
     answer = client.chat.completions.create(model="tiny-llama", messages=history, tools=TOOLS, max_tokens=8,
                                             temperature=0)  # fmt: skip
     assert answer.choices[0].message.role == "assistant" and answer.choices[0].finish_reason in ("stop", "length")
@@ -134,8 +139,15 @@ def test_required_tool_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_streamed_required_and_named_calls(client: openai.OpenAI) -> None:
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        stream = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=5,
-                                                tool_choice=tool_choice, max_tokens=300, stream=True)  # type: ignore[arg-type]
+        stream = client.chat.completions.create(
+            model="tiny-llama",
+            messages=[USER],
+            tools=TOOLS,
+            seed=5,
+            tool_choice=tool_choice,
+            max_tokens=300,
+            stream=True,
+        )  # type: ignore[arg-type]
         calls: dict[int, dict[str, str]] = {}
         finish = None
         for chunk in stream:
@@ -167,14 +179,27 @@ def test_streamed_required_and_named_calls(client: openai.OpenAI) -> None:
 
 
 def test_named_call_and_parallel_calls_off(client: openai.OpenAI) -> None:
-    named = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=1, max_tokens=300,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[USER],
+        tools=TOOLS,
+        seed=1,
+        max_tokens=300,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     calls = named.choices[0].message.tool_calls
     assert calls is not None and [c.function.name for c in calls] == ["get_weather"]
     _assert_valid_calls(calls)
     for seed in range(6):
-        single = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=seed,
-                                                tool_choice="required", parallel_tool_calls=False, max_tokens=300)
+        single = client.chat.completions.create(
+            model="tiny-llama",
+            messages=[USER],
+            tools=TOOLS,
+            seed=seed,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=300,
+        )
         assert single.choices[0].message.tool_calls is not None and len(single.choices[0].message.tool_calls) == 1
 
 
@@ -202,10 +227,17 @@ def test_auto_renders_the_tools_and_returns_plain_text_without_calls(client: ope
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
-          "tool_choice": "required"}, "tools"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
-         "messages.0.tool_calls.0.function.arguments"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
+            "messages.0.tool_calls.0.function.arguments",
+        ),
     ],
 )
 def test_bad_tool_requests_get_a_400_naming_the_field(server: ServerProcess, body: dict[str, Any], param: str) -> None:

@@ -205,5 +205,10 @@ def compare_speculation(prompts: list[list[int]], plain: Generate, speculative: 
         rows.append({"plain_s": (before + after) / 2, "lookup_s": seconds, "equal": guessed == reference})
     plain_s, lookup_s = sum(r["plain_s"] for r in rows), sum(r["lookup_s"] for r in rows)
     total = output_tokens * len(rows)
-    return {"plain_tokens_per_s": total / plain_s, "lookup_tokens_per_s": total / lookup_s,
-            "speedup": plain_s / lookup_s, "outputs_equal": all(r["equal"] for r in rows), "per_prompt": rows}
+    return {
+        "plain_tokens_per_s": total / plain_s,
+        "lookup_tokens_per_s": total / lookup_s,
+        "speedup": plain_s / lookup_s,
+        "outputs_equal": all(r["equal"] for r in rows),
+        "per_prompt": rows,
+    }

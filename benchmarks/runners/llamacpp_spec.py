@@ -62,8 +62,9 @@ def main() -> None:
     plain = Llama(**common)
     # With a draft model llama-cpp-python computes logits for every position whatever logits_all says, but sizes its
     # logits array by it: False leaves n_batch (512) rows, and a sequence longer than that fails.
-    lookup = Llama(**{**common, "logits_all": True},
-                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens))
+    lookup = Llama(
+        **{**common, "logits_all": True}, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens)
+    )
     eos = plain.token_eos()
     result = compare_speculation(prompts, partial(generate, plain, output_tokens=args.output_tokens, eos=eos),
                                  partial(generate, lookup, output_tokens=args.output_tokens, eos=eos),

@@ -52,8 +52,12 @@ def main() -> None:
                    "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}  # fmt: skip
     plain = LLM(**common)
     lookup = LLM(**common, speculative_config=speculative)
-    result = compare_speculation(prompts, partial(generate, plain, output_tokens=args.output_tokens),
-                                 partial(generate, lookup, output_tokens=args.output_tokens), args.output_tokens)
+    result = compare_speculation(
+        prompts,
+        partial(generate, plain, output_tokens=args.output_tokens),
+        partial(generate, lookup, output_tokens=args.output_tokens),
+        args.output_tokens,
+    )
     result["speculative_config"] = speculative
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -59,8 +59,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if action.option_strings and default is not None and default is not argparse.SUPPRESS \
-                and not isinstance(default, bool):
+        if (
+            action.option_strings
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and not isinstance(default, bool)
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -90,8 +94,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt token ids are drawn from [0, N); 1000 fits every kvyard preset")  # fmt: skip
 
     load = parser.add_argument_group("load")
-    load.add_argument("--workload", choices=WORKLOADS, default="random",
-                      help="what to send (options per workload below)")
+    load.add_argument(
+        "--workload", choices=WORKLOADS, default="random", help="what to send (options per workload below)"
+    )
     load.add_argument("--num-requests", type=int, default=None,
                       help="requests (random, shared-prefix: default 100; trace: a limit, default all)")  # fmt: skip
     load.add_argument("--concurrency", type=int, default=None,

@@ -11,8 +11,10 @@ from typing import Any
 
 from kvyard.cli import fail
 
-DESCRIPTION = ("Run a fleet on Ray from a spec: replicas by role (unified, prefill, decode), routers kept "
-               "current as replicas come, die and go, and a shared KV tier. Also --status, --scale and --down.")
+DESCRIPTION = (
+    "Run a fleet on Ray from a spec: replicas by role (unified, prefill, decode), routers kept "
+    "current as replicas come, die and go, and a shared KV tier. Also --status, --scale and --down."
+)
 EPILOG = """examples:
   kvyard deploy fleet.yaml                       start it (a local Ray cluster if none runs)
   kvyard deploy fleet.yaml --address HEAD:6379   on a multi-node Ray cluster
@@ -92,7 +94,11 @@ def _deploy(spec: Any, controller: Any, as_json: bool, timeout_s: float) -> int:
     if controller is None:
         keys = FleetSecrets(secrets.token_urlsafe(24), secrets.token_urlsafe(24), secrets.token_urlsafe(24))
         controller = ControllerActor.options(
-            name=CONTROLLER, namespace=spec.namespace, lifetime="detached", max_restarts=-1, max_concurrency=16,
+            name=CONTROLLER,
+            namespace=spec.namespace,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=16,
             num_cpus=0,
         ).remote(spec, keys)
         _say(f"fleet {spec.name}: starting {_summary(spec)}")
@@ -165,8 +171,10 @@ def _placement_hint(waiting: list[dict[str, Any]]) -> str:
     free, total = ray.available_resources(), ray.cluster_resources()
     have = ", ".join(f"{key} {free.get(key, 0):g} of {total[key]:g}" for key in sorted(total)
                      if key in ("CPU", "GPU") or key in {k for m in waiting for k in m["needs"]})  # fmt: skip
-    return (f"waiting for Ray to place them: {asks}. Free in the cluster: {have}. Lower num_cpus/num_gpus in the "
-            "spec, add nodes, or --down")
+    return (
+        f"waiting for Ray to place them: {asks}. Free in the cluster: {have}. Lower num_cpus/num_gpus in the "
+        "spec, add nodes, or --down"
+    )
 
 
 def _resources(needs: dict[str, float]) -> str:
@@ -182,8 +190,13 @@ def _print_status(status: dict[str, Any], as_json: bool) -> int:
               router.items()}  # fmt: skip
     for member in status["members"]:
         state = routed.get(member.get("url"), {}).get("state", "-") if member["role"] != "router" else "-"
-        health = "ready" if member["reachable"] else "failed" if member["error"] else (
-            "restarting" if member.get("url") else "starting")
+        health = (
+            "ready"
+            if member["reachable"]
+            else "failed"
+            if member["error"]
+            else ("restarting" if member.get("url") else "starting")
+        )
         print(f"  {member['name']:<22} {health:<10} {member.get('url', '-'):<28} router view: {state:<9} "
               f"node {member.get('node_ip', '-')}")  # fmt: skip
         if member["error"]:

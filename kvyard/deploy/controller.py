@@ -95,8 +95,10 @@ class FleetController:
                         self._members]  # fmt: skip
             for role in ROLES:
                 present = len(self._replicas(role))
-                starting += [self._start_replica(role, i) for i in self._free_indices(role, present,
-                                                                                       self.spec.roles[role].replicas)]
+                starting += [
+                    self._start_replica(role, i)
+                    for i in self._free_indices(role, present, self.spec.roles[role].replicas)
+                ]
         self._wait_ready(starting)
         self._wait_routed()
         return self.status()
@@ -279,8 +281,15 @@ class FleetController:
                 command.append("--kv-redis-cluster")
         command += spec.roles[role].options
         env = {API_KEYS_ENV: self.secrets.replica_api_key, ADMIN_KEY_ENV: self.secrets.replica_admin_key}
-        process = ProcessSpec(f"replica-{role}-{index}", tuple(command), env, None, None,
-                              log_dir=f"/tmp/kvyard-deploy/{spec.namespace}", ready_timeout_s=spec.ready_timeout_s)
+        process = ProcessSpec(
+            f"replica-{role}-{index}",
+            tuple(command),
+            env,
+            None,
+            None,
+            log_dir=f"/tmp/kvyard-deploy/{spec.namespace}",
+            ready_timeout_s=spec.ready_timeout_s,
+        )
         return self._start(process, role, index, spec.roles[role].placement)
 
     def _start_router(self, index: int) -> Member:
@@ -295,9 +304,15 @@ class FleetController:
 
     def _start(self, process: ProcessSpec, role: str, index: int, placement: Placement) -> Member:
         handle = ProcessActor.options(  # type: ignore[attr-defined]
-            name=process.name, namespace=self.spec.namespace, lifetime="detached", max_restarts=-1,
-            max_concurrency=4, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
-            resources=placement.resources or None, scheduling_strategy="SPREAD" if placement.spread else "DEFAULT",
+            name=process.name,
+            namespace=self.spec.namespace,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=4,
+            num_cpus=placement.num_cpus,
+            num_gpus=placement.num_gpus,
+            resources=placement.resources or None,
+            scheduling_strategy="SPREAD" if placement.spread else "DEFAULT",
         ).remote(process)
         needs = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
         member = Member(process.name, role, index, handle, needs={k: v for k, v in needs.items() if v})
@@ -348,4 +363,3 @@ def _failed_to_start(error: Exception) -> bool:
 
 
 ControllerActor = ray.remote(FleetController)
-

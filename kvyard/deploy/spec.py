@@ -198,8 +198,9 @@ def _placement(doc: Mapping[str, Any], where: str, defaults: Placement) -> Place
     return Placement(
         num_cpus=_number(doc.get("num_cpus", defaults.num_cpus), f"{where}.num_cpus", minimum=0.0),
         num_gpus=_number(doc.get("num_gpus", defaults.num_gpus), f"{where}.num_gpus", minimum=0.0),
-        resources={str(key): _number(value, f"{where}.resources.{key}", minimum=0.0)
-                   for key, value in resources.items()},
+        resources={
+            str(key): _number(value, f"{where}.resources.{key}", minimum=0.0) for key, value in resources.items()
+        },
         spread=_boolean(doc.get("spread", defaults.spread), f"{where}.spread"),
     )
 
@@ -250,7 +251,7 @@ _SET_FOR_ROUTERS = ("--host", "--port", "--policy", "--admin-key", "--replica", 
 
 def _options(value: Any, where: str, set_by_deploy: tuple[str, ...]) -> tuple[str, ...]:
     if isinstance(value, str):
-        raise SpecError(f"{where} must be a list of command-line words, e.g. [\"--max-num-seqs\", \"64\"]")
+        raise SpecError(f'{where} must be a list of command-line words, e.g. ["--max-num-seqs", "64"]')
     if not isinstance(value, list):
         raise SpecError(f"{where} must be a list, got {type(value).__name__}")
     words = []

@@ -23,8 +23,17 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 HEADER = SOURCE_DIR / "kvyard_kernels.h"  # declares every exported function; the bindings check against it
-SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_store.c", "small_linear.c", "small_linear_int8.c",
-           "small_linear_half.c", "int8_to_bf16.c", "elementwise.c", "decode_layer.c")
+SOURCES = (
+    "paged_attention.c",
+    "prefill_attention.c",
+    "kv_store.c",
+    "small_linear.c",
+    "small_linear_int8.c",
+    "small_linear_half.c",
+    "int8_to_bf16.c",
+    "elementwise.c",
+    "decode_layer.c",
+)
 # Included by the sources: part of the build fingerprint.
 _HEADERS = ("kvyard_kernels.h", "vec_math.h", "half_float.h", "kv_rows.h", "row_dispatch.h", "prefetch.h")
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")

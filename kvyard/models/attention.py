@@ -107,8 +107,9 @@ def build_attention_metadata(
         block_tables[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:]
     ):
         prefills.append(
-            _prefill_span(query_start, query_len, context_len, table, block_size, dtype, device, with_masks,
-                          keys_from_cache)
+            _prefill_span(
+                query_start, query_len, context_len, table, block_size, dtype, device, with_masks, keys_from_cache
+            )
         )
         query_start += query_len
     decode_tables = _decode_tables(block_tables[:num_decodes], context_lens[:num_decodes], block_size)

@@ -85,7 +85,6 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out.add_(bias)
 
 
-
 class NativeElementwise:
     """A layer whose elementwise work the native kernels can fuse; plain PyTorch while `native` is None."""
 

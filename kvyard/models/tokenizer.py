@@ -173,8 +173,10 @@ def _added_tokens_mismatch(config: dict[str, Any], tokenizer_json: dict[str, Any
     contents = {token["content"] for token in in_json.values()}
     for token_id, token in config["added_tokens_decoder"].items():
         stored = in_json.get(int(token_id))
-        if not isinstance(token, dict) or stored is None or any(
-            token.get(field) != stored.get(field) for field in ADDED_TOKEN_FIELDS
+        if (
+            not isinstance(token, dict)
+            or stored is None
+            or any(token.get(field) != stored.get(field) for field in ADDED_TOKEN_FIELDS)
         ):
             return f"added token {token_id} of tokenizer_config.json differs from tokenizer.json's"
     listed = [config.get(name) for name in NAMED_SPECIAL_TOKENS]

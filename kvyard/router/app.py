@@ -118,9 +118,7 @@ class Router:
         except OSError as error:
             _LOG.error("cannot read the API-key file, keeping the current keys: %s", error)
 
-    def candidates(
-        self, model: str | None, exclude: set[str], kinds: frozenset[str] | None = None
-    ) -> list[Replica]:
+    def candidates(self, model: str | None, exclude: set[str], kinds: frozenset[str] | None = None) -> list[Replica]:
         """Routable replicas (Registry.routable) serving `model`, less `exclude`, of one of `kinds` if given (one
         list object per state of the fleet and model, so a policy can keep lookups over it)."""
         routable = self.registry.routable()

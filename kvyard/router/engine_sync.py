@@ -206,4 +206,3 @@ class EngineEventSync:
             return None
         finally:
             dealer.close(linger=0)
-

@@ -101,8 +101,10 @@ class PDPlanner:
                       if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)]  # fmt: skip
         if not compatible:
             raise APIError(503, _mismatch_message(decode.replica, prefillers), code="pd_model_mismatch")
-        if self.config.disaggregation == "conditional" and request.token_ids and self._prefill_pool_busy(
-            request, decode, compatible
+        if (
+            self.config.disaggregation == "conditional"
+            and request.token_ids
+            and self._prefill_pool_busy(request, decode, compatible)
         ):
             decode.prefill_cost = self._local_prefill_cost(request, decode)
             return PDPlan(decode, None, "prefill_busy")

@@ -198,4 +198,3 @@ def _carries_nothing(kind: str, choice: dict[str, Any]) -> bool:
     if kind == "chat":
         return not choice.get("delta")
     return not choice.get("text")
-

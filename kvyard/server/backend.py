@@ -22,6 +22,7 @@ class Vocabulary(Protocol):
     """Text to token ids and back, with the model's chat template."""
 
     cheap: bool  # True: fast enough to run on the event loop whatever the size (the simulator's bytes)
+
     @property
     def chat_template(self) -> str | None:
         """The template's source, when the model has one."""

@@ -42,4 +42,3 @@ class ServerOptions:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.max_queued_seqs < 0:
             raise ValueError(f"max_queued_seqs must be >= 0, got {self.max_queued_seqs}")
-

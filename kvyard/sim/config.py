@@ -84,13 +84,31 @@ class SimConfig:
     event_log_capacity: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("time_scale", "transfer_gb_per_s", "host_tier_gb_per_s", "shared_store_gb_per_s",
-                     "tier_load_deadline_s", "block_size", "num_kv_blocks", "max_model_len", "vocab_size",
-                     "event_log_capacity", "kv_bytes_per_token"):
+        for name in (
+            "time_scale",
+            "transfer_gb_per_s",
+            "host_tier_gb_per_s",
+            "shared_store_gb_per_s",
+            "tier_load_deadline_s",
+            "block_size",
+            "num_kv_blocks",
+            "max_model_len",
+            "vocab_size",
+            "event_log_capacity",
+            "kv_bytes_per_token",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stream_interval_s", "tick_s", "catch_up_s", "transfer_latency_s", "shared_store_latency_s",
-                     "host_tier_blocks", "shared_store_blocks", "tier_load_min_speedup"):
+        for name in (
+            "stream_interval_s",
+            "tick_s",
+            "catch_up_s",
+            "transfer_latency_s",
+            "shared_store_latency_s",
+            "host_tier_blocks",
+            "shared_store_blocks",
+            "tier_load_min_speedup",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

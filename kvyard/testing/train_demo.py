@@ -226,8 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(defaults)})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     info = train(args.out, settings)
-    say(f"done: {info['steps']} steps, {info['tokens']:,} tokens, held-out perplexity "
-        f"{info['held_out_perplexity_before']:.1f} -> {info['held_out_perplexity']:.1f}; saved to {args.out}")
+    say(
+        f"done: {info['steps']} steps, {info['tokens']:,} tokens, held-out perplexity "
+        f"{info['held_out_perplexity_before']:.1f} -> {info['held_out_perplexity']:.1f}; saved to {args.out}"
+    )
     return 0
 
 
