@@ -113,6 +113,7 @@ def test_disk_tier_survives_a_restart_and_drops_a_corrupt_file(
     finally:
         first_server.stop()  # a graceful stop writes out whatever is still queued
     assert first == [Completion(text, 0) for text in reference_texts]
+    assert f"KV tier: memory (2 GB) -> disk ({disk}, 32 GB)" in first_server.log()  # where blocks go, said
     damaged = damage_disk_block(disk, prompt_keys(llama_dir, PROMPTS[1])[5])
 
     second_server = start_server(llama_dir, tmp_path, "--kv-tier", "disk", "--kv-disk-dir", disk)

@@ -331,8 +331,12 @@ def test_store_never_serves_a_block_of_another_namespace(tmp_path: Path) -> None
 
 
 def test_tier_config_parses_specs_and_rejects_bad_ones(tmp_path: Path) -> None:
-    assert KVTierConfig.from_spec(None).tiers == ("memory", "disk")  # type: ignore[union-attr]
-    assert KVTierConfig.from_spec(None, redis_url="redis://x").tiers == ("memory", "disk", "redis")  # type: ignore[union-attr]
+    assert KVTierConfig.from_spec(None).tiers == ("memory",)  # type: ignore[union-attr]  # nothing on disk unasked
+    on_disk = KVTierConfig.from_spec(None, disk_dir=str(tmp_path))
+    assert on_disk is not None and on_disk.tiers == ("memory", "disk") and str(tmp_path) in on_disk.describe()
+    shared = KVTierConfig.from_spec(None, redis_url="rediss://:hunter2@kv:6380/0")
+    assert shared is not None and shared.tiers == ("memory", "redis")
+    assert "hunter2" not in shared.describe() and "kv:6380" in shared.describe()
     assert KVTierConfig.from_spec("none") is None
     assert KVTierConfig.from_spec("disk", disk_dir=str(tmp_path)).tiers == ("disk",)  # type: ignore[union-attr]
     for bad in ("memory,tape", "redis", "disk,disk"):

@@ -26,7 +26,7 @@ class KVTierConfig:
 
     tiers: tuple[str, ...] | None = setting(
         None, flag="--kv-tier", metavar="TIERS", help="comma-separated tiers from memory,disk,redis; none turns "
-        "the tier off", default_text="memory,disk, plus redis when --kv-redis-url is given",
+        "the tier off", default_text="memory, plus disk when --kv-disk-dir is given and redis when --kv-redis-url is",
     )  # fmt: skip
     memory_gb: float = setting(2.0, flag="--kv-memory-gb", help="budget of the host-memory tier")
     disk_dir: str | None = setting(None, flag="--kv-disk-dir", help="directory of the disk tier (none: kv-blocks "
@@ -49,8 +49,9 @@ class KVTierConfig:
     queue_bytes: int = 512 << 20  # blocks waiting to be written beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
-        if self.tiers is None:
-            object.__setattr__(self, "tiers", ("memory", "disk", "redis") if self.redis_url else ("memory", "disk"))
+        if self.tiers is None:  # nothing is written to disk or sent anywhere unless asked
+            tiers = ("memory",) + (("disk",) if self.disk_dir else ()) + (("redis",) if self.redis_url else ())
+            object.__setattr__(self, "tiers", tiers)
         assert self.tiers is not None
         unknown = [name for name in self.tiers if name not in TIER_NAMES]
         if unknown or not self.tiers:
@@ -71,12 +72,21 @@ class KVTierConfig:
 
     @staticmethod
     def from_spec(spec: str | None, redis_url: str | None = None, **options: object) -> KVTierConfig | None:
-        """`"memory,disk,redis"`; None or "" means the default (memory, disk, plus redis when a URL
-        is given); "none" turns the tier off."""
+        """`"memory,disk,redis"`; None or "" means the default (memory, plus disk when a directory is given and
+        redis when a URL is); "none" turns the tier off."""
         tiers = tuple(name.strip().lower() for name in (spec or "").split(",") if name.strip()) or None
         if tiers == ("none",):
             return None
         return KVTierConfig(tiers=tiers, redis_url=redis_url, **options)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """Where blocks go, for a server's log (the Redis URL without its password)."""
+        parts = {
+            "memory": f"memory ({self.memory_gb:g} GB)",
+            "disk": f"disk ({self.disk_dir or default_disk_dir()}, {self.disk_gb:g} GB)",
+            "redis": f"redis ({_without_password(self.redis_url or '')}, expiring after {self.redis_ttl_s} s)",
+        }
+        return " -> ".join(parts[name] for name in TIER_NAMES if name in self.active_tiers)  # fmt: skip
 
     def build(self) -> TieredStore:
         order = {name: index for index, name in enumerate(TIER_NAMES)}
@@ -109,3 +119,9 @@ class KVTransferConfig:
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "kv_transfer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def _without_password(url: str) -> str:
+    scheme, separator, rest = url.partition("://")
+    _credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{separator}{'***@' if at else ''}{host}" if separator else url

@@ -61,6 +61,7 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
 
 async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEngine]) -> None:
     say(f"loading {config.model} ...")
+    say(f"KV tier: {config.kv_tier.describe() if config.kv_tier else 'off'}")
     started = time.monotonic()
     admin_key = admin_key_of(app.options.access.admin_key)
     # Prefill replicas share the fleet's admin key; without one there is no PD.
