@@ -285,10 +285,13 @@ def expand(command: list[str], port: int, workers: list[str]) -> list[str]:
     return out
 
 
-async def wait_ready(url: str, timeout: float) -> None:
+async def wait_ready(url: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until the router at `url` lists a model; a router `process` that exits (a port taken, say) ends the wait."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"router exited with status {process.returncode} before it was ready")
             try:
                 async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as response:
                     if response.status == 200 and json.loads(await response.read()).get("data"):
@@ -387,7 +390,7 @@ def across_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for router, completed in by_router.items():
         row: dict[str, Any] = {"router": router, "rounds": len(completed)}
-        for metric in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p99_s", "requests_per_s"):
+        for metric in ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_excess_p99_s", "requests_per_s"):
             row[metric] = spread([run[metric] for run in completed])
         summary.append(row)
     return summary
@@ -411,6 +414,7 @@ def summarize(name: str, results: list[Result], elapsed: float, floors: list[flo
         "failed_messages": dict(Counter(r.error_message for r in results if r.error_message).most_common(5)),
         "failed_by_replay_minute": dict(sorted(Counter(int(r.sent_s // 60) for r in results if not r.ok).items())),
         "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p90_s": percentile(ttfts, 0.9),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "ttft_excess_p50_s": percentile(excess, 0.5),
         "ttft_excess_p99_s": percentile(excess, 0.99),
@@ -464,7 +468,7 @@ def run_target(target: Target, args: argparse.Namespace, requests: list[TraceReq
     router = subprocess.Popen(command, stdout=(logs / f"router-{slug}.log").open("wb"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_ready(url, 90))
+        asyncio.run(wait_ready(url, 90, router))
         results, elapsed = asyncio.run(replay(url, requests, prompts, speedup))
         summary = summarize(target.name, results, elapsed, floors)
         write_per_request(logs / f"requests-{slug}-round{round_number}.jsonl", results, floors)
@@ -611,7 +615,7 @@ def main() -> int:
         "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
         "utilisation_window_s": args.utilisation_window_s or "whole replay",
         "mean_utilisation_estimate": args.utilisation * work / trace_span / work_rate,
-        "ideal_hit_ratio_subset": ideal, "ideal_hit_ratio_full_trace": 0.366,
+        "ideal_hit_ratio_subset": ideal, "trace": args.trace.name,
         "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
         "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
         "shared_store_blocks": args.shared_store_blocks,
