@@ -259,3 +259,21 @@ def test_negative_pd_token_settings_are_refused_naming_the_flag() -> None:
         RouterConfig(pd_local_prefill_tokens=-1)
     with pytest.raises(ValueError, match="--pd-decode-prefill-budget must be 0 or more, got -1"):
         RouterConfig(pd_decode_prefill_budget=-1)
+
+
+def test_a_session_key_shared_by_many_conversations_keeps_none_of_them_home() -> None:
+    """One `user` for a whole service is not a conversation: a request that does not continue the key's last
+    prompt is not held on that prompt's replica (every conversation would pile up there); the prefix it shares
+    still counts as any cached prefix does."""
+    policy = CacheAware(RouterConfig(recompute_weight=1.0, session_recompute_weight=300.0))
+    a, b = fleet(policy)  # a holds HISTORY, which both conversations start with (a shared system prompt)
+    first, other = [*HISTORY, *range(10_000, 14_096)], [*HISTORY, *range(20_000, 24_096)]
+    a.pending_prefill_cost = 10.0
+    assert policy.choose(RouteRequest("completion", {"model": "m"}, "service", first, None), [a, b]).replica is a
+    a.pending_prefill_cost = 3 * policy.prefill_cost(len(HISTORY), 0)  # more queued than the shared prefix saves
+    assert policy.choose(RouteRequest("completion", {"model": "m"}, "service", other, None), [a, b]).replica is b
+    a.pending_prefill_cost = 10.0
+    assert policy.choose(RouteRequest("completion", {"model": "m"}, "chat", first, None), [a, b]).replica is a
+    a.pending_prefill_cost = 3 * policy.prefill_cost(len(HISTORY), 0)
+    follow_up = [*first, *range(30_000, 30_100)]  # continues the key's last prompt: its history stays home
+    assert policy.choose(RouteRequest("completion", {"model": "m"}, "chat", follow_up, None), [a, b]).replica is a

@@ -150,7 +150,10 @@ class CacheAware:
     Moving a session (a header or the `user` field) away from the replica that served its last turn is charged
     `session_recompute_weight` times the prefill that replica would have saved: a conversation's history is
     needed again by its next turn, and a copy elsewhere evicts other sessions' histories, while a prefix shared by
-    many sessions is worth holding twice when its replica is overloaded. Loads are not charged these weights: a
+    many sessions is worth holding twice when its replica is overloaded. A request is its session's next turn only
+    when its prompt starts with most of the session's last one: a key shared by many conversations keeps none of
+    them home.
+    Loads are not charged these weights: a
     load delays only its own request, and what a copy evicts stays loadable. So when the shared store holds the
     history, a move costs only its load, and a continuing turn leaves a busy replica for an idle one. There is no global
     switch between cache and load: a hot prefix whose replica is overloaded costs more there than a full prefill
@@ -166,7 +169,7 @@ class CacheAware:
     _decisions: itertools.count[int] = field(default_factory=itertools.count)
     _last_chosen: dict[str, int] = field(default_factory=dict)  # url -> number of the decision that last chose it
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
-    _last_replica: OrderedDict[str, str] = field(default_factory=OrderedDict)  # session key -> url
+    _last_replica: OrderedDict[str, SessionTurn] = field(default_factory=OrderedDict)  # session key -> last turn
 
     def choose(
         self, request: RouteRequest, candidates: list[Replica], uncached_cost: UncachedCost | None = None
@@ -177,7 +180,8 @@ class CacheAware:
         tokens = request.token_ids
         now = time.monotonic()
         keys_by_root: dict[Any, PromptKeys] = {}
-        home_url = self._last_replica.get(request.session_key) if request.session_key else None
+        last_turn = self._last_replica.get(request.session_key) if request.session_key else None
+        home_url = last_turn.url if last_turn is not None else None
         if len(candidates) > self.config.full_scan_replicas:
             fleet = self._fleet_view(candidates, now)
             rates = fleet.rates
@@ -194,7 +198,10 @@ class CacheAware:
             else:
                 options.append((replica, None, 0.0))
         cheapest = min(cost for _, _, cost in options)
-        home_cost = next((cost for replica, _, cost in options if replica.url == home_url), None)
+        home = next((replica for replica, _, _ in options if replica.url == home_url), None)
+        if home is not None and last_turn is not None and not self._continues(request, home, last_turn, keys_by_root):
+            home_url = home = None  # the same session key, another conversation: no history of its own to keep
+        home_cost = next((cost for replica, _, cost in options if replica is home), None)
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
         best_load_s = 0.0
@@ -219,13 +226,15 @@ class CacheAware:
         chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s,
                           prefill_ahead=self.prefill_ahead(replica), running=_running(replica))  # fmt: skip
         self._last_chosen[replica.url] = next(self._decisions)
+        keys = keys_by_root[self._root(request, replica)].all() if tokens else []
         if request.session_key:
-            self._remember_session(request.session_key, replica.url)
+            half = (len(keys) - 1) // 2  # the middle of the prompt's full blocks
+            self._remember_session(request.session_key, SessionTurn(replica.url, keys[half] if keys else None, half))
         if tokens:
-            chosen.keys = keys_by_root[self._root(request, replica)].all()
+            chosen.keys = keys
             store = self.shared_stores.get(replica.shared_store_id)
             if store is not None:
-                store.used(chosen.keys)
+                store.used(keys)
         return chosen
 
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
@@ -307,8 +316,22 @@ class CacheAware:
             by_kind,
         )
 
-    def _remember_session(self, session_key: str, url: str) -> None:
-        self._last_replica[session_key] = url
+    def _continues(
+        self, request: RouteRequest, home: Replica, last: SessionTurn, keys_by_root: dict[Any, PromptKeys]
+    ) -> bool:
+        """The request's prompt starts with at least half of the session's last prompt: a next turn of the same
+        conversation (its end may differ: a template that drops old reasoning, a trace's last partial block). A
+        session key shared by many conversations (one `user` for a whole service) is not one: keeping it on one
+        replica would pile every conversation there."""
+        if last.middle_key is None:
+            return True  # nothing to compare with: the key is taken at its word
+        prompt_keys = self._prompt_keys(request, home, keys_by_root)
+        if prompt_keys is None or last.middle_index >= prompt_keys.num_blocks:
+            return False
+        return prompt_keys.key(last.middle_index) == last.middle_key
+
+    def _remember_session(self, session_key: str, turn: SessionTurn) -> None:
+        self._last_replica[session_key] = turn
         self._last_replica.move_to_end(session_key)
         if len(self._last_replica) > self.config.max_sessions:
             self._last_replica.popitem(last=False)
@@ -418,6 +441,15 @@ class CacheAware:
             if same_namespace is not None:
                 keys_by_root[same_namespace] = prompt_keys
         return prompt_keys
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTurn:
+    """Where a session's last request went, and the key of the middle one of its prompt's full blocks there."""
+
+    url: str
+    middle_key: bytes | None
+    middle_index: int
 
 
 @dataclass(slots=True)
