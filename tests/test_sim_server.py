@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -477,3 +478,32 @@ def test_reject_unknown_fields_restores_the_strict_rule() -> None:
         assert tokenize.status_code == 400 and tokenize.json()["error"]["param"] == "return_token_strs"
         schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
         assert schema["additionalProperties"] is False
+
+
+def test_a_second_stop_signal_ends_the_server_at_once(tmp_path: Path) -> None:
+    """The first SIGTERM lets a running stream finish (grace 60 s); a second one stops the server at once."""
+    ports_file = tmp_path / "ports.json"
+    arguments = ["--port", "0", "--ports-file", str(ports_file), "--time-scale", "1.0", "--shutdown-grace-s", "60"]
+    process = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: ports_file.exists() or process.poll() is not None, timeout=60)
+        url = json.loads(ports_file.read_text())["urls"][0]
+        body = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}  # about 30 s
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert process.poll() is None and next(lines) is not None  # still streaming, within its grace
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+            rest: list[str] = []
+            with contextlib.suppress(httpx.HTTPError):
+                rest.extend(lines)
+            assert "data: [DONE]" not in rest  # cut off, not finished
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read() if process.stdout else ""
+    assert "second signal: stopping now" in output

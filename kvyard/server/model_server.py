@@ -19,7 +19,7 @@ from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
 from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.options import ServerOptions
-from kvyard.server.serve import host, say, wait_for_stop_signal
+from kvyard.server.serve import host, say, stop_within, wait_for_stop_signal
 
 if TYPE_CHECKING:
     from kvyard.engine.llm_engine import LLMEngine
@@ -50,9 +50,12 @@ async def _serve_model(config: EngineConfig, options: ServerOptions, host_name: 
         await hosted.stop(0)
         return 1
     await stopper
-    say(f"shutting down: finishing {app.in_flight} request(s) in flight (at most {options.shutdown_grace_s:g} s)")
+    say(
+        f"shutting down: finishing {app.in_flight} request(s) in flight (at most {options.shutdown_grace_s:g} s; "
+        "a second Ctrl-C stops at once)"
+    )
     loader.cancel()
-    await hosted.stop(options.shutdown_grace_s)
+    await stop_within(hosted.stop, options.shutdown_grace_s)
     for engine in engine_box:
         await asyncio.to_thread(engine.stop)
     say("stopped")

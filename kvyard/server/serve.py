@@ -72,6 +72,24 @@ async def wait_for_stop_signal(apps: Sequence[ReplicaApp] = ()) -> None:
     await stop.wait()
 
 
+async def stop_within(stop: Callable[[float], Awaitable[object]], grace_s: float) -> None:
+    """`stop(grace_s)`, unless a second SIGINT or SIGTERM comes meanwhile: then `stop(0)`, at once (requests in
+    flight are cut off), as a second Ctrl-C ends uvicorn."""
+    again = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, again.set)
+    graceful = asyncio.ensure_future(stop(grace_s))
+    second = asyncio.ensure_future(again.wait())
+    await asyncio.wait({graceful, second}, return_when=asyncio.FIRST_COMPLETED)
+    second.cancel()
+    if not graceful.done():
+        say("second signal: stopping now, cutting off the requests in flight")
+        await stop(0.0)
+        graceful.cancel()
+        await asyncio.gather(graceful, return_exceptions=True)
+
+
 def say(message: str) -> None:
     print(f"kvyard: {message}", file=sys.stderr, flush=True)
 
@@ -134,7 +152,11 @@ def serve_replicas(
         say(f"{len(hosted)} replica(s) ready: {' '.join(urls)}")
         await wait_for_stop_signal([h.app for h in hosted])
         say("shutting down")
-        await asyncio.gather(*(h.stop(options.shutdown_grace_s) for h in hosted))
+
+        async def stop_all(grace_s: float) -> None:
+            await asyncio.gather(*(h.stop(grace_s) for h in hosted))
+
+        await stop_within(stop_all, options.shutdown_grace_s)
         say("stopped")
 
     try:
