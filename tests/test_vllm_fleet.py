@@ -165,7 +165,7 @@ def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
             text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
             usage = chunk.get("usage") or usage
             chunks += 1
-            if chunks == 20:
+            if chunks == 3:  # early: a slow reader of a fast replica could otherwise find the answer already sent
                 victim = next(replica for replica in fleet if replica.url == served_by)
                 victim.kill()
     assert victim is not None
