@@ -440,7 +440,7 @@ def write_per_request(path: Path, results: list[Result], floors: list[float]) ->
 
 async def router_parity(url: str) -> dict[str, Any]:
     """kvyard's router: predicted vs reported cached tokens by source, and the sum of per-request errors, each
-    as a fraction of the reported total (DESIGN.md, contract 7)."""
+    as a fraction of the reported total (docs/contracts.md §7)."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
         text = await response.text()
     sums: dict[str, dict[str, float]] = {}

@@ -1,4 +1,4 @@
-"""API keys, the admin plane and per-key caches, on real servers on loopback (DESIGN.md, contract 8)."""
+"""API keys, the admin plane and per-key caches, on real servers on loopback (docs/contracts.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier visibility (DESIGN.md, contract 7): the events a tiered store publishes replay to exactly what its tiers
+"""Tier visibility (docs/contracts.md §7): the events a tiered store publishes replay to exactly what its tiers
 hold; a shared store's id changes when it is flushed or restarted; a stalled store says it is unavailable."""
 
 from __future__ import annotations

@@ -300,7 +300,7 @@ def router_errors(router: ServerProcess) -> dict[str, float]:
 def test_a_drained_session_continues_on_the_other_replica_from_redis_as_the_router_predicted(
     llama_dir: Path, tmp_path: Path, redis_server: RedisProcess
 ) -> None:
-    """DESIGN.md, contract 7, with real replicas: the router follows what each one wrote to the shared store."""
+    """docs/contracts.md §7, with real replicas: the router follows what each one wrote to the shared store."""
     from router_utils import admin, labelled_metric, start_router
 
     replicas = [start_server(llama_dir, tmp_path, "--kv-disk-dir", str(tmp_path / name), "--kv-redis-url",

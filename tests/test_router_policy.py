@@ -159,7 +159,7 @@ def test_a_decode_replica_without_kv_room_is_passed_over_and_a_full_decode_pool_
     assert planner.plan(fresh, replicas).reason == "remote"
 
 
-# ---------------------------------------------------------------------------- the KV tier (DESIGN.md, contract 7)
+# ---------------------------------------------------------------------------- the KV tier (docs/contracts.md §7)
 
 TIER_NAMESPACE_BLOCK = 16
 

@@ -1,4 +1,4 @@
-"""The router sees the KV tier (DESIGN.md, contract 7): simulated replicas with a host tier each and one shared
+"""The router sees the KV tier (docs/contracts.md §7): simulated replicas with a host tier each and one shared
 store publish what their tiers hold; the router predicts cached tokens by source, and the replicas' usage agrees
 per request."""
 

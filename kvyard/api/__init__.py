@@ -1,4 +1,4 @@
-"""The replica contract as code (DESIGN.md, contracts 3-5).
+"""The replica contract as code (docs/contracts.md §3–5).
 
 Everything a replica promises its clients and the router, defined once: the OpenAI request models
 and error shape, the input checks behind them, the load report, the KV-event wire format and the

@@ -1,4 +1,4 @@
-"""Who may call a replica or the router, and whose cache a request may read (DESIGN.md, contract 8).
+"""Who may call a replica or the router, and whose cache a request may read (docs/contracts.md §8).
 
 Clients send `Authorization: Bearer <key>`. A server with API keys answers requests without one of them
 401; a server without keys serves anyone (a replica behind a router on a private network). The admin

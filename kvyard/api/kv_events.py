@@ -1,4 +1,4 @@
-"""The KV-event wire format (DESIGN.md, contracts 3 and 7), for the replicas that send it and the router that
+"""The KV-event wire format (docs/contracts.md §3 and §7), for the replicas that send it and the router that
 reads it.
 
 `GET /kv/events?since=N` streams server-sent events, one `data: {"seq", "type", "medium", "block_keys",

@@ -15,7 +15,7 @@ class LoadReport:
     kv_blocks_total: int = 0
     tokens_in_flight: int = 0  # tokens of the running requests' sequences
     role: str = "unified"  # unified, prefill or decode (prefill/decode disaggregation)
-    # What a router needs to predict time to first token in seconds (DESIGN.md, contract 7); 0: not measured yet.
+    # What a router needs to predict time to first token in seconds (docs/contracts.md §7); 0: not measured yet.
     prefill_s_per_token: float = 0.0  # recent step seconds per token of steps that prefilled
     local_tier_s_per_block: float = 0.0  # recent load seconds per block from the replica's own lower tiers
     shared_tier_s_per_block: float = 0.0  # the same from the shared store

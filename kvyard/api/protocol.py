@@ -110,7 +110,7 @@ class ResumeState(BaseModel):
 
 
 class KVTransferFields(BaseModel):
-    """Prefill/decode disaggregation (kvyard extension; DESIGN.md, contract 6). The router sends the same request
+    """Prefill/decode disaggregation (kvyard extension; docs/contracts.md §6). The router sends the same request
     to a prefill replica with `do_remote_decode` and to a decode replica with `do_remote_prefill`, the prefill
     replica's URL as `source`, and one fresh `transfer_id`. Honoured only from a caller with the admin key."""
 

@@ -237,7 +237,7 @@ class EngineCore:
     ) -> Request:
         """Queue a request. `resumed_output_ids`: output another replica generated before it failed; they are
         prefilled with the prompt, count toward `max_tokens`, and generation continues after them.
-        `kv_transfer`: prefill it for another replica, or pull its prompt's blocks from one (DESIGN.md, 6)."""
+        `kv_transfer`: prefill it for another replica, or pull its prompt's blocks from one (docs/contracts.md §6)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         export_id = kv_transfer.export_id if kv_transfer is not None else None

@@ -41,7 +41,7 @@ class BlockTier(BlockSource, Protocol):
     def offload(self, root_key: bytes, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
 
     def publish_events(self, events: KVEventLog | None) -> None:
-        """Record what the tiers gain and lose in `events` (DESIGN.md, contract 7)."""
+        """Record what the tiers gain and lose in `events` (docs/contracts.md §7)."""
         ...
 
     def local_keys(self) -> list[bytes]:

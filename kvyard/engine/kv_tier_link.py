@@ -76,7 +76,7 @@ class KVTierLink:
         rows = self.device.read(block_ids)
         self.store.submit([BlockWrite(root_key, key, self.format, payload=row) for key, row in zip(keys, rows)])
 
-    # ------------------------------------------------------------ what the tiers hold and cost (DESIGN.md, 7)
+    # ------------------------------------------------------------ what the tiers hold and cost (docs/contracts.md §7)
 
     def publish_events(self, events: KVEventLog | None) -> None:
         self.store.events = events

@@ -53,7 +53,7 @@ class TierLoad:
 
 @dataclass(frozen=True, slots=True)
 class KVTransferParams:
-    """Prefill/decode disaggregation for one request (DESIGN.md, contract 6)."""
+    """Prefill/decode disaggregation for one request (docs/contracts.md §6)."""
 
     export_id: str | None = None  # prefill side: keep the computed blocks under a lease for a decode replica
     pull_from: TransferHandle | None = None  # decode side: pull the prompt's blocks before computing it

@@ -1,4 +1,4 @@
-"""Block keys: the content address of one full block of KV (DESIGN.md, contract 1).
+"""Block keys: the content address of one full block of KV (docs/contracts.md §1).
 
 `key = SHA-256(parent_key || len || token_ids as little-endian uint32 || extra)[:16]`, chained
 from a root derived from the namespace. Everything that changes the bytes of the KV (model

@@ -1,4 +1,4 @@
-"""The byte format of one stored KV block (DESIGN.md, contract 2).
+"""The byte format of one stored KV block (docs/contracts.md §2).
 
 A block is a fixed header followed by the raw KV bytes. The header names the namespace root key
 and the block key the bytes belong to, the KV layout version, dtype and shape, and the payload

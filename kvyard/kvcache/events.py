@@ -1,4 +1,4 @@
-"""KV events (DESIGN.md, contracts 3 and 7): `stored` / `removed` block keys with gap-free sequence numbers.
+"""KV events (docs/contracts.md §3 and §7): `stored` / `removed` block keys with gap-free sequence numbers.
 
 Each event names the medium it is about: `device` (the replica's prefix cache), `local` (its own lower tiers:
 host memory and disk; a key is `stored` when the first of them holds it and `removed` when the last one drops it)

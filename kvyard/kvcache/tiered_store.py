@@ -6,7 +6,7 @@ is verified against the namespace root, key and expected format before it is ret
 fails is removed from its tier and counted. Writes are queued and done by one background thread;
 when the queue is full the block is dropped and counted, never waited for.
 
-With an event log attached, the store publishes what its tiers hold (DESIGN.md, contract 7): `local` events
+With an event log attached, the store publishes what its tiers hold (docs/contracts.md §7): `local` events
 when the first of the replica's own tiers gains a block or the last one loses it, `shared` events for what it
 wrote to (or saw leave) a shared tier, and `cleared` when a shared tier's store id changes.
 """

@@ -1,4 +1,4 @@
-"""Moving KV blocks from a prefill replica to a decode replica (DESIGN.md, contract 6).
+"""Moving KV blocks from a prefill replica to a decode replica (docs/contracts.md §6).
 
 The prefill replica serves `GET /kv/transfer?id=<transfer id>&from=<block index>` as a stream of frames:
 each frame is one kind byte, a 4-byte little-endian length and a body. A `B` frame holds one block in the

@@ -1,4 +1,4 @@
-"""Block keys of a prompt, computed the way every replica computes them (DESIGN.md, contract 1).
+"""Block keys of a prompt, computed the way every replica computes them (docs/contracts.md §1).
 
 The same keys as `kvyard.kvcache.block_key.chain_block_keys` (built from its `encode_tokens` and
 `key_from_encoded`), computed lazily: routing often needs only the keys up to the first miss.

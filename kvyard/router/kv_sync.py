@@ -1,4 +1,4 @@
-"""Keeps one replica's exact cache index current from its KV-event stream (DESIGN.md, contract 3).
+"""Keeps one replica's exact cache index current from its KV-event stream (docs/contracts.md §3).
 
 Start: load `/kv/snapshot`, then follow `/kv/events?since=<its seq>`. Whenever continuity is lost (a `gap`
 event, a sequence number that skips, a broken stream, a replica that restarted) the index is reloaded from

@@ -70,7 +70,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "kvyard_router_prompt_tokens", "usage.prompt_tokens as reported by the replica", ["replica"], registry=r
         )
-        # DESIGN.md, contract 7: parity by where the cached tokens come from, and an error per request that
+        # docs/contracts.md §7: parity by where the cached tokens come from, and an error per request that
         # over- and under-predictions cannot cancel in.
         by_source = ["replica", "source"]
         self.predicted_by_source = Counter(

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation in the router: pick a decode replica, decide whether a prefill replica prefills
-for it, and build the two legs (DESIGN.md, contract 6).
+for it, and build the two legs (docs/contracts.md §6).
 
 The decode replica is chosen first, cache-aware over the decode pool: the replica that holds the session's
 history has the least to compute or pull, and the cost model spreads load as it does for unified replicas.

@@ -44,7 +44,7 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class CachedSplit:
     """Prompt tokens a replica is predicted to hold, by where they are: its device cache, its own lower tiers
-    (host memory, disk) and the shared store (DESIGN.md, contract 7)."""
+    (host memory, disk) and the shared store (docs/contracts.md §7)."""
 
     device: int = 0
     local: int = 0

@@ -1,4 +1,4 @@
-"""What the shared KV store holds, as far as the router knows (DESIGN.md, contract 7).
+"""What the shared KV store holds, as far as the router knows (docs/contracts.md §7).
 
 Every replica publishes `shared` events for the blocks it wrote to the shared store and for those it saw leave
 it; the router keeps one index per store, named by the store's id, which changes when the store is flushed or

@@ -1,4 +1,4 @@
-"""The HTTP API of one replica (DESIGN.md, contract 4), over any `ReplicaEngine`: a model or a simulated one.
+"""The HTTP API of one replica (docs/contracts.md §4), over any `ReplicaEngine`: a model or a simulated one.
 
 Served by kvyard's own HTTP/1.1 server (`kvyard.net`), the stack that costs the least CPU per streamed
 request (`benchmarks/replica_http_stack.py`). Besides the OpenAI endpoints and kvyard's own (`/load`,
@@ -390,7 +390,7 @@ class ReplicaApp:
             **engine.server_info(),
         })  # fmt: skip
 
-    # ------------------------------------------------------------------ KV events (DESIGN.md, contract 3)
+    # ------------------------------------------------------------------ KV events (docs/contracts.md §3)
 
     async def kv_events(self, request: HttpRequest, responder: Responder) -> None:
         log = self._event_log()
@@ -421,7 +421,7 @@ class ReplicaApp:
                                                          snapshot.local_keys, snapshot.shared_store,
                                                          self.options.access.cache_salt_per_api_key))  # fmt: skip
 
-    # ------------------------------------------------------------------ KV transfer (DESIGN.md, contract 6)
+    # ------------------------------------------------------------------ KV transfer (docs/contracts.md §6)
 
     async def kv_transfer(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()

@@ -143,7 +143,7 @@ class CompletionRunner:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            # cached_tokens_by_source (a kvyard field): where the cached tokens came from (DESIGN.md, contract 7)
+            # cached_tokens_by_source (a kvyard field): where the cached tokens came from (docs/contracts.md §7)
             "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_source": by_source},
         }
 
