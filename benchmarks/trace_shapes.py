@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from routing import ideal_hit_ratio  # an unlimited cache's hit ratio, in trace blocks, as routing.py reports it
+
 TRACE_BLOCK = 512
 RECENT_CONVERSATIONS = 256  # a continuing turn picks among the conversations of this many latest new requests
 SYSTEM_PROMPTS = 8
@@ -72,12 +74,12 @@ def generate(shape: Shape, count: int, seed: int = 0) -> list[Request]:
     """`count` requests of `shape`, with the continuation rate searched for the shape's reuse."""
     low, high = 0.0, 0.98
     best = _requests(shape, count, seed, 0.0)
-    if unlimited_reuse(best) >= shape.reuse:
+    if ideal_hit_ratio(best) >= shape.reuse:
         return best
     for _ in range(14):
         middle = (low + high) / 2
         requests = _requests(shape, count, seed, middle)
-        if unlimited_reuse(requests) < shape.reuse:
+        if ideal_hit_ratio(requests) < shape.reuse:
             low = middle
         else:
             high, best = middle, requests
@@ -179,18 +181,6 @@ def bench_shared_prefix(count: int = 1_000, groups: int = 16, prefix: int = 4_09
     return requests
 
 
-def unlimited_reuse(requests: list[Request]) -> float:
-    """Hit ratio of an unlimited cache in trace blocks (what routing.py's ideal_hit_ratio computes)."""
-    seen: set[int] = set()
-    hits = total = 0
-    for request in requests:
-        for hash_id in request.hash_ids:
-            hits += hash_id in seen
-            total += 1
-            seen.add(hash_id)
-    return hits / max(1, total)
-
-
 def statistics(requests: list[Request]) -> dict[str, float]:
     prompts = sorted(request.input_length for request in requests)
     outputs = [request.output_length for request in requests]
@@ -200,7 +190,7 @@ def statistics(requests: list[Request]) -> dict[str, float]:
 
     return {"requests": len(requests), "prompt_p50": at(0.5), "prompt_p90": at(0.9), "prompt_p99": at(0.99),
             "prompt_max": prompts[-1], "mean_output": sum(outputs) / len(outputs),
-            "unlimited_reuse": round(unlimited_reuse(requests), 4)}  # fmt: skip
+            "unlimited_reuse": round(ideal_hit_ratio(requests), 4)}  # fmt: skip
 
 
 def write(path: Path, requests: list[Request]) -> None:
