@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from bench_args import parser_with_work_dir
 from offline_throughput import LLAMA_CPP_VERSION
 from weight_quality import compare, llamacpp_gguf, reference_logits, run_llamacpp_logits, write_results
 
@@ -40,15 +40,7 @@ LLAMACPP_RUNS = (("f32", "off"), ("f16", "off"), ("f16", "auto"), ("q8_0", "on")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, GGUF files and logs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, GGUF files and logs")
     parser.add_argument("--prompts", type=int, default=16, help="random prompts scored at every position")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
     parser.add_argument(

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench_args import parser_with_work_dir
+
 from kvyard.bench import provenance
 from kvyard.testing.create_model import cached_model
 
@@ -30,15 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, packages and logs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, packages and logs")
     parser.add_argument(
         "--acceptance",
         type=float,

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench_args import parser_with_work_dir
 from weight_quality import PEERS, RUNNERS, llamacpp_gguf
 
 from kvyard.bench import provenance
@@ -69,15 +70,7 @@ PROMPT_DESCRIPTIONS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, GGUF files and peers' outputs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, GGUF files and peers' outputs")
     parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
                         "model; large: a random-weight model too large for the CPU's cache (created on first use, "
                         "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip

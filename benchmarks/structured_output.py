@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench_args import parser_with_work_dir
+
 from kvyard.testing.create_model import cached_model
 
 if TYPE_CHECKING:  # imported where used: PyTorch (1 s) only after --help has been answered
@@ -45,15 +47,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, packages and logs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, packages and logs")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="prompts decoded together")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="random tokens per prompt")
     parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per prompt")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_args import parser_with_work_dir
 from offline_throughput import PEERS_DIR, ensure_gguf
 
 from kvyard.bench import provenance
@@ -51,15 +52,7 @@ class Server:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, packages and logs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, packages and logs")
     parser.add_argument("--peers", default="llamacpp,vllm", help="comma-separated subset of llamacpp,vllm ('' none)")
     parser.add_argument("--repeats", type=int, default=3, help="starts of each server (medians reported)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a server may take to become ready")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from bench_args import parser_with_work_dir
 from offline_throughput import LLAMA_CPP_VERSION, PEERS_DIR, RUNNERS, ensure_gguf
 
 from kvyard.testing.create_model import cached_model
@@ -41,15 +42,7 @@ PEERS = PEERS_DIR
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("KVYARD_BENCH_DIR", "/tmp/kvyard-bench")),
-        help="models, packages and logs ($KVYARD_BENCH_DIR)",
-    )
+    parser = parser_with_work_dir(__doc__, "models, packages and logs")
     parser.add_argument("--prompts", type=int, default=16, help="random prompts scored at every position")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--gguf-types", default="q8_0,f16", help="llama.cpp conversions compared ('' none)")
