@@ -411,19 +411,10 @@ def _admin_url(request: HttpRequest) -> str:
     return _admin_fields(request)[0]
 
 
-def _admin_auth(request: HttpRequest) -> UpstreamAuth:
-    """The keys a replica added through the admin API is sent: those given with it (`api_key`, `admin_key`), never
-    the router's own configured ones, which go only to the replicas it was started with."""
-    body: Any = orjson.loads(request.body) if request.body else {}
-    keys = {name: body.get(name) if isinstance(body, dict) else None for name in ("api_key", "admin_key")}
-    for name, key in keys.items():
-        if key is not None and not isinstance(key, str):
-            raise bad_request(f"'{name}' must be a string", name)
-    return UpstreamAuth.of_keys(keys["api_key"], keys["admin_key"])
-
-
-def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None]:
-    """The replica's URL (query or body) and, in the body, where it publishes KV events (vLLM, SGLang)."""
+def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None, UpstreamAuth]:
+    """The replica's URL (query or body) and, from the body, where it publishes KV events (vLLM, SGLang) and the
+    keys it is sent: those given with it (`api_key`, `admin_key`), never the router's configured ones, which go
+    only to the replicas it was started with."""
     url: Any = parse_qs(request.query).get("url", [None])[0]
     body: Any = {}
     if request.body:
@@ -431,25 +422,26 @@ def _admin_fields(request: HttpRequest) -> tuple[str, EventEndpoints | None]:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             raise bad_request("request body is not valid JSON", "url") from None
-        if url is None:
-            url = body.get("url") if isinstance(body, dict) else None
+    fields = body if isinstance(body, dict) else {}
+    url = fields.get("url") if url is None else url
     if not isinstance(url, str) or not url:
         raise bad_request("give the replica as {'url': 'http://host:port'}", "url")
-    events = body.get("events") if isinstance(body, dict) else None
-    if events is None:
-        return url, None
-    if not isinstance(events, str):
-        raise bad_request("'events' must be a string: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]", "events")
+    for name, form in (("events", ": tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]"), ("api_key", ""), ("admin_key", "")):
+        if fields.get(name) is not None and not isinstance(fields[name], str):
+            raise bad_request(f"'{name}' must be a string{form}", name)
+    auth = UpstreamAuth.of_keys(fields.get("api_key"), fields.get("admin_key"))
+    if fields.get("events") is None:
+        return url, None, auth
     try:
-        return url, EventEndpoints.parse(events)
+        return url, EventEndpoints.parse(fields["events"]), auth
     except ValueError as error:
         raise bad_request(str(error), "events") from None
 
 
 async def _add_replica(router: Router, request: HttpRequest, responder: Responder) -> None:
-    url, events = _admin_fields(request)
+    url, events, auth = _admin_fields(request)
     try:
-        replica = router.registry.add(url, events=events, auth=_admin_auth(request))
+        replica = router.registry.add(url, events=events, auth=auth)
     except ValueError as error:
         raise bad_request(str(error), "url") from None
     responder.send_json(200, replica.describe())
