@@ -152,13 +152,11 @@ class CacheAware:
     needed again by its next turn, and a copy elsewhere evicts other sessions' histories, while a prefix shared by
     many sessions is worth holding twice when its replica is overloaded. A request is its session's next turn only
     when its prompt starts with most of the session's last one: a key shared by many conversations keeps none of
-    them home.
-    Loads are not charged these weights: a
-    load delays only its own request, and what a copy evicts stays loadable. So when the shared store holds the
-    history, a move costs only its load, and a continuing turn leaves a busy replica for an idle one. There is no global
-    switch between cache and load: a hot prefix whose replica is overloaded costs more there than a full prefill
-    elsewhere,
-    so it moves to a second replica, which then holds it too.
+    them home. Loads are not charged these weights: a load delays only its own request, and what a copy evicts stays
+    loadable. So when the shared store holds the history, a move costs only its load, and a continuing turn leaves a
+    busy replica for an idle one. There is no global switch between cache and load: a hot prefix whose replica is
+    overloaded costs more there than a full prefill elsewhere, so it moves to a second replica, which then holds it
+    too.
     """
 
     config: RouterConfig
