@@ -144,17 +144,20 @@ def _vllm_hits(replica: VllmReplica) -> float:
     return labelled_metric(text, "vllm:prefix_cache_hits_total")
 
 
+LONG = 6000  # output tokens: the demo model generates 2,000 in about a second, which a slow reader can miss
+
+
 def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
     router: ServerProcess, fleet: list[VllmReplica], scratch: Path
 ) -> None:
     messages = [{"role": "user", "content": "Return True if the path exists. " * 4}]
     extra = {"ignore_eos": True}
     reference = httpx.post(f"{fleet[0].url}/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                           "max_tokens": 2000, "temperature": 0, **extra}, timeout=120).json()  # fmt: skip
-    body = {"model": MODEL, "messages": messages, "max_tokens": 2000, "temperature": 0, "stream": True,
+                           "max_tokens": LONG, "temperature": 0, **extra}, timeout=300).json()  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": LONG, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}  # fmt: skip
     text, chunks, usage, ids, victim = "", 0, None, set(), None
-    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=300) as response:
         served_by = response.headers["x-kvyard-replica"]
         for line in response.iter_lines():
             if not line.startswith("data: {"):
@@ -170,7 +173,7 @@ def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
                 victim.kill()
     assert victim is not None
     assert text == reference["choices"][0]["message"]["content"]
-    assert len(ids) == 1 and usage is not None and usage["completion_tokens"] == 2000
+    assert len(ids) == 1 and usage is not None and usage["completion_tokens"] == LONG
     assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
     retries = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
     assert retries == 1, f"{victim.url} killed while serving: {router.log()[-3000:]}"
