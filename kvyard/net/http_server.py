@@ -24,6 +24,7 @@ import httptools
 import orjson
 
 from kvyard.api.errors import error_body
+from kvyard.net.cors import CorsPolicy
 from kvyard.settings import setting
 
 _LOG = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class Responder:
     The head of a streamed response goes out with its first body bytes: one socket write, not two.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head", "finished", "head_only", "keep_alive", "started")
+    __slots__ = ("_chunked", "_connection", "_head", "extra_headers", "finished", "head_only", "keep_alive",
+                 "started")  # fmt: skip
 
     def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
         """`head_only`: the answer to a HEAD request, whose status line and headers go out and body never does
@@ -88,6 +90,7 @@ class Responder:
         self.finished = False
         self._chunked = False
         self._head = b""
+        self.extra_headers: list[tuple[str, str]] = []  # added to whatever answer the handler gives (CORS)
 
     def send(self, status: int, body: bytes, headers: Headers | None = None,
              content_type: str = "application/json") -> None:  # fmt: skip
@@ -136,6 +139,8 @@ class Responder:
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
+        if self.extra_headers:
+            headers = [*(headers.items() if isinstance(headers, dict) else headers or ()), *self.extra_headers]
         return _status_line(status) + _header_block(headers, self.keep_alive, framing)
 
     def _take_head(self) -> bytes:
@@ -293,6 +298,10 @@ class _Connection(asyncio.Protocol):
 
     async def _handle(self, request: HttpRequest, responder: Responder) -> None:
         try:
+            origin = request.headers.get("origin")
+            cors = self.server.cors
+            if cors is not None and origin is not None and not _cross_origin(cors, origin, request, responder):
+                return
             await self.server.handler(request, responder)
         except asyncio.CancelledError:
             responder.abort()
@@ -345,6 +354,21 @@ class _Connection(asyncio.Protocol):
             responder = Responder(self, keep_alive=False)
             responder.send_json(status, _error_payload(status, message))
         self.close()
+
+
+def _cross_origin(cors: CorsPolicy, origin: str, request: HttpRequest, responder: Responder) -> bool:
+    """Whether the handler still answers the request: a preflight is answered here; any other request from an
+    allowed origin gets the CORS headers on its answer (one from another origin gets none: the browser refuses it)."""
+    if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+        if not cors.allows(origin):
+            responder.send_json(400, _error_payload(400, f"CORS: origin {origin!r} is not allowed (--allowed-origins)"))
+            return False
+        preflight = cors.preflight_headers(origin, request.headers.get("access-control-request-headers"))
+        responder.send(204, b"", preflight)
+        return False
+    if cors.allows(origin):
+        responder.extra_headers = cors.answer_headers(origin)
+    return True
 
 
 LINGER_S = 2.0  # after a 413, how long the rest of the refused body is read and dropped at most
@@ -412,11 +436,16 @@ class HttpServerConfig:
                                        default_text="none: plain HTTP")  # fmt: skip
     ssl_keyfile: str | None = setting(None, help="the private key of --ssl-certfile (PEM; default: in the "
                                       "certificate file)", default_text="none")  # fmt: skip
+    allowed_origins: str | None = setting(None, help="web pages allowed to call this server from a browser on "
+                                          "another origin (CORS): comma-separated origins such as "
+                                          "https://app.example.com, or * for any", default_text="none: no CORS "
+                                          "headers, browsers refuse cross-origin calls")  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in ("max_body_mb", "request_read_timeout_s", "idle_timeout_s", "backlog"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        CorsPolicy.parse(self.allowed_origins)  # refused here, before the server starts
 
     @property
     def max_body_bytes(self) -> int:
@@ -437,7 +466,11 @@ class HttpServer:
     config: HttpServerConfig = field(default_factory=HttpServerConfig)
     connections: set[_Connection] = field(default_factory=set)
     shutting_down: bool = False
+    cors: CorsPolicy | None = None
     _server: asyncio.Server | None = None
+
+    def __post_init__(self) -> None:
+        self.cors = CorsPolicy.parse(self.config.allowed_origins)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
