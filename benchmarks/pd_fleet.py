@@ -318,7 +318,7 @@ async def fleet_metrics(router: str, workers: list[str], fleet: Fleet) -> dict[s
         "leased_blocks_at_end": sum(s.get("kvyard_kv_transfer_leased_blocks", 0) for s in prefillers),
         "requests_per_replica": [int(sum(labelled(s, "kvyard_requests_total").values())) for s in sims],
         "sim_lag_wall_s": [round(s.get("kvyard_sim_lag_seconds", 0), 3) for s in sims],
-        "preemptions_per_replica": [int(s.get("kvyard_num_preemptions", 0)) for s in sims],
+        "preemptions_per_replica": [int(s.get("kvyard_num_preemptions_total", 0)) for s in sims],
         # Per replica, by the tier that served them (host, shared): tokens loaded and simulated seconds charged.
         "tier_hit_tokens": [labelled(s, "kvyard_sim_tier_hit_tokens_total") for s in sims],
         "tier_model_s": [rounded(labelled(s, "kvyard_sim_tier_model_seconds_total")) for s in sims],

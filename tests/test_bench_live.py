@@ -179,14 +179,14 @@ def test_a_speculating_server_reports_its_acceptance(
     finally:
         process.stop()
 
-    def gauge(text: str, name: str) -> float:
+    def total(text: str, name: str) -> float:
         return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
 
     counted = result["server"]["counted"]
     for quantity in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications"):
-        name = f"kvyard_{quantity}"
+        name = f"kvyard_{quantity}_total"
         # the probe request (2 tokens) proposes nothing: its single decode step comes before any verification
-        assert counted[quantity] == gauge(after, name) - gauge(before, name)
+        assert counted[quantity] == total(after, name) - total(before, name)
     assert 0 < counted["spec_accepted_tokens"] <= counted["spec_proposed_tokens"]
     summary = f"{counted['spec_accepted_tokens']:.0f} of {counted['spec_proposed_tokens']:.0f} proposed tokens accepted"
     assert summary in printed

@@ -295,9 +295,13 @@ def test_metrics_exposes_latency_histograms(server: ServerProcess, client: opena
     _assert_still_serving(client)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("kvyard_time_to_first_token_seconds_count", "kvyard_inter_token_latency_seconds_count",
-                 "kvyard_e2e_request_latency_seconds_count", "kvyard_prefix_cache_hit_tokens",
-                 "kvyard_prefix_cache_queried_tokens", "kvyard_kv_blocks_total", "kvyard_num_preemptions"):  # fmt: skip
+                 "kvyard_e2e_request_latency_seconds_count", "kvyard_prefix_cache_hit_tokens_total",
+                 "kvyard_prefix_cache_queried_tokens_total", "kvyard_kv_blocks_total",
+                 "kvyard_num_preemptions_total"):  # fmt: skip
         assert metric_value(text, name) >= 0
+    for counter in ("kvyard_prefix_cache_hit_tokens", "kvyard_prefix_cache_queried_tokens", "kvyard_num_preemptions",
+                    "kvyard_spec_proposed_tokens"):  # fmt: skip
+        assert f"# TYPE {counter}_total counter" in text  # rate() works on them
     assert metric_value(text, "kvyard_time_to_first_token_seconds_count") > 0
     assert 'kvyard_requests_total{outcome="length"}' in text
 

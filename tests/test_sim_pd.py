@@ -235,5 +235,5 @@ def test_pulled_blocks_of_waiting_requests_never_stall_the_decode_replica() -> N
             thread.join(timeout=90)
         assert len(answers) == 8 and all(a.json()["usage"]["completion_tokens"] == 60 for a in answers)
         assert metric_value(metrics(decode), "kvyard_kv_transfer_pulled_blocks_total") > 0
-        assert metric_value(metrics(decode), "kvyard_num_preemptions") > 0  # the pool really ran out
+        assert metric_value(metrics(decode), "kvyard_num_preemptions_total") > 0  # the pool really ran out
         wait_for(lambda: httpx.get(f"{decode}/load").json()["kv_blocks_used"] == 0, 20, "every block unpinned")

@@ -3,12 +3,15 @@ replica exports, real or simulated."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-# Names of the counters that clients (kvyard bench) read off a replica's /metrics, as exported (`_total` added).
+# Names of counters that clients (kvyard bench) read off a replica's /metrics (exported with `_total` added).
 REQUESTS = "kvyard_requests"  # label `outcome`: stop, length, abort, rejected_overload
 PROMPT_TOKENS = "kvyard_prompt_tokens"
 GENERATION_TOKENS = "kvyard_generation_tokens"
@@ -46,8 +49,47 @@ class EngineCounters(Protocol):
     def spec_verifications(self) -> int: ...
 
 
+# The engine's running totals, exported as counters (`_total` added), and its current state, as gauges; both read
+# from the engine's statistics at scrape time: (attribute of EngineCounters, name, help).
+_ENGINE_TOTALS = (
+    ("prefix_cache_queried_tokens", "kvyard_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache"),
+    ("prefix_cache_hit_tokens", "kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache"),
+    ("num_preemptions", "kvyard_num_preemptions", "Requests preempted"),
+    ("spec_proposed_tokens", SPEC_PROPOSED, "Speculative decoding: tokens proposed and verified"),
+    ("spec_accepted_tokens", SPEC_ACCEPTED, "Speculative decoding: proposed tokens the model agreed with, each a "
+     "decode step saved"),
+    ("spec_verifications", SPEC_VERIFICATIONS, "Speculative decoding: steps of a request that verified proposals; "
+     "accepted tokens / this is the mean accepted run"),
+)  # fmt: skip
+_ENGINE_GAUGES = (
+    ("num_waiting", "kvyard_num_requests_waiting", "Requests waiting to be scheduled"),
+    ("num_running", "kvyard_num_requests_running", "Requests being processed"),
+    ("kv_blocks_used", "kvyard_kv_blocks_used", "KV blocks referenced by requests"),
+    ("kv_blocks_total", "kvyard_kv_blocks_total", "KV blocks in the pool"),
+)
+
+
+class EngineCollector(Collector):
+    """The engine's statistics, read when /metrics is scraped (nothing when no engine has loaded yet)."""
+
+    def __init__(self, stats: Callable[[], EngineCounters | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.stats()
+        if stats is None:
+            return
+        for attribute, name, documentation in _ENGINE_TOTALS:
+            yield CounterMetricFamily(name, documentation, value=getattr(stats, attribute))
+        for attribute, name, documentation in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, documentation, value=getattr(stats, attribute))
+
+
 @dataclass(slots=True)
 class ServerMetrics:
+    """`engine_stats`: what the engine counts (None before it has loaded)."""
+
+    engine_stats: Callable[[], EngineCounters | None] = lambda: None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     ttft: Histogram = field(init=False)
     inter_token: Histogram = field(init=False)
@@ -56,16 +98,6 @@ class ServerMetrics:
     prompt_tokens: Counter = field(init=False)
     generation_tokens: Counter = field(init=False)
     cached_prompt_tokens: Counter = field(init=False)
-    waiting: Gauge = field(init=False)
-    running: Gauge = field(init=False)
-    kv_blocks_used: Gauge = field(init=False)
-    kv_blocks_total: Gauge = field(init=False)
-    prefix_queried: Gauge = field(init=False)
-    prefix_hits: Gauge = field(init=False)
-    preemptions: Gauge = field(init=False)
-    spec_proposed: Gauge = field(init=False)
-    spec_accepted: Gauge = field(init=False)
-    spec_verifications: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -80,32 +112,4 @@ class ServerMetrics:
         self.generation_tokens = Counter(GENERATION_TOKENS, "Generated tokens", registry=r)
         self.cached_prompt_tokens = Counter(CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache, as "
                                             "reported in usage", registry=r)  # fmt: skip
-        self.waiting = Gauge("kvyard_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.running = Gauge("kvyard_num_requests_running", "Requests being processed", registry=r)
-        self.kv_blocks_used = Gauge("kvyard_kv_blocks_used", "KV blocks referenced by requests", registry=r)
-        self.kv_blocks_total = Gauge("kvyard_kv_blocks_total", "KV blocks in the pool", registry=r)
-        self.prefix_queried = Gauge("kvyard_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache "
-                                    "(total since start)", registry=r)  # fmt: skip
-        self.prefix_hits = Gauge("kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache (total since "
-                                 "start)", registry=r)  # fmt: skip
-        self.preemptions = Gauge("kvyard_num_preemptions", "Requests preempted (total since start)", registry=r)
-        self.spec_proposed = Gauge(SPEC_PROPOSED, "Speculative decoding: tokens proposed and "
-                                   "verified (total since start)", registry=r)  # fmt: skip
-        self.spec_accepted = Gauge(SPEC_ACCEPTED, "Speculative decoding: proposed tokens the model "
-                                   "agreed with, each a decode step saved (total since start)", registry=r)  # fmt: skip
-        self.spec_verifications = Gauge(SPEC_VERIFICATIONS, "Speculative decoding: steps of a request that verified "
-                                        "proposals; accepted tokens / this is the mean accepted run (total since "
-                                        "start)", registry=r)  # fmt: skip
-
-    def refresh(self, stats: EngineCounters) -> None:
-        """Set the gauges from the engine's statistics (at scrape time)."""
-        self.waiting.set(stats.num_waiting)
-        self.running.set(stats.num_running)
-        self.kv_blocks_used.set(stats.kv_blocks_used)
-        self.kv_blocks_total.set(stats.kv_blocks_total)
-        self.prefix_queried.set(stats.prefix_cache_queried_tokens)
-        self.prefix_hits.set(stats.prefix_cache_hit_tokens)
-        self.preemptions.set(stats.num_preemptions)
-        self.spec_proposed.set(stats.spec_proposed_tokens)
-        self.spec_accepted.set(stats.spec_accepted_tokens)
-        self.spec_verifications.set(stats.spec_verifications)
+        r.register(EngineCollector(self.engine_stats))

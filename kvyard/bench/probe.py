@@ -24,9 +24,9 @@ SERVER_COUNTERS = {
                           "sglang:generation_tokens_total"),
     "cached_prompt_tokens": (f"{metrics.CACHED_PROMPT_TOKENS}_total", "vllm:prefix_cache_hits_total",
                              "sglang:cached_tokens_total"),
-    "spec_proposed_tokens": (metrics.SPEC_PROPOSED, "vllm:spec_decode_num_draft_tokens_total"),
-    "spec_accepted_tokens": (metrics.SPEC_ACCEPTED, "vllm:spec_decode_num_accepted_tokens_total"),
-    "spec_verifications": (metrics.SPEC_VERIFICATIONS, "vllm:spec_decode_num_drafts_total"),
+    "spec_proposed_tokens": (f"{metrics.SPEC_PROPOSED}_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "spec_accepted_tokens": (f"{metrics.SPEC_ACCEPTED}_total", "vllm:spec_decode_num_accepted_tokens_total"),
+    "spec_verifications": (f"{metrics.SPEC_VERIFICATIONS}_total", "vllm:spec_decode_num_drafts_total"),
 }  # fmt: skip
 NOT_SERVED = f"{metrics.REQUESTS}_total{{outcome={metrics.REJECTED_OVERLOAD}}}"
 

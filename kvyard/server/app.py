@@ -27,7 +27,7 @@ from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
 from kvyard.api.checks import check_token_ids
 from kvyard.api.errors import APIError, InputError, bad_request, error_body
 from kvyard.api.load import LoadReport
-from kvyard.api.metrics import REJECTED_OVERLOAD, ServerMetrics
+from kvyard.api.metrics import REJECTED_OVERLOAD, EngineCounters, ServerMetrics
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import (
     IGNORED_FIELDS_HEADER,
@@ -72,8 +72,8 @@ class ReplicaApp:
 
     def __init__(self, options: ServerOptions, engine: ReplicaEngine | None = None) -> None:
         self.options = options
-        self.metrics = ServerMetrics()
         self.engine: ReplicaEngine | None = None
+        self.metrics = ServerMetrics(self._engine_stats)
         self.load_error: BaseException | None = None
         self.in_flight = 0  # admitted requests not yet answered
         self.in_flight_seqs = 0  # their sequences (prompts × n): what admission counts
@@ -118,7 +118,7 @@ class ReplicaApp:
 
     def reset_metrics(self) -> None:
         """Start the counters from zero, as a restarted replica would (the engine's collectors stay)."""
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self._engine_stats)
         self._register_engine_collectors()
 
     def reload_keys(self) -> None:
@@ -357,9 +357,10 @@ class ReplicaApp:
                                   "num_waiting_reqs": load.num_waiting, "num_running_reqs": load.num_running,
                                   "num_tokens": load.tokens_in_flight, "load": load.in_flight_requests})  # fmt: skip
 
+    def _engine_stats(self) -> EngineCounters | None:
+        return self.engine.stats() if self.engine is not None else None
+
     async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
-        if self.engine is not None:
-            self.metrics.refresh(self.engine.stats())
         responder.send(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: HttpRequest, responder: Responder) -> None:
