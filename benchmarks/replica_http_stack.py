@@ -1,5 +1,6 @@
 """Server CPU per request of three HTTP stacks, to pick the one kvyard's replica servers should share.
 
+    .venv/bin/pip install -e '.[http-stacks]'   # FastAPI and uvicorn, which kvyard itself does not use
     .venv/bin/python benchmarks/replica_http_stack.py [--requests 2000] [--concurrency 32] [--output-tokens 32]
         [--step-ms 5] [--repeats 3] [--warmup 200] [--stacks fastapi aiohttp kvyard] [--port 18700]
 

@@ -1,0 +1,39 @@
+"""The package's declared dependencies are what it imports: nothing missing, nothing extra."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Import names that differ from the distribution's name.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "zmq": "pyzmq", "prometheus_client": "prometheus-client"}
+
+
+def imported_distributions() -> set[str]:
+    names = set()
+    for path in (ROOT / "kvyard").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+    third_party = names - set(sys.stdlib_module_names) - {"kvyard"}
+    return {DISTRIBUTION_OF.get(name, name) for name in third_party}
+
+
+def declared(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def test_kvyard_declares_what_it_imports_and_imports_what_it_declares() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = declared(project["dependencies"])
+    fleet = declared(project["optional-dependencies"]["fleet"])
+    imported = imported_distributions()
+    assert sorted(imported - required - fleet) == []  # imported, not declared
+    assert sorted(required - imported) == []  # declared, never imported
+    assert fleet <= imported
