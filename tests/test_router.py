@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -133,6 +134,28 @@ def test_head_requests_and_the_model_list_through_the_router(cluster: SimCluster
             assert "no/such-model" in missing.json()["error"]["message"]
     finally:
         router.stop()
+
+
+def test_the_routers_load_is_its_fleets_and_the_bench_finds_what_it_needs(cluster: SimCluster, log_dir: Path) -> None:
+    """GET /load of a router sums its replicas' reports, so `kvyard bench` through a router lacks nothing a replica
+    has (and a router in front of routers reads this one as a replica)."""
+    router = start_router(log_dir, cluster.urls[:2])
+    try:
+        replicas = [httpx.get(f"{url}/load", timeout=10).json() for url in cluster.urls[:2]]
+        total = sum(replica["kv_blocks_total"] for replica in replicas)
+        wait_for(lambda: httpx.get(f"{router.url}/load", timeout=10).json()["kv_blocks_total"] == total, 20, "loads")
+        fleet = httpx.get(f"{router.url}/load", timeout=10).json()
+        out = log_dir / "through-router.json"
+        command = [sys.executable, "-m", "kvyard", "bench", "--base-url", router.url, "--model", MODEL, "--workload",
+                   "random", "--num-requests", "4", "--input-len", "32", "--output-len", "4", "--no-progress",
+                   "--out", str(out)]  # fmt: skip
+        bench = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        router.stop()
+    assert fleet["kv_blocks_total"] == total > 0 and fleet["role"] == "unified"
+    assert bench.returncode == 0, bench.stderr
+    assert "lacks" not in bench.stdout
+    assert json.loads(out.read_text())["server"]["missing"] == []
 
 
 # ---------------------------------------------------------------------------- session affinity

@@ -129,7 +129,7 @@ def test_a_small_fleet_is_scored_in_full() -> None:
 
 
 def test_health_checks_of_a_large_fleet_are_spread_out() -> None:
-    registry = Registry(RouterConfig(), RouterMetrics(), session=None)  # type: ignore[arg-type]  # never called
+    registry = Registry(RouterConfig(), RouterMetrics())
     registry.replicas = {f"http://10.0.0.{i}:8000": Replica(f"http://10.0.0.{i}:8000") for i in range(1000)}
     intervals = [registry._health_interval_s() for _ in range(100)]
     assert all(3.75 <= interval <= 6.25 for interval in intervals)  # 1,000 / 200 checks per second, +-25%
@@ -140,7 +140,7 @@ def test_health_checks_of_a_large_fleet_are_spread_out() -> None:
 
 def test_a_replica_being_removed_leaves_the_routable_list_at_once() -> None:
     async def scenario() -> None:
-        registry = Registry(RouterConfig(), RouterMetrics(), session=None)  # type: ignore[arg-type]  # never called
+        registry = Registry(RouterConfig(), RouterMetrics())
         stays, goes = Replica("http://10.0.0.1:8000"), Replica("http://10.0.0.2:8000")
         registry.replicas = {stays.url: stays, goes.url: goes}
         assert registry.routable() == [stays, goes]

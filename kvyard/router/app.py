@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -26,6 +25,7 @@ from kvyard import __version__
 from kvyard.api.auth import Access, AdminKey, KeySet, bearer_token, tenant_salt
 from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.errors import APIError, bad_request, error_body
+from kvyard.api.load import LoadReport
 from kvyard.api.openapi import openapi_document
 from kvyard.api.protocol import json_object
 from kvyard.api.ratelimit import RateLimiter
@@ -51,7 +51,6 @@ SHUTDOWN_GRACE_S = 30.0
 class Router:
     config: RouterConfig
     metrics: RouterMetrics
-    session: aiohttp.ClientSession  # health checks and KV-event streams; requests go through Replica.http
     registry: Registry
     policy: Policy
     tokenizer: Tokenizer
@@ -68,21 +67,18 @@ class Router:
     @classmethod
     def create(cls, config: RouterConfig) -> Router:
         metrics = RouterMetrics()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        registry = Registry(config, metrics, session, UpstreamAuth.from_config(config))
+        registry = Registry(config, metrics, UpstreamAuth.from_config(config))
         forwarder = Forwarder(registry, metrics)
         tokenizer = Tokenizer(config.tokenize_cache_entries)
         keys = KeySet.from_settings(config.access.api_keys, config.access.api_keys_file)
         admin_key = AdminKey.from_settings(config.access.admin_key)
         limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
         shared, holders = registry.shared_stores, registry.holders
-        return cls(config, metrics, session, registry, make_policy(config, shared, holders), tokenizer, forwarder,
+        return cls(config, metrics, registry, make_policy(config, shared, holders), tokenizer, forwarder,
                    keys, admin_key, limiter, PDPlanner.create(config, shared, holders))  # fmt: skip
 
     async def close(self) -> None:
         await self.registry.close()
-        await self.session.close()
 
     async def handle(self, request: HttpRequest, responder: Responder) -> None:
         """The HTTP server's entry point: dispatch, and turn APIError into an OpenAI-style error."""
@@ -394,6 +390,21 @@ async def _health(router: Router, request: HttpRequest, responder: Responder) ->
     responder.send_json(200, {"status": "ok"})
 
 
+async def _load(router: Router, request: HttpRequest, responder: Responder) -> None:
+    """The fleet's load as one report, summed over the replicas routed to (a router in front of routers, or
+    `kvyard bench`, reads a router as it reads a replica); speeds are the replicas' median, since one request runs
+    on one replica."""
+    loads = [replica.load for replica in router.registry.routable()]
+    speeds = sorted(load.prefill_s_per_token for load in loads if load.prefill_s_per_token > 0)
+    report = LoadReport(num_waiting=sum(load.num_waiting for load in loads),
+                        num_running=sum(load.num_running for load in loads), in_flight_requests=router.in_flight,
+                        kv_blocks_used=sum(load.kv_blocks_used for load in loads),
+                        kv_blocks_total=sum(load.kv_blocks_total for load in loads),
+                        tokens_in_flight=sum(load.tokens_in_flight for load in loads),
+                        prefill_s_per_token=speeds[len(speeds) // 2] if speeds else 0.0)  # fmt: skip
+    responder.send_json(200, report.to_json())
+
+
 async def _openapi(router: Router, request: HttpRequest, responder: Responder) -> None:
     paths = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models", "/health", "/version")
     responder.send_json(200, openapi_document(__version__, paths))
@@ -472,6 +483,7 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/tokenize": {"POST": _tokenize},
     "/detokenize": {"POST": _detokenize},
     "/version": {"GET": _version},
+    "/load": {"GET": _load},
     "/openapi.json": {"GET": _openapi},
     "/metrics": {"GET": _metrics},
     "/admin/replicas": {"GET": _list_replicas, "POST": _add_replica, "DELETE": _remove_replica},

@@ -14,15 +14,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
+import orjson
 
 from kvyard.api.auth import bearer_token
 from kvyard.api.kv_events import GapError, WireEvent, parse_event_line, parse_snapshot
+from kvyard.net.http_client import HttpError
 from kvyard.router.replica import Replica
 from kvyard.router.tier_index import SharedStores
 
 _LOG = logging.getLogger(__name__)
 RETRY_DELAY_S = 0.25
+SNAPSHOT_TIMEOUT_S = 30.0
 
 
 class _Resync(Exception):
@@ -34,7 +36,6 @@ class _Resync(Exception):
 @dataclass(slots=True)
 class KVSync:
     replica: Replica
-    session: aiohttp.ClientSession
     on_resync: Callable[[Replica, str], None]
     shared_stores: SharedStores
 
@@ -50,7 +51,7 @@ class KVSync:
                 reason = resync.reason
             except GapError:
                 reason = "gap"
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
+            except (HttpError, TimeoutError, ValueError, KeyError) as error:
                 _LOG.debug("kv events of %s: %s", self.replica.url, error)
                 self.replica.index.clear()  # it may be restarting: what we knew may be gone
                 reason = "reconnect"
@@ -58,17 +59,17 @@ class KVSync:
 
     async def _load_snapshot(self, reason: str) -> bool:
         index = self.replica.index
-        timeout = aiohttp.ClientTimeout(total=30)
         headers = self.replica.admin_headers
-        async with self.session.get(f"{self.replica.url}/kv/snapshot", timeout=timeout, headers=headers) as response:
-            if response.status in (401, 403, 404):  # no events, or not for us: learn from routed prompts instead
-                if response.status != 404:
-                    _LOG.warning("KV events of %s refused (%d): give the router --replica-admin-key",
-                                 self.replica.url, response.status)  # fmt: skip
-                index.forget_events()
-                return False
-            response.raise_for_status()
-            snapshot = parse_snapshot(await response.json())
+        response = await self.replica.http.request("GET", "/kv/snapshot", timeout=SNAPSHOT_TIMEOUT_S, headers=headers)
+        if response.status in (401, 403, 404):  # no events, or not for us: learn from routed prompts instead
+            if response.status != 404:
+                _LOG.warning("KV events of %s refused (%d): give the router --replica-admin-key",
+                             self.replica.url, response.status)  # fmt: skip
+            index.forget_events()
+            return False
+        if response.status != 200:
+            raise HttpError(f"GET /kv/snapshot: HTTP {response.status}")
+        snapshot = parse_snapshot(orjson.loads(response.body))
         previous_seq = index.seq
         index.reset(snapshot.block_keys, snapshot.seq, snapshot.local_keys)
         self.replica.namespace = snapshot.namespace
@@ -83,21 +84,37 @@ class KVSync:
         return True
 
     async def _follow(self) -> None:
+        """Apply the replica's event stream, line by line, until it ends (a restart closes it) or breaks."""
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        path, headers = f"/kv/events?since={self.replica.index.seq}", self.replica.admin_headers
+        request = self.replica.http.request("GET", path, sink=lambda data, _: chunks.put_nowait(data), headers=headers)
+        stream = asyncio.create_task(request)
+        stream.add_done_callback(lambda _: chunks.put_nowait(None))
+        try:
+            pending = b""
+            while (chunk := await chunks.get()) is not None:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._apply_line(line)
+            response = await stream
+            if response.status != 200:
+                raise HttpError(f"GET /kv/events: HTTP {response.status}")
+        finally:
+            if not stream.done():
+                stream.cancel()  # a resync leaves the stream: closing its connection tells the replica
+            elif not stream.cancelled():
+                stream.exception()  # retrieved: a broken stream is handled by the caller's retry, not logged
+
+    def _apply_line(self, line: bytes) -> None:
         index = self.replica.index
-        url = f"{self.replica.url}/kv/events"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        params, headers = {"since": str(index.seq)}, self.replica.admin_headers
-        async with self.session.get(url, params=params, timeout=timeout, headers=headers) as response:
-            response.raise_for_status()
-            async for line in response.content:
-                event = parse_event_line(line)
-                if event is None:
-                    continue
-                if event.seq != index.seq + 1:
-                    raise _Resync("gap" if event.seq > index.seq + 1 else "restart")
-                if event.medium == "shared":
-                    self._apply_shared(event)
-                index.apply(event.seq, event.kind, event.block_keys if event.medium != "shared" else (), event.medium)
+        event = parse_event_line(line)
+        if event is None:
+            return
+        if event.seq != index.seq + 1:
+            raise _Resync("gap" if event.seq > index.seq + 1 else "restart")
+        if event.medium == "shared":
+            self._apply_shared(event)
+        index.apply(event.seq, event.kind, event.block_keys if event.medium != "shared" else (), event.medium)
 
     def _apply_shared(self, event: WireEvent) -> None:
         replica, stores = self.replica, self.shared_stores

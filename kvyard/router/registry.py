@@ -12,13 +12,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import aiohttp
+import orjson
 import zmq.asyncio
 
 from kvyard.api.auth import ADMIN_KEY_HEADER, REPLICA_ADMIN_KEY_ENV, REPLICA_API_KEY_ENV
 from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.net.http_client import HttpError, Response
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
 from kvyard.router.engine_index import EngineBlockKeys
@@ -69,7 +70,6 @@ class UpstreamAuth:
 class Registry:
     config: RouterConfig
     metrics: RouterMetrics
-    session: aiohttp.ClientSession
     upstream: UpstreamAuth = field(default_factory=lambda: UpstreamAuth({}, {}))
     replicas: dict[str, Replica] = field(default_factory=dict)
     shared_stores: SharedStores = field(default_factory=SharedStores)
@@ -194,7 +194,7 @@ class Registry:
         self.metrics.panic.set(int(self.panicking))
 
     async def _health_loop(self, replica: Replica) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        timeout = self.config.health_timeout_s
         while True:
             try:
                 if not replica.model_ids:
@@ -219,7 +219,7 @@ class Registry:
                     replica.awaiting_at_load = replica.awaiting_first_byte
                 replica.consecutive_failures = 0
                 self._readmit(replica)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as error:
+            except (HttpError, TimeoutError, ValueError, KeyError, TypeError) as error:
                 replica.consecutive_failures += 1
                 _LOG.debug("health check of %s failed: %s", replica.url, error)
                 if replica.consecutive_failures >= self.config.eject_after_failures:
@@ -233,25 +233,21 @@ class Registry:
         interval = max(config.health_interval_s, len(self.replicas) / max(config.max_health_checks_per_s, 1e-3))
         return interval if interval == config.health_interval_s else interval * random.uniform(0.75, 1.25)
 
-    async def _model_cards(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> tuple[ModelCard, ...]:
-        url, headers = f"{replica.url}/v1/models", replica.api_headers
-        async with self.session.get(url, timeout=timeout, headers=headers) as response:
-            response.raise_for_status()
-            body = await response.json()
+    async def _model_cards(self, replica: Replica, timeout: float) -> tuple[ModelCard, ...]:
+        body = orjson.loads((await _get(replica, "/v1/models", timeout, replica.api_headers)).body)
         return tuple(ModelCard.from_json(card) for card in body["data"])
 
-    async def _kind(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> str:
+    async def _kind(self, replica: Replica, timeout: float) -> str:
         """What the replica is (engine_probe): what its models' owned_by says, else what it answers."""
         for card in replica.model_cards:
             kind = kind_from_owner(card.owned_by)
             if kind is not None:
                 return kind
-        async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
-            body = await response.read()
-        if response.status == 200 and b'"num_waiting"' in body:
+        load = await replica.http.request("GET", "/load", timeout=timeout, headers=replica.api_headers)
+        if load.status == 200 and b'"num_waiting"' in load.body:
             return KVYARD  # kvyard's load report (vLLM's /load has only server_load)
-        async with self.session.get(f"{replica.url}/metrics", timeout=timeout, headers=replica.api_headers) as response:
-            return kind_from_metrics(await response.text()) if response.status == 200 else OPENAI
+        metrics = await replica.http.request("GET", "/metrics", timeout=timeout, headers=replica.api_headers)
+        return kind_from_metrics(metrics.body.decode(errors="replace")) if metrics.status == 200 else OPENAI
 
     def _follow_index(self, replica: Replica) -> None:
         """Start keeping the replica's cache index: kvyard's over HTTP (/kv/events), vLLM's and SGLang's over ZMQ."""
@@ -272,8 +268,8 @@ class Registry:
         model = replica.model_cards[0] if replica.model_cards else None
         # The block size is the metrics' (or, failing that, a placeholder the first event replaces).
         try:
-            metrics = await self._engine_metrics(replica, aiohttp.ClientTimeout(total=self.config.health_timeout_s))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            metrics = await self._engine_metrics(replica, self.config.health_timeout_s)
+        except (HttpError, TimeoutError, ValueError) as error:
             _LOG.info("metrics of %s unread (%s): the block size is taken from its events", replica.url, error)
             metrics = EngineMetrics()
         namespace = KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
@@ -281,7 +277,7 @@ class Registry:
         blocks = EngineBlockKeys(replica.index, namespace)
         await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()
 
-    async def _load(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport | None:
+    async def _load(self, replica: Replica, timeout: float) -> LoadReport | None:
         """The replica's load report, after checking its health; None when only its health was checked (the report
         it had stands, and the router's own counts of what it sent keep it current)."""
         if replica.kind in ENGINE_KINDS:
@@ -293,15 +289,11 @@ class Registry:
             return self._engine_load(replica, await self._engine_metrics(replica, timeout))
         if replica.kind != KVYARD:  # another server: health only, the router's own counts
             return await self._health_only(replica, timeout)
-        async with self.session.get(f"{replica.url}/load", timeout=timeout, headers=replica.api_headers) as response:
-            response.raise_for_status()
-            body = await response.json()
-        return LoadReport.from_json(body)
+        return LoadReport.from_json(orjson.loads((await _get(replica, "/load", timeout, replica.api_headers)).body))
 
-    async def _engine_metrics(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> EngineMetrics:
-        async with self.session.get(f"{replica.url}/metrics", timeout=timeout, headers=replica.api_headers) as response:
-            response.raise_for_status()
-            return EngineMetrics.parse(replica.kind, await response.text())
+    async def _engine_metrics(self, replica: Replica, timeout: float) -> EngineMetrics:
+        response = await _get(replica, "/metrics", timeout, replica.api_headers)
+        return EngineMetrics.parse(replica.kind, response.body.decode(errors="replace"))
 
     def _engine_load(self, replica: Replica, metrics: EngineMetrics) -> LoadReport:
         """vLLM's or SGLang's metrics as a load report, with the speed the router measured (TtftFit)."""
@@ -317,15 +309,22 @@ class Registry:
                           kv_blocks_used=round(metrics.kv_usage * total), kv_blocks_total=total,
                           prefill_s_per_token=replica.ttft.s_per_token)  # fmt: skip
 
-    async def _health_only(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> LoadReport:
-        async with self.session.get(f"{replica.url}/health", timeout=timeout) as response:
-            response.raise_for_status()
+    async def _health_only(self, replica: Replica, timeout: float) -> LoadReport:
+        await _get(replica, "/health", timeout)
         return LoadReport()
 
     async def _kv_sync_loop(self, replica: Replica) -> None:
-        await KVSync(replica, self.session, self._on_resync, self.shared_stores).run()
+        await KVSync(replica, self._on_resync, self.shared_stores).run()
 
     def _on_resync(self, replica: Replica, reason: str) -> None:
         replica.resyncs += 1
         self.metrics.resyncs.labels(replica.url, reason).inc()
         _LOG.info("cache index of %s rebuilt (%s)", replica.url, reason)
+
+
+async def _get(replica: Replica, path: str, timeout: float, headers: dict[str, str] | None = None) -> Response:
+    """GET `path` of the replica over its keep-alive pool; HttpError unless the answer is a success."""
+    response = await replica.http.request("GET", path, timeout=timeout, headers=headers)
+    if not 200 <= response.status < 300:
+        raise HttpError(f"GET {path}: HTTP {response.status}")
+    return response
