@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -304,6 +305,31 @@ def test_metrics_exposes_latency_histograms(server: ServerProcess, client: opena
         assert f"# TYPE {counter}_total counter" in text  # rate() works on them
     assert metric_value(text, "kvyard_time_to_first_token_seconds_count") > 0
     assert 'kvyard_requests_total{outcome="length"}' in text
+
+
+def test_every_client_that_goes_away_counts_as_an_abort(server: ServerProcess) -> None:
+    """Twelve clients each start a long streamed request and hang up once it streams: twelve aborts on /metrics
+    (not one fewer), and the server keeps serving."""
+
+    def aborts() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('kvyard_requests_total{outcome="abort"}'))  # fmt: skip
+
+    before = aborts()
+    for number in range(12):
+        body = json.dumps({"model": "tiny-llama", "prompt": f"abandoned {number} " * 40, "max_tokens": 1500,
+                           "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        with socket.create_connection(("127.0.0.1", server.port)) as connection:
+            connection.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            connection.recv(1)  # the stream has started (or the tokenizer answered): then the client leaves
+    deadline = time.monotonic() + 30
+    while aborts() - before < 12 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborts() - before == 12
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="test", max_retries=0)
+    _assert_still_serving(client)
 
 
 def test_kv_events_are_gap_free_and_match_the_cache(server: ServerProcess, client: openai.OpenAI) -> None:

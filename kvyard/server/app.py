@@ -9,10 +9,11 @@ request (`benchmarks/replica_http_stack.py`). Besides the OpenAI endpoints and k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote
@@ -192,8 +193,9 @@ class ReplicaApp:
         body = validate(raw, CompletionRequest)
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
-        prepared = await self._prepare(engine, request, lambda: prepare_completion(engine, body, token_ids, salt))
-        await self._serve(engine, request, prepared, responder, ignored)
+        with self._counting_aborts():
+            prepared = await self._prepare(engine, request, lambda: prepare_completion(engine, body, token_ids, salt))
+            await self._serve(engine, request, prepared, responder, ignored)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
@@ -203,8 +205,19 @@ class ReplicaApp:
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
         parser = self.options.tool_call_parser
-        prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser))
-        await self._serve(engine, request, prepared, responder, ignored)
+        with self._counting_aborts():
+            prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser))
+            await self._serve(engine, request, prepared, responder, ignored)
+
+    @contextlib.contextmanager
+    def _counting_aborts(self) -> Iterator[None]:
+        """A client that goes away cancels its request wherever it is (tokenizing, queued, generating): each one
+        counts as an abort."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(outcome="abort").inc()
+            raise
 
     def _ignored_fields(self, body: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
         """Unknown top-level fields taken out of `body` (refused instead under --reject-unknown-fields), logged,
@@ -250,10 +263,7 @@ class ReplicaApp:
                 return
             responder.start(200, {**SSE_HEADERS, **headers})
             await _stream(responder, runner.sse_events(prepared))
-        except asyncio.CancelledError:  # the client went away; its engine requests are aborted
-            self.metrics.requests.labels(outcome="abort").inc()
-            raise
-        finally:
+        finally:  # a client that went away cancelled this: its engine requests are aborted
             self.in_flight -= 1
             self.in_flight_seqs -= num_seqs
 
