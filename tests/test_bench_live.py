@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,18 @@ def test_compare_and_plot(server: ServerProcess, tmp_path: Path, capsys: pytest.
     assert "x six" in table and "TTFT p50 (ms)" in table and "conditions:" in table
     ratio_row = next(line for line in table.splitlines() if line.startswith("completed requests"))
     assert ratio_row.split()[-1] == "1.000x"
+
+
+def test_progress_shows_a_long_request_streaming_before_it_ends(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One request of 2,000 tokens: the bar says it streams, and how far it got, while it is the only request."""
+    code = run_cli(["--base-url", server.url, "--out", str(tmp_path / "long.json"), "--workload", "random",
+                    "--num-requests", "1", "--input-len", "16", "--output-len", "2000"])  # fmt: skip
+    assert code == 0
+    shown = capsys.readouterr().err
+    under_way = re.findall(r"0/1 .*?in flight 1, streaming 1, (\d+) chunks out", shown)
+    assert under_way and max(int(chunks) for chunks in under_way) > 0, shown[-2000:]
 
 
 def test_a_speculating_server_reports_its_acceptance(

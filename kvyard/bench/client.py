@@ -86,6 +86,13 @@ class RequestOptions:
         return headers
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    in_flight: int
+    streaming: int  # in flight with their first token in
+    chunks: int  # output chunks received, finished requests included
+
+
 @dataclass(slots=True)
 class LoadClient:
     options: RequestOptions
@@ -93,6 +100,8 @@ class LoadClient:
     ideal_block_size: int = 16
     on_done: Callable[[RequestRecord], None] | None = None
     records: list[RequestRecord] = field(default_factory=list)
+    active: dict[int, RequestRecord] = field(default_factory=dict)  # sent, not finished: record index -> record
+    finished_chunks: int = 0  # output chunks of the finished requests
     origin: float = 0.0  # time.monotonic() at the start; record times are relative to it
 
     async def run(self, workload: Workload) -> list[RequestRecord]:
@@ -117,6 +126,12 @@ class LoadClient:
 
     def now(self) -> float:
         return time.monotonic() - self.origin
+
+    def progress(self) -> Progress:
+        """What is running now: requests in flight, those already streaming, output chunks received so far."""
+        streaming = sum(1 for record in self.active.values() if record.token_times)
+        chunks = self.finished_chunks + sum(len(record.token_times) for record in self.active.values())
+        return Progress(len(self.active), streaming, chunks)
 
     async def _session(
         self,
@@ -154,6 +169,7 @@ class LoadClient:
         body = self.options.body(spec)
         events = _EventStream(record, self.origin)
         record.start = self.now()
+        self.active[record.index] = record
         try:
             response = await http.request("POST", "/v1/completions", body, events.feed, self.options.timeout)
             if response.status != 200:
@@ -166,6 +182,8 @@ class LoadClient:
         except HttpError as error:
             record.error, record.error_message = "connection", str(error)
         record.end = self.now()
+        del self.active[record.index]
+        self.finished_chunks += len(record.token_times)
         if record.output_tokens == 0:
             record.output_tokens = events.chunks
         if self.on_done is not None:

@@ -19,6 +19,7 @@ from kvyard.bench.workloads import Workload, count_rewrites
 from kvyard.net.http_client import HttpClient
 
 RESULT_FORMAT = 1
+PROGRESS_EVERY_S = 0.25  # how often the progress bar shows the requests under way
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +104,31 @@ async def _drive(
     bar = tqdm(total=workload.num_requests, unit="req", disable=not settings.progress, dynamic_ncols=True)
     failures = 0
 
+    def under_way() -> str:
+        """Beside the finished requests: what is running, so long requests show progress before one ends."""
+        now = client.progress()
+        text = f"in flight {now.in_flight}, streaming {now.streaming}, {now.chunks} chunks out"
+        return text + (f", {failures} failed" if failures else "")
+
     def done(record: RequestRecord) -> None:
         nonlocal failures
         failures += not record.ok
         bar.update(1)
-        if failures:
-            bar.set_postfix(failed=failures, refresh=False)
+        bar.set_postfix_str(under_way(), refresh=False)
+
+    async def show_under_way() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            bar.set_postfix_str(under_way())
 
     client = LoadClient(options, settings.arrivals, settings.ideal_block_size, done)
     started, cpu = time.perf_counter(), time.process_time()
+    shown = asyncio.create_task(show_under_way()) if settings.progress else None
     try:
         records = await client.run(workload)
     finally:
+        if shown is not None:
+            shown.cancel()
         bar.close()
     return records, ClientCost(time.perf_counter() - started, time.process_time() - cpu), client.origin
 
