@@ -257,6 +257,8 @@ def targets(selected: list[str]) -> list[Target]:
              for p in ("cache_aware", "least_load", "session", "round_robin")]  # fmt: skip
     every += [Target(f"kvyard cache_aware sw{w}", [*kvyard, "--policy", "cache_aware", "--session-recompute-weight",
                      w], by_default=False) for w in ("10", "1000")]  # fmt: skip
+    every += [Target(f"kvyard cache_aware cw{w}", [*kvyard, "--policy", "cache_aware", "--conversation-weight", w],
+                     by_default=False) for w in ("0", "3")]  # fmt: skip
     every += [
         Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
         Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),

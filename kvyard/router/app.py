@@ -184,6 +184,8 @@ class Router:
             else:
                 decision, attempt = self.policy.choose(route_request, candidates), body
             self.metrics.decision_latency.observe(time.perf_counter() - started)
+            if not disaggregate and _LOG.isEnabledFor(logging.DEBUG):
+                _LOG.debug(_describe_decision(decision, route_request))
             replica = decision.replica
             tried.add(replica.url)
             if stream and not resuming:  # how a broken stream resumes depends on the replica that serves it
@@ -281,6 +283,16 @@ def _with_engine_fields(replica: Replica, body: dict[str, Any]) -> dict[str, Any
         return body
     xargs = body.get("vllm_xargs")
     return {**body, "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}), "kv_cache_report_mode": "full"}}
+
+
+def _describe_decision(decision: Decision, request: RouteRequest) -> str:
+    """One routing decision, for `--log-level debug`: where, and what the replica held and had queued then."""
+    tokens = len(request.token_ids) if request.token_ids is not None else None
+    return (
+        f"route: session {request.session_key} prompt {tokens} tokens -> {decision.replica.url} cached "
+        f"{decision.predicted_cached_tokens} cost {decision.prefill_cost:.0f} ahead {decision.prefill_ahead:.0f} "
+        f"running {decision.running} in flight {decision.replica.in_flight} conversations {decision.homed}"
+    )
 
 
 def _describe_plan(plan: PDPlan, request: RouteRequest) -> str:

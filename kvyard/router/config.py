@@ -53,6 +53,10 @@ class RouterConfig:
     # that replica would have saved (its history is needed again next turn; a copy evicts others' histories).
     session_recompute_weight: float = setting(300.0, help="cache_aware: the same for moving a session away from "
                                               "the replica that served its last turn")  # fmt: skip
+    # A conversation's later turns follow its history: placing its turn also places them (router.conversations).
+    conversation_weight: float = setting(1.0, help="cache_aware: weight of the queueing a placement commits a "
+                                         "conversation's later turns to (the conversations already at home on "
+                                         "the replica; 0: place each request for itself)")  # fmt: skip
     disaggregation: str = setting("conditional", choices=DISAGGREGATION, help="with prefill replicas: send every "
                                   "request's prefill to one (always), or only when the decode replica would have more "
                                   "than --pd-local-prefill-tokens to compute, unless it would start the prompt sooner "

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from kvyard.api.auth import tenant_salt
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.router.config import RouterConfig
+from kvyard.router.conversations import LiveConversations
 from kvyard.router.engine_probe import KVYARD
 from kvyard.router.holders import KeyHolders
 from kvyard.router.keys import PromptKeys
@@ -68,6 +69,7 @@ class Decision:
     kv_tokens: int = 0  # KV tokens the request will hold there (prompt and asked output; PD decode legs)
     prefill_ahead: float = 0.0  # prefill work queued there when it was decided, in prefill-token equivalents
     running: int = 0  # requests running there when it was decided (CacheAware)
+    homed: int = 0  # live conversations at home there when it was decided (CacheAware)
     keys: list[bytes] | None = None  # the prompt's block keys in the replica's namespace (for the index)
     headers: dict[str, str] | None = None  # beyond the router's own key (the admin key of a PD leg)
 
@@ -168,6 +170,7 @@ class CacheAware:
     _last_chosen: dict[str, int] = field(default_factory=dict)  # url -> number of the decision that last chose it
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
     _last_replica: OrderedDict[str, SessionTurn] = field(default_factory=OrderedDict)  # session key -> last turn
+    conversations: LiveConversations = field(default_factory=LiveConversations)
 
     def choose(
         self, request: RouteRequest, candidates: list[Replica], uncached_cost: UncachedCost | None = None
@@ -200,6 +203,10 @@ class CacheAware:
         if home is not None and last_turn is not None and not self._continues(request, home, last_turn, keys_by_root):
             home_url = home = None  # the same session key, another conversation: no history of its own to keep
         home_cost = next((cost for replica, _, cost in options if replica is home), None)
+        placing = bool(tokens) and uncached_cost is None  # a placement of a conversation (PD's decode legs aside)
+        tip = self._conversation_tip(request, keys_by_root) if placing else None
+        conversation_home = self.conversations.home_of(tip)
+        homed_cost = self._homed_cost(candidates, conversation_home, cheapest) if placing else None
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
         best_load_s = 0.0
@@ -212,6 +219,8 @@ class CacheAware:
                 extra += config.session_recompute_weight * max(0.0, cost - home_cost)
             load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
+            if homed_cost is not None:
+                extra += homed_cost(replica)
             seconds = (self._queue_cost(replica) + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
@@ -222,18 +231,53 @@ class CacheAware:
         replica, held, cost = best_option
         split = _split_of(held)
         chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s,
-                          prefill_ahead=self.prefill_ahead(replica), running=_running(replica))  # fmt: skip
+                          prefill_ahead=self.prefill_ahead(replica), running=_running(replica),
+                          homed=self.conversations.homed(replica.url))  # fmt: skip
         self._last_chosen[replica.url] = next(self._decisions)
-        keys = keys_by_root[self._root(request, replica)].all() if tokens else []
+        prompt_keys = keys_by_root[self._root(request, replica)] if tokens else None
+        keys = prompt_keys.all() if prompt_keys is not None else []
         if request.session_key:
             half = (len(keys) - 1) // 2  # the middle of the prompt's full blocks
             self._remember_session(request.session_key, SessionTurn(replica.url, keys[half] if keys else None, half))
         if tokens:
             chosen.keys = keys
+            if placing and prompt_keys is not None:
+                full_blocks = (len(tokens) - 1) // prompt_keys.block_size  # the blocks the engine can keep
+                self.conversations.record(tip, keys[full_blocks - 1] if full_blocks else None, replica.url, now, cost)
             store = self.shared_stores.get(replica.shared_store_id)
             if store is not None:
                 store.used(keys)
         return chosen
+
+    def _conversation_tip(self, request: RouteRequest, keys_by_root: dict[Any, PromptKeys]) -> bytes | None:
+        """The remembered tip of the conversation this prompt continues (conversations), if any."""
+        full_blocks = len(request.token_ids or ()) - 1
+        for prompt_keys in {id(keys): keys for keys in keys_by_root.values()}.values():
+            tip = self.conversations.find(prompt_keys.all(), full_blocks // prompt_keys.block_size)
+            if tip is not None:
+                return tip
+        return None
+
+    def _homed_cost(
+        self, candidates: list[Replica], home_url: str | None, cheapest: float
+    ) -> Callable[[Replica], float]:
+        """What a placement commits beyond this request: the conversation's later turns queue behind the turns of
+        the conversations already at home on the replica. In prefill-token equivalents: the conversations it would
+        be home to, times the chance that one has a request under way (the router's requests in flight over the
+        live conversations, at most 1), times a turn's work (recent continuing turns', else this request's), times
+        the turns a conversation is expected to bring yet, times `conversation_weight`."""
+        conversations, weight = self.conversations, self.config.conversation_weight
+        homed = sum(conversations.homed(replica.url) for replica in candidates)
+        if not homed or not weight:
+            return lambda replica: 0.0
+        active = min(1.0, sum(replica.in_flight for replica in candidates) / homed)
+        turn = conversations.turn_work or cheapest
+        per_conversation = weight * conversations.future_turns() * active * turn
+
+        def cost(replica: Replica) -> float:
+            return per_conversation * (conversations.homed(replica.url) + (replica.url != home_url))
+
+        return cost
 
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
         fleet = self._fleet
