@@ -35,7 +35,7 @@ from kvyard.router.config import RouterConfig
 from kvyard.router.engine_probe import KVYARD, VLLM
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.pd import PREFILL, PDPlan, PDPlanner, prefill_leg
-from kvyard.router.policies import Decision, Policy, RouteRequest, make_policy
+from kvyard.router.policies import CacheAware, Decision, Policy, RouteRequest, make_policy
 from kvyard.router.proxy import Forwarder, Retry, end_broken_stream
 from kvyard.router.registry import Registry, UpstreamAuth
 from kvyard.router.replica import ModelCard, Replica
@@ -185,7 +185,7 @@ class Router:
                 decision, attempt = self.policy.choose(route_request, candidates), body
             self.metrics.decision_latency.observe(time.perf_counter() - started)
             if not disaggregate and _LOG.isEnabledFor(logging.DEBUG):
-                _LOG.debug(_describe_decision(decision, route_request))
+                _LOG.debug(_describe_decision(decision, route_request, self.policy))
             replica = decision.replica
             tried.add(replica.url)
             if stream and not resuming:  # how a broken stream resumes depends on the replica that serves it
@@ -285,13 +285,14 @@ def _with_engine_fields(replica: Replica, body: dict[str, Any]) -> dict[str, Any
     return {**body, "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}), "kv_cache_report_mode": "full"}}
 
 
-def _describe_decision(decision: Decision, request: RouteRequest) -> str:
+def _describe_decision(decision: Decision, request: RouteRequest, policy: Policy) -> str:
     """One routing decision, for `--log-level debug`: where, and what the replica held and had queued then."""
     tokens = len(request.token_ids) if request.token_ids is not None else None
+    weighs = f" (each {policy.running_cost(decision.replica):.0f})" if isinstance(policy, CacheAware) else ""
     return (
         f"route: session {request.session_key} prompt {tokens} tokens -> {decision.replica.url} cached "
         f"{decision.predicted_cached_tokens} cost {decision.prefill_cost:.0f} ahead {decision.prefill_ahead:.0f} "
-        f"running {decision.running} in flight {decision.replica.in_flight} conversations {decision.homed}"
+        f"running {decision.running}{weighs} in flight {decision.replica.in_flight} conversations {decision.homed}"
     )
 
 
