@@ -58,6 +58,7 @@ from kvyard.server.prepare import (
     render_chat,
     vocabulary_of,
 )
+from kvyard.server.reasoning import ReasoningParser
 from kvyard.server.transfer import send_transfer
 
 _LOG = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ReplicaApp:
 
     def __init__(self, options: ServerOptions, engine: ReplicaEngine | None = None) -> None:
         self.options = options
+        self.reasoning = ReasoningParser.named(options.reasoning_parser)
         self.engine: ReplicaEngine | None = None
         self.metrics = ServerMetrics(self._engine_stats)
         self.load_error: BaseException | None = None
@@ -204,9 +206,9 @@ class ReplicaApp:
         body = validate(raw, ChatCompletionRequest)
         self._authorize_transfer(request, body)
         salt = self._cache_salt(request, body.cache_salt)
-        parser = self.options.tool_call_parser
+        parser, reasoning = self.options.tool_call_parser, self.reasoning
         with self._counting_aborts():
-            prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser))
+            prepared = await self._prepare(engine, request, lambda: prepare_chat(engine, body, salt, parser, reasoning))
             await self._serve(engine, request, prepared, responder, ignored)
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ from kvyard.engine.core import RequestOutput
 from kvyard.engine.request import TokenLogprobs
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.prepare import PreparedRequest
+from kvyard.server.reasoning import ReasoningStream
 from kvyard.server.tool_calls import ToolStream
 
 
@@ -38,6 +39,7 @@ class ChoiceState:
     started: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     tool_stream: ToolStream | None = None  # a streamed chat with tools: the calls already sent
+    reasoning_stream: ReasoningStream | None = None  # a streamed chat whose reasoning is parsed: what went out
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # echo with logprobs
     echoed: bool = False  # a streamed echo: the prompt went out
     text_offset: int = 0  # characters of the tokens whose logprobs went out (legacy `text_offset`)
@@ -179,12 +181,18 @@ class CompletionRunner:
                 logprobs = self._completion_logprobs(choice, [*echo[1], *_entries(choice.logprobs)])
             return {**base, "text": echo[0] + choice.text, "logprobs": logprobs}
         logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-        calls = prepared.tools.calls(choice.text, True) if prepared.tools is not None else None
+        text, reasoning = choice.text, None
+        if prepared.reasoning is not None:
+            split = prepared.reasoning.split(text, True)
+            text, reasoning = split.content, split.reasoning or None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = prepared.tools.calls(text, True) if prepared.tools is not None else None
         if prepared.tools is not None and calls:
-            content = choice.text[: prepared.tools.content_end(choice.text, True)].strip()
+            content = text[: prepared.tools.content_end(text, True)].strip()
             message = {"role": "assistant", "content": content or None, "tool_calls": [c.json() for c in calls]}
             base["finish_reason"] = _tool_finish_reason(choice.finish_reason)
+        if prepared.reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {**base, "message": message, "logprobs": logprobs}
 
     # ------------------------------------------------------------------ streaming
@@ -236,6 +244,8 @@ class CompletionRunner:
         if prepared.kind != "chat":
             return self._completion_delta_chunk(prepared, choice, limit, output.finished, new_logprobs)
         logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
+        if prepared.reasoning is not None:
+            return self._reasoning_delta_chunk(prepared, choice, limit, output.finished, logprobs)
         if prepared.tools is not None:
             return self._tool_delta_chunk(prepared, choice, limit, output.finished, logprobs)
         delta = choice.text[choice.sent_chars : limit]
@@ -287,6 +297,31 @@ class CompletionRunner:
         if choice.tool_stream.sent_calls:
             finish_reason = _tool_finish_reason(finish_reason)
         return self._chunk(prepared, choice.index, delta, finish_reason, logprobs)
+
+    def _reasoning_delta_chunk(
+        self, prepared: PreparedRequest, choice: ChoiceState, limit: int, finished: bool, logprobs: Any
+    ) -> dict[str, Any] | None:
+        """A chat whose thinking is parsed streams it as `reasoning_content`, then its content (or tool calls)."""
+        assert prepared.reasoning is not None
+        if choice.reasoning_stream is None:
+            choice.reasoning_stream = ReasoningStream(prepared.reasoning)
+        reasoning, split = choice.reasoning_stream.delta(choice.text[:limit], finished)
+        content_sent = choice.sent_chars  # here: characters of the content sent
+        finish_reason = choice.finish_reason
+        delta: dict[str, Any] = {}
+        if prepared.tools is not None:
+            if choice.tool_stream is None:
+                choice.tool_stream = ToolStream(prepared.tools)
+            delta, choice.sent_chars = choice.tool_stream.delta(split.content, content_sent, finished)
+            if choice.tool_stream.sent_calls:
+                finish_reason = _tool_finish_reason(finish_reason)
+        elif len(split.content) > content_sent:
+            delta, choice.sent_chars = {"content": split.content[content_sent:]}, len(split.content)
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
+        if not delta and not finished and logprobs is None:
+            return None
+        return self._chunk(prepared, choice.index, delta or {"content": ""}, finish_reason, logprobs)
 
     def _envelope(self, prepared: PreparedRequest) -> dict[str, Any]:
         return {

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvyard.api.auth import AccessConfig
 from kvyard.net.http_server import HttpServerConfig
+from kvyard.server.reasoning import REASONING_PARSERS
 from kvyard.settings import setting
 
 ROLES = ("unified", "prefill", "decode")
@@ -29,6 +30,10 @@ class ServerOptions:
                                     "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
                                     "Qwen), a bare JSON object (llama3_json), or the one the chat template "
                                     "writes (auto)")  # fmt: skip
+    reasoning_parser: str | None = setting(None, choices=REASONING_PARSERS, help="a reasoning model's thinking "
+                                           "goes in reasoning_content, not content: qwen3 (an answer that opens "
+                                           "<think>), deepseek_r1 (the template opens it)",
+                                           default_text="none: thinking stays in content")  # fmt: skip
     fast_start: bool = setting(True, help="serve a weight package or fp32 checkpoint from the native CPU kernels "
                                "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
                                "configurations it cannot run start as without it")  # fmt: skip

@@ -24,6 +24,7 @@ from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.structured_output import StructuredOutput, checked_grammar
 from kvyard.kvcache.transfer import TransferHandle
 from kvyard.server.backend import ReplicaEngine, Vocabulary
+from kvyard.server.reasoning import ReasoningParser
 from kvyard.server.tool_calls import ToolPlan, parser_for, plan_tools, tools_for_template
 
 
@@ -45,6 +46,7 @@ class PreparedRequest:
     resume: ResumeState | None = None  # continue a stream another replica began
     kv_transfer: KVTransferParams | None = None  # prefill for, or pull the prompt's KV from, another replica
     tools: ToolPlan | None = None  # how a chat's output becomes tool calls
+    reasoning: ReasoningParser | None = None  # how a chat's thinking is taken out of its content
     echo_texts: list[str] | None = None  # echo: each prompt's text, returned before its completion
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -91,7 +93,11 @@ def _decoded(engine: ReplicaEngine, token_ids: list[int]) -> str:
 
 
 def prepare_chat(
-    engine: ReplicaEngine, body: ChatCompletionRequest, cache_salt: str | None, tool_call_parser: str = "auto"
+    engine: ReplicaEngine,
+    body: ChatCompletionRequest,
+    cache_salt: str | None,
+    tool_call_parser: str = "auto",
+    reasoning: ReasoningParser | None = None,
 ) -> PreparedRequest:
     check_model(engine, body.model)
     _reject_unsupported(body.unsupported())
@@ -99,12 +105,15 @@ def prepare_chat(
     tool_plan, tool_constraint = plan_tools(body, parser_for(tool_call_parser, vocabulary.chat_template))
     if tool_plan is not None and body.resume is not None:
         raise bad_request("a stream with tools cannot be resumed", "resume")
+    if reasoning is not None and body.resume is not None:
+        raise bad_request("a stream whose reasoning is parsed cannot be resumed", "resume")
     prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                          tools_for_template(body))  # fmt: skip
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prepared = _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt,
                          tool_constraint)  # fmt: skip
     prepared.tools = tool_plan
+    prepared.reasoning = reasoning
     return prepared
 
 
