@@ -170,7 +170,8 @@ def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload
             router.wait(timeout=30)
         except subprocess.TimeoutExpired:
             router.kill()
-    summary = json.loads(result_path.read_text())["summary"]
+    result = json.loads(result_path.read_text())
+    summary = result["summary"]
     completed = summary["requests"]["completed"]
     return {
         "router": name,
@@ -185,10 +186,26 @@ def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload
         "router_cpu_s": cpu,
         "router_cpu_ms_per_request": 1000 * cpu / max(1, completed),
         "wall_s": wall,
+        "by_turn": by_turn(result["requests"]),
         "log_tail": "".join(
             line for line in log.read_text(errors="replace").splitlines(keepends=True) if " route: session " not in line
         )[-2000:],
     }
+
+
+def by_turn(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """First turns (a new conversation) apart from later ones: TTFT p50 and the share of prompt tokens cached."""
+    groups: dict[str, list[dict[str, Any]]] = {"first": [], "later": []}
+    for request in requests:
+        if request["error"] is None and request["token_times"]:
+            groups["first" if request["turn"] == 0 else "later"].append(request)
+    out = {}
+    for name, group in groups.items():
+        if group:
+            ttfts = sorted(r["token_times"][0] - r["start"] for r in group)
+            cached = sum(r["cached_tokens"] or 0 for r in group) / max(1, sum(r["prompt_tokens"] for r in group))
+            out[name] = {"requests": len(group), "ttft_p50_s": ttfts[len(ttfts) // 2], "cached_share": cached}
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
