@@ -9,6 +9,11 @@ ends the stream with a JSON status. The decode replica reads it with `pull_block
 every block against the key it expects, and stops at the first block that fails: what it pulled before is a
 valid prefix, the rest it computes itself. Every read is bounded by an idle timeout (a peer that dies or
 stalls) and the whole pull by a deadline, so a transfer can fail but never hang.
+
+Why the standard library's blocking `http.client` here and not `kvyard.net.http_client`, the package's client
+everywhere else: a pull runs on a thread of the engine's (engine.kv_pull_link), which has no event loop, and
+reads a frame at a time with exact-length reads; the asyncio client would need a loop per thread or a hop
+to the server's loop for every frame.
 """
 
 from __future__ import annotations
