@@ -218,6 +218,23 @@ def test_auto_renders_the_tools_and_returns_plain_text_without_calls(client: ope
     assert counted == with_tools.usage.prompt_tokens
 
 
+def test_tools_with_response_format_as_vllm_serves_them(client: openai.OpenAI) -> None:
+    """A required call's schema replaces response_format; under auto, response_format constrains the answer."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    required = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=5,
+                                              tool_choice="required", response_format=response_format,
+                                              max_tokens=300)  # fmt: skip
+    calls = required.choices[0].message.tool_calls or []
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore[union-attr]
+    auto = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=5,
+                                          response_format=response_format, max_tokens=100)  # fmt: skip
+    assert auto.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(auto.choices[0].message.content or ""), schema)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -226,7 +243,6 @@ def test_auto_renders_the_tools_and_returns_plain_text_without_calls(client: ope
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],

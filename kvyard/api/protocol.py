@@ -358,9 +358,6 @@ class ChatCompletionRequest(SamplingFields):
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
             return "tools", "tools must have distinct function names"
-        constrained = self.structured_outputs or (self.response_format and self.response_format.type != "text")
-        if self.tools and self.tool_choice not in (None, "none") and constrained:
-            return "tool_choice", "tools cannot be combined with response_format or structured_outputs"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs=true"
         return super().unsupported()

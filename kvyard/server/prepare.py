@@ -110,6 +110,8 @@ def prepare_chat(
     prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                          tools_for_template(body))  # fmt: skip
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # As vLLM: a required or named tool call's schema replaces response_format and structured_outputs; under
+    # tool_choice auto they constrain the answer, from which calls are then read as usual.
     prepared = _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt,
                          tool_constraint)  # fmt: skip
     prepared.tools = tool_plan
