@@ -105,13 +105,13 @@ def _wait_for_nodes(port: int, count: int, timeout_s: float = 120) -> None:
 
 def write_spec(
     path: Path, name: str, model: Path, roles: dict[str, int], routers: int = 1,
-    external: list[dict[str, str]] | None = None,
+    external: list[dict[str, str]] | None = None, role_fields: dict[str, dict[str, Any]] | None = None,
 ) -> Path:  # fmt: skip
     spec: dict[str, Any] = {
         "name": name,
         "model": str(model),
-        "roles": {role: {"replicas": count, "num_cpus": 1, "resources": {"replica_slot": 1}}
-                  for role, count in roles.items()},
+        "roles": {role: {"replicas": count, "num_cpus": 1, "resources": {"replica_slot": 1},
+                         **(role_fields or {}).get(role, {})} for role, count in roles.items()},
         "router": {"replicas": routers, "port": _free_port_pair(), "num_cpus": 0},
         "ready_timeout_s": 240,
     }  # fmt: skip
@@ -302,11 +302,15 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
 
 
 def test_a_disaggregated_fleet(ray_cluster: RayCluster, llama_dir: Path, tmp_path: Path) -> None:
-    spec = write_spec(tmp_path / "fleet.yaml", "t-pd", llama_dir, {"prefill": 1, "decode": 1})
+    first = _free_port_pair()  # a range of two free ports, for the decode replica on loopback
+    spec = write_spec(tmp_path / "fleet.yaml", "t-pd", llama_dir, {"prefill": 1, "decode": 1},
+                      role_fields={"decode": {"host": "127.0.0.1", "ports": f"{first}-{first + 1}"}})  # fmt: skip
     deployed = ray_cluster.deploy(str(spec))
     assert deployed.returncode == 0, deployed.stderr
     try:
         status = ray_cluster.status("t-pd")
+        decode_url = members(status, "decode")[0]["url"]
+        assert decode_url in (f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"), decode_url
         router = router_urls(status)[0]
         roles = {view["role"] for view in status["routers"][router].values()}
         assert roles == {"prefill", "decode"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvyard.deploy.process import ProcessFailed, free_port
 from kvyard.deploy.spec import FleetSpec, SpecError, load_spec, parse_spec
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "fleet.yaml"
@@ -49,6 +51,10 @@ def test_defaults_fill_what_the_spec_leaves_out() -> None:
      "roles.unified.resources.gpu_a"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1, "options": "--max-num-seqs 8"}}}, "roles.unified.options"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1, "options": ["--port", "9"]}}}, "roles.unified.options"),
+    ({"model": "demo", "roles": {"unified": {"replicas": 1, "ports": "9000"}}}, "roles.unified.ports"),
+    ({"model": "demo", "roles": {"unified": {"replicas": 1, "ports": "9100-9000"}}}, "roles.unified.ports"),
+    ({"model": "demo", "roles": {"unified": {"replicas": 1, "ports": [9000, "x"]}}}, "roles.unified.ports"),
+    ({"model": "demo", "roles": {"unified": {"replicas": 1, "host": 7}}}, "roles.unified.host"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1}}, "router": {"port": 70000}}, "router.port"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1}}, "router": {"policy": "fastest"}}, "router.policy"),
     ({"model": "demo", "roles": {"unified": {"replicas": 1}}, "router": {"options": ["--admin-key", "x"]}},
@@ -67,6 +73,26 @@ def test_defaults_fill_what_the_spec_leaves_out() -> None:
 def test_a_bad_spec_names_its_field(document: Any, field: str) -> None:
     with pytest.raises(SpecError, match=re.escape(field)):
         parse_spec(document)
+
+
+def test_a_role_says_where_its_replicas_listen() -> None:
+    spec = parse_spec({"model": "demo", "roles": {"unified": {"replicas": 2, "host": "127.0.0.1", "ports": "9100-9109"},
+                                                  "decode": {"replicas": 1, "ports": [9200, 9200]},
+                                                  "prefill": {"replicas": 1}}})  # fmt: skip
+    assert (spec.roles["unified"].host, spec.roles["unified"].ports) == ("127.0.0.1", (9100, 9109))
+    assert (spec.roles["decode"].host, spec.roles["decode"].ports) == (None, (9200, 9200))  # its node's address
+    assert spec.roles["prefill"].ports is None  # any free port
+
+
+def test_a_port_is_taken_from_the_range_and_a_taken_one_is_passed_over() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        if busy < 65535:
+            assert free_port("127.0.0.1", (busy, busy + 1)) == busy + 1
+        with pytest.raises(ProcessFailed, match=f"no free port on 127.0.0.1 in {busy}-{busy}"):
+            free_port("127.0.0.1", (busy, busy))
 
 
 def test_replicas_the_fleet_does_not_run_are_listed_with_their_kv_events() -> None:

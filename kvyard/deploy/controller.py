@@ -285,8 +285,9 @@ class FleetController:
             f"replica-{role}-{index}",
             tuple(command),
             env,
+            spec.roles[role].host,
             None,
-            None,
+            ports=spec.roles[role].ports,
             log_dir=f"/tmp/kvyard-deploy/{spec.namespace}",
             ready_timeout_s=spec.ready_timeout_s,
         )

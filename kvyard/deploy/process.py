@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ class ProcessSpec:
     command: tuple[str, ...]  # the kvyard command and its options, without --host and --port
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment (secrets go here)
     host: str | None = None  # None: listen on this node's address, for the routers on other nodes
-    port: int | None = None  # None: a free port
+    port: int | None = None  # None: a free port (from `ports`, when given)
+    ports: tuple[int, int] | None = None  # the inclusive range a free port is taken from
     log_dir: str = "/tmp/kvyard-deploy"
     ready_timeout_s: float = 600.0
     ready_path: str = "/health"  # answers 200 once the process serves (a router's /health waits for a replica)
@@ -58,7 +60,7 @@ class KvyardProcess:
         self._child: subprocess.Popen[bytes] | None = None
         self._healthy_once = False
         for attempt in range(_PORT_ATTEMPTS):
-            self.port = spec.port or _free_port(self.host)
+            self.port = spec.port or free_port(self.host, spec.ports)
             try:
                 self._start_and_wait()
                 return
@@ -153,9 +155,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str, ports: tuple[int, int] | None = None) -> int:
+    """A port nothing listens on at `host`: any (the kernel's choice), or one of the range, tried in random order
+    (replicas starting together on one node do not all try the same one first)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    candidates = [0] if ports is None else random.sample(range(ports[0], ports[1] + 1), ports[1] - ports[0] + 1)
+    for candidate in candidates:
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+            port: int = sock.getsockname()[1]
+            return port
+    raise ProcessFailed(f"no free port on {host} in {ports[0]}-{ports[1]}" if ports else f"no free port on {host}")

@@ -38,6 +38,8 @@ class Placement:
 class RoleSpec:
     replicas: int = 0
     placement: Placement = field(default_factory=Placement)
+    host: str | None = None  # the address replicas listen on; None: their node's (routers on other nodes reach it)
+    ports: tuple[int, int] | None = None  # the inclusive range their ports are taken from; None: any free port
     options: tuple[str, ...] = ()  # more `kvyard serve` options for replicas of this role
 
 
@@ -156,13 +158,29 @@ def _external_replicas(value: Any) -> tuple[ExternalReplica, ...]:
 
 
 def _role(document: Any, where: str) -> RoleSpec:
-    fields = {"replicas", "options", *_PLACEMENT_FIELDS}
+    fields = {"replicas", "options", "host", "ports", *_PLACEMENT_FIELDS}
     doc = _mapping(document, where, fields)
     return RoleSpec(
         replicas=_integer(doc.get("replicas", 0), f"{where}.replicas", minimum=0),
         placement=_placement(doc, where, Placement()),
         options=_options(doc.get("options", []), f"{where}.options", _SET_FOR_REPLICAS),
+        host=_string(doc["host"], f"{where}.host") if doc.get("host") is not None else None,
+        ports=_port_range(doc["ports"], f"{where}.ports") if doc.get("ports") is not None else None,
     )
+
+
+def _port_range(value: Any, where: str) -> tuple[int, int]:
+    """`9000-9099` (or `[9000, 9099]`): the first and last port, inclusive."""
+    parts: Any = value.split("-") if isinstance(value, str) else value
+    if not isinstance(parts, list) or len(parts) != 2:
+        raise SpecError(f"{where} must be a range like 9000-9099, got {value!r}")
+    try:
+        first, last = (int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise SpecError(f"{where} must be a range like 9000-9099, got {value!r}") from None
+    if not 1 <= first <= last <= 65535:
+        raise SpecError(f"{where} must run from a port to a later one within 1-65535, got {value!r}")
+    return first, last
 
 
 def _router(document: Any) -> RouterSpec:
