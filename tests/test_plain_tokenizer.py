@@ -17,7 +17,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from kvyard.engine.model_setup import load_tokenizer as _load_tokenizer
-from kvyard.models.tokenizer import PlainTokenizer
+from kvyard.models.tokenizer import GIL_FREE_ENCODE_CHARS, PlainTokenizer
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "kvyard" / "testing" / "kvyard-demo"
 
@@ -107,6 +107,16 @@ def test_encode_matches_transformers(pair: tuple[PlainTokenizer, Any]) -> None:
         for add_special_tokens in (True, False):
             expected = hf.encode(text, add_special_tokens=add_special_tokens)
             assert plain.encode(text, add_special_tokens) == expected, text
+
+
+def test_a_long_text_encodes_as_transformers_does(pair: tuple[PlainTokenizer, Any]) -> None:
+    """Past GIL_FREE_ENCODE_CHARS the other encode path (which lets other threads run) gives the same ids."""
+    plain, hf = pair
+    rng = random.Random(7)
+    text = "".join(rng.choice(TEXTS[2:]) + " " for _ in range(GIL_FREE_ENCODE_CHARS // 20))
+    assert len(text) > GIL_FREE_ENCODE_CHARS
+    for add_special_tokens in (True, False):
+        assert plain.encode(text, add_special_tokens) == hf.encode(text, add_special_tokens=add_special_tokens)
 
 
 def test_decode_matches_transformers(pair: tuple[PlainTokenizer, Any]) -> None:

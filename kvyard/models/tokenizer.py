@@ -26,6 +26,7 @@ from kvyard.models.chat_template import compile_chat_template, render_chat_templ
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+GIL_FREE_ENCODE_CHARS = 64 << 10  # longer texts are encoded without holding the interpreter lock (see encode)
 # transformers patches the pre-tokenizer regex of some Mistral-family checkpoints when it loads them.
 PATCHED_MODEL_TYPES = ("mistral", "mistral3", "ministral", "ministral3", "voxtral", "pixtral")
 # Files transformers reads beside tokenizer.json that change what it builds; where one is present it loads.
@@ -69,8 +70,14 @@ class PlainTokenizer:
         return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return ids
+        backend = self.backend_tokenizer
+        if len(text) < GIL_FREE_ENCODE_CHARS:
+            ids: list[int] = backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
+        # `tokenizers` holds the interpreter lock through encode() (2.4 s for 3.6 MB of text: every other thread,
+        # the server's event loop included, stops) but releases it in encode_batch(), with the same ids.
+        encoded = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return list(encoded.ids)
 
     def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
