@@ -32,26 +32,28 @@ class PDResult:
         return body
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str, token: str | None = None) -> dict[str, Any]:
     leg = {key: value for key, value in body.items() if key not in ("n", "stream", "stream_options")}
-    return {**leg, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
+    params = {"do_remote_decode": True, "transfer_id": transfer_id, **({"transfer_token": token} if token else {})}
+    return {**leg, "max_tokens": 1, "kv_transfer_params": params}
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, source: str) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], transfer_id: str, source: str, token: str | None = None) -> dict[str, Any]:
     params = {"do_remote_prefill": True, "transfer_id": transfer_id, "source": source}
-    return {**body, "kv_transfer_params": params}
+    return {**body, "kv_transfer_params": {**params, **({"transfer_token": token} if token else {})}}
 
 
 def pd_request(
     prefill_url: str, decode_url: str, body: dict[str, Any], path: str = "/v1/completions",
     source: str | None = None, timeout: float = 120.0,
 ) -> PDResult:  # fmt: skip
-    """Both legs at once, as the router sends them; `source` overrides the URL the decode replica pulls from."""
-    transfer_id = uuid.uuid4().hex
+    """Both legs at once, as the router sends them (one fresh transfer token for both); `source` overrides the URL
+    the decode replica pulls from."""
+    transfer_id, token = uuid.uuid4().hex, uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(_post, prefill_url + path, prefill_body(body, transfer_id), timeout)
-        decode = pool.submit(httpx.post, decode_url + path, json=decode_body(body, transfer_id, source or prefill_url),
-                             headers=PD_HEADERS, timeout=timeout)  # fmt: skip
+        prefill = pool.submit(_post, prefill_url + path, prefill_body(body, transfer_id, token), timeout)
+        decode = pool.submit(httpx.post, decode_url + path, headers=PD_HEADERS, timeout=timeout,
+                             json=decode_body(body, transfer_id, source or prefill_url, token))  # fmt: skip
         return PDResult(prefill.result(), decode.result(), transfer_id)
 
 

@@ -3,12 +3,16 @@ decoding, with the KV moved between them; outputs compared token for token with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,9 @@ import httpx
 import pytest
 from pd_utils import PD_HEADERS, Relay, decode_body, pd_request, prefill_body
 from server_utils import ADMIN, ServerProcess, start_server
+
+from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_TOKEN_HEADER
+from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 
 BLOCK_SIZE = 16
 
@@ -161,6 +168,59 @@ def test_kv_transfer_params_need_the_admin_key(pair: tuple[ServerProcess, Server
     assert reading.status_code == 401
     with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": "x" * 16}, headers=ADMIN) as admitted:
         assert admitted.status_code == 200
+
+
+def test_a_transfers_blocks_go_to_its_token_and_the_pull_shows_nothing_else(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """The decode replica shows the prefill replica the transfer's token, never its own admin key; the prefill
+    replica streams the blocks to that token (or to the admin) and refuses any other."""
+    prefill, decode = pair
+    transfer_id, token = uuid.uuid4().hex, uuid.uuid4().hex
+    leg = httpx.post(f"{prefill.url}/v1/completions", json=prefill_body(body_of(make_prompt(11)), transfer_id, token),
+                     headers=PD_HEADERS, timeout=60)  # fmt: skip
+    assert leg.status_code == 200, leg.text
+    wrong = httpx.get(f"{prefill.url}/kv/transfer", params={"id": transfer_id},
+                      headers={TRANSFER_TOKEN_HEADER: uuid.uuid4().hex}, timeout=30)  # fmt: skip
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_transfer_token"
+    with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id},
+                      headers={TRANSFER_TOKEN_HEADER: token}, timeout=30) as right:  # fmt: skip
+        assert right.status_code == 200 and right.headers["content-type"] == "application/octet-stream"
+    released = httpx.post(f"{prefill.url}{RELEASE_PATH}", params={"id": transfer_id},
+                          headers={TRANSFER_TOKEN_HEADER: token}, timeout=30)  # fmt: skip
+    assert released.status_code == 200
+    with stranger_source() as (source, seen):
+        answer = httpx.post(f"{decode.url}/v1/completions", headers=PD_HEADERS, timeout=60,
+                            json=decode_body(body_of(make_prompt(12)), uuid.uuid4().hex, source, token))  # fmt: skip
+        assert answer.status_code == 200, answer.text  # nothing pulled: the prompt computed here
+    assert seen and all(headers.get(TRANSFER_TOKEN_HEADER.lower()) == token for headers in seen), seen
+    everything = " ".join(f"{name}: {value}" for headers in seen for name, value in headers.items()).lower()
+    assert TEST_ADMIN_KEY.lower() not in everything and "authorization" not in everything
+
+
+@contextlib.contextmanager
+def stranger_source() -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A 'prefill replica' that records the headers of what it is asked, and has nothing to give."""
+    seen: list[dict[str, str]] = []
+
+    class Stranger(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append({name.lower(): value for name, value in self.headers.items()})
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stranger)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
 
 
 def test_a_prefill_replica_killed_mid_transfer_falls_back(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ class KVTransferFields(BaseModel):
     do_remote_decode: bool = False  # prefill here, keep the blocks under a lease for a decode replica
     do_remote_prefill: bool = False  # pull the prompt's blocks from `source` instead of computing them
     transfer_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{8,128}$")
+    transfer_token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{16,128}$")  # both legs: one secret
     source: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+/?$", max_length=512)
 
     @model_validator(mode="after")

@@ -33,6 +33,9 @@ from kvyard.kvcache.codec import BlockFormat, BlockMismatchError, BlockRejectedE
 
 TRANSFER_PATH = "/kv/transfer"
 RELEASE_PATH = "/kv/transfer/release"
+# One transfer's credential: the router gives both legs a fresh token, and the decode replica shows only that to
+# the prefill replica, never a key of its own.
+TRANSFER_TOKEN_HEADER = "X-Kvyard-Transfer-Token"
 BLOCK, HEARTBEAT, INFO, END = b"B", b"H", b"I", b"E"
 _FRAME = struct.Struct("<cI")
 MAX_FRAME_BYTES = 1 << 30
@@ -65,6 +68,11 @@ class TransferHandle:
 
     source: str  # base URL of the prefill replica, e.g. http://10.0.0.5:8000
     transfer_id: str
+    token: str | None = None  # the transfer's own credential (then the pull carries no other)
+
+    def headers(self, fallback: Mapping[str, str]) -> dict[str, str]:
+        """What a call to the source carries: the transfer's token, or (a transfer without one) `fallback`."""
+        return {TRANSFER_TOKEN_HEADER: self.token} if self.token else dict(fallback)
 
 
 class PulledBlocks(list[DecodedBlock]):
@@ -100,7 +108,7 @@ def pull_blocks(
     try:
         connection = _connect(handle.source, limits.idle_s)
         path = f"{TRANSFER_PATH}?id={quote(handle.transfer_id)}&from={first_block}"
-        connection.request("GET", path, headers=dict(limits.headers))
+        connection.request("GET", path, headers=handle.headers(limits.headers))
         response = connection.getresponse()
         if response.status != 200:
             result.failure = f"http_{response.status}"
@@ -174,7 +182,8 @@ def release_transfer(handle: TransferHandle, headers: Mapping[str, str], timeout
     try:
         connection = _connect(handle.source, timeout_s)
         try:
-            connection.request("POST", f"{RELEASE_PATH}?id={quote(handle.transfer_id)}", headers=dict(headers))
+            path = f"{RELEASE_PATH}?id={quote(handle.transfer_id)}"
+            connection.request("POST", path, headers=handle.headers(headers))
             return connection.getresponse().status == 200
         finally:
             connection.close()

@@ -238,7 +238,7 @@ class Router:
     def _send_prefill_leg(self, kind: str, path: str, body: dict[str, Any], plan: PDPlan) -> None:
         assert plan.prefill is not None
         plan.prefill.headers = plan.prefill.replica.pd_headers
-        leg = orjson.dumps(prefill_leg(kind, body, plan.transfer_id))
+        leg = orjson.dumps(prefill_leg(kind, body, plan.transfer_id, plan.transfer_token))
         task = asyncio.create_task(self.forwarder.prefill(plan.prefill, path, leg))
         self._prefill_legs.add(task)
         task.add_done_callback(self._prefill_legs.discard)

@@ -49,11 +49,13 @@ class PDPlan:
     prefill: Decision | None  # None: the decode replica prefills the request itself
     reason: str  # remote | short | prefill_busy (sooner here) | no_prefill_replica | decode_full (no KV room)
     transfer_id: str = ""
+    transfer_token: str = ""  # what the decode replica shows the prefill replica, instead of any key of its own
 
     def decode_fields(self) -> dict[str, Any]:
         """`kv_transfer_params` of the decode leg."""
         assert self.prefill is not None
-        return {"do_remote_prefill": True, "transfer_id": self.transfer_id, "source": self.prefill.replica.url}
+        return {"do_remote_prefill": True, "transfer_id": self.transfer_id, "source": self.prefill.replica.url,
+                "transfer_token": self.transfer_token}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -109,7 +111,7 @@ class PDPlanner:
             decode.prefill_cost = self._local_prefill_cost(request, decode)
             return PDPlan(decode, None, "prefill_busy")
         prefill = self.prefill_policy.choose(request, compatible)
-        return PDPlan(decode, prefill, "remote", secrets.token_hex(16))
+        return PDPlan(decode, prefill, "remote", secrets.token_hex(16), secrets.token_urlsafe(24))
 
     def _prefill_pool_busy(self, request: RouteRequest, decode: Decision, prefillers: list[Replica]) -> bool:
         """The prompt would start sooner on the decode replica than behind the prefill pool's queue (predicted
@@ -191,12 +193,12 @@ def _mismatch_message(decode: Replica, prefillers: list[Replica]) -> str:
             "and block size on both sides")  # fmt: skip
 
 
-def prefill_leg(kind: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_leg(kind: str, body: dict[str, Any], transfer_id: str, transfer_token: str) -> dict[str, Any]:
     """The prefill replica's request: the prompt, one token, one choice, no stream; it keeps the blocks."""
     dropped = ("n", "stream", "stream_options", "stream_progress", "resume", "best_of", "logprobs", "top_logprobs")
     leg = {key: value for key, value in body.items() if key not in dropped}
     leg["max_tokens"] = 1
     if kind == "chat":
         leg["max_completion_tokens"] = 1
-    leg["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id, "transfer_token": transfer_token}
     return leg

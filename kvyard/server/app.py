@@ -45,7 +45,7 @@ from kvyard.api.protocol import (
 )
 from kvyard.api.ratelimit import RateLimiter
 from kvyard.kvcache.events import KVEventLog
-from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_PATH
+from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_PATH, TRANSFER_TOKEN_HEADER
 from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Responder, RouteTable
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.completions import CompletionRunner
@@ -59,7 +59,8 @@ from kvyard.server.prepare import (
     vocabulary_of,
 )
 from kvyard.server.reasoning import ReasoningParser
-from kvyard.server.transfer import send_transfer
+from kvyard.server.transfer import APPEAR_WAIT_S, send_transfer
+from kvyard.server.transfer_tokens import TransferTokens
 
 _LOG = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -92,9 +93,12 @@ class ReplicaApp:
         self.routes = RouteTable()
         self.access: dict[str, Access] = {}
         self.add_routes(self._own_routes())
-        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot,
-                         ("GET", TRANSFER_PATH): self.kv_transfer, ("POST", RELEASE_PATH): self.kv_release},
+        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot},
                         Access.ADMIN)  # fmt: skip
+        # A transfer's blocks: the admin, or the decode replica holding that transfer's token (_authorize_pull).
+        self.transfer_tokens = TransferTokens()
+        self.add_routes({("GET", TRANSFER_PATH): self.kv_transfer, ("POST", RELEASE_PATH): self.kv_release},
+                        Access.PUBLIC)  # fmt: skip
         public = {("GET", path): self.health for path in ("/health", "/health_generate")}
         public["GET", "/version"] = self.version
         public["GET", "/openapi.json"] = self.openapi
@@ -245,8 +249,20 @@ class ReplicaApp:
     def _authorize_transfer(self, request: HttpRequest, body: SamplingFields) -> None:
         """Disaggregation pins blocks here, or makes this replica call another: only the admin (the router) may
         ask for it."""
-        if body.kv_transfer_params is not None:
+        fields = body.kv_transfer_params
+        if fields is not None:
             self.admin_key.authorize_extra(request.headers, "kv_transfer_params")
+            if fields.do_remote_decode and fields.transfer_token is not None:
+                self.transfer_tokens.add(fields.transfer_id, fields.transfer_token)
+
+    async def _authorize_pull(self, request: HttpRequest, transfer_id: str) -> None:
+        """A transfer's blocks go to the admin, or to a caller showing the token its prefill leg filed."""
+        token = request.headers.get(TRANSFER_TOKEN_HEADER.lower())
+        if token is None:
+            self.admin_key.authorize(request.headers, request.path)
+        elif not await self.transfer_tokens.matches(transfer_id, token, APPEAR_WAIT_S):
+            raise APIError(401, f"{request.path}: the transfer token does not match transfer {transfer_id!r}",
+                           "id", "invalid_transfer_token")  # fmt: skip
 
     def _cache_salt(self, request: HttpRequest, request_salt: str | None) -> str | None:
         return tenant_salt(self.caller_key(request), request_salt, self.options.access.cache_salt_per_api_key)
@@ -445,12 +461,15 @@ class ReplicaApp:
         start = _int_query(query, "from", 0)
         if start < 0:
             raise bad_request(f"from must be >= 0, got {start}", "from")
+        await self._authorize_pull(request, transfer_id)
         await send_transfer(engine, transfer_id, start, responder, lambda: self.shutting_down)
 
     async def kv_release(self, request: HttpRequest, responder: Responder) -> None:
         transfer_id = parse_qs(request.query).get("id", [""])[-1]
         if not transfer_id:
             raise bad_request("give the transfer's id: ?id=...", "id")
+        await self._authorize_pull(request, transfer_id)
+        self.transfer_tokens.forget(transfer_id)
         if not await self.ready().release_export(transfer_id):
             raise APIError(404, f"no transfer {transfer_id!r} (released or expired)", "id", "transfer_not_found")
         responder.send_json(200, {"released": transfer_id})

@@ -163,7 +163,9 @@ def kv_transfer_params(fields: KVTransferFields | None) -> KVTransferParams | No
     if fields.do_remote_decode:
         return KVTransferParams(export_id=fields.transfer_id)
     assert fields.source is not None  # the model's validator requires it
-    return KVTransferParams(pull_from=TransferHandle(fields.source.rstrip("/"), fields.transfer_id))
+    return KVTransferParams(
+        pull_from=TransferHandle(fields.source.rstrip("/"), fields.transfer_id, fields.transfer_token)
+    )
 
 
 def structured_output_of(body: SamplingFields) -> StructuredOutput | None:
