@@ -76,8 +76,8 @@ class PlainTokenizer:
             return ids
         # `tokenizers` holds the interpreter lock through encode() (2.4 s for 3.6 MB of text: every other thread,
         # the server's event loop included, stops) but releases it in encode_batch(), with the same ids.
-        encoded = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        return list(encoded.ids)
+        batch_ids: list[int] = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return batch_ids
 
     def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)

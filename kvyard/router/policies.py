@@ -206,7 +206,7 @@ class CacheAware:
         placing = bool(tokens) and uncached_cost is None  # a placement of a conversation (PD's decode legs aside)
         tip = self._conversation_tip(request, keys_by_root) if placing else None
         conversation_home = self.conversations.home_of(tip)
-        homed_cost = self._homed_cost(candidates, conversation_home, cheapest) if placing else None
+        per_conversation = self._per_homed_conversation(candidates, cheapest) if placing else 0.0
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
         best_load_s = 0.0
@@ -219,8 +219,8 @@ class CacheAware:
                 extra += config.session_recompute_weight * max(0.0, cost - home_cost)
             load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
-            if homed_cost is not None:
-                extra += homed_cost(replica)
+            if per_conversation:  # the conversations it would be home to, this one included
+                extra += per_conversation * (self.conversations.homed(replica.url) + (replica.url != conversation_home))
             seconds = (self._queue_cost(replica) + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
@@ -258,26 +258,18 @@ class CacheAware:
                 return tip
         return None
 
-    def _homed_cost(
-        self, candidates: list[Replica], home_url: str | None, cheapest: float
-    ) -> Callable[[Replica], float]:
-        """What a placement commits beyond this request: the conversation's later turns queue behind the turns of
-        the conversations already at home on the replica. In prefill-token equivalents: the conversations it would
-        be home to, times the chance that one has a request under way (the router's requests in flight over the
-        live conversations, at most 1), times a turn's work (recent continuing turns', else this request's), times
-        the turns a conversation is expected to bring yet, times `conversation_weight`."""
+    def _per_homed_conversation(self, candidates: list[Replica], cheapest: float) -> float:
+        """What a placement commits beyond this request, per conversation at home on the replica: the
+        conversation's later turns queue behind theirs. In prefill-token equivalents: the chance that one has a
+        request under way (the router's requests in flight over the live conversations, at most 1), times a turn's
+        work (recent continuing turns', else this request's), times the turns a conversation is expected to bring
+        yet, times `conversation_weight`. Nothing when no conversation lives or nothing is in flight."""
         conversations, weight = self.conversations, self.config.conversation_weight
         homed = sum(conversations.homed(replica.url) for replica in candidates)
         if not homed or not weight:
-            return lambda replica: 0.0
+            return 0.0
         active = min(1.0, sum(replica.in_flight for replica in candidates) / homed)
-        turn = conversations.turn_work or cheapest
-        per_conversation = weight * conversations.future_turns() * active * turn
-
-        def cost(replica: Replica) -> float:
-            return per_conversation * (conversations.homed(replica.url) + (replica.url != home_url))
-
-        return cost
+        return weight * conversations.future_turns() * active * (conversations.turn_work or cheapest)
 
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
         fleet = self._fleet
