@@ -310,7 +310,8 @@ def test_when_every_replica_fails_its_health_checks_the_router_still_serves_unle
     ("option", "value", "reason"),
     [("--panic-threshold", "1.5", "--panic-threshold must be between 0 and 1"),
      ("--shared-index-keys", "0", "--shared-index-keys must be at least 1"),
-     ("--backlog", "0", "backlog must be positive")],
+     ("--backlog", "0", "backlog must be positive"),
+     ("--conversation-weight", "-1", "--conversation-weight must be 0 or more")],
 )  # fmt: skip
 def test_out_of_range_settings_are_refused_with_the_reason(option: str, value: str, reason: str) -> None:
     result = subprocess.run([sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1", option,

@@ -105,6 +105,15 @@ class RouterConfig:
             raise ValueError(f"--panic-threshold must be between 0 and 1, got {self.panic_threshold}")
         if self.shared_index_keys < 1:
             raise ValueError(f"--shared-index-keys must be at least 1, got {self.shared_index_keys}")
-        for name in ("pd_local_prefill_tokens", "pd_decode_prefill_budget"):
+        for name in (
+            "pd_local_prefill_tokens",
+            "pd_decode_prefill_budget",
+            "attention_pair_cost",
+            "running_request_cost",
+            "waiting_request_cost",
+            "recompute_weight",
+            "session_recompute_weight",
+            "conversation_weight",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
