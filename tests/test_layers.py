@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"api", "kvcache", "net", "settings", ""},
     "bench": {"api", "net", ""},
     "deploy": {"api", "paths"},  # runs `kvyard serve` / `kvyard route` as processes and talks to them over HTTP
+    "integrations": {"kvcache", "models", "paths", "settings"},  # kvyard's tier inside vLLM (a KV connector)
     "testing": {"server", "sim", "engine", "api", "kvcache", "models", "net", "paths", "settings"},
 }
 

@@ -58,8 +58,7 @@ class DiskTier:
         return len(self._index)
 
     def path_of(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.directory / name[:2] / (name + SUFFIX)
+        return block_path(self.directory, key)
 
     def _rebuild_index(self) -> None:
         entries: list[tuple[float, bytes, int]] = []
@@ -193,6 +192,12 @@ class DiskTier:
 
     def close(self) -> None:
         pass
+
+
+def block_path(directory: Path, key: bytes) -> Path:
+    """Where a disk tier under `directory` keeps the block `key` (another process may look without the index)."""
+    name = key.hex()
+    return directory / name[:2] / (name + SUFFIX)
 
 
 def _remove(path: Path) -> None:

@@ -108,6 +108,23 @@ class RedisTier:
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
         return found
 
+    def leading_held(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading `keys` the store holds, asked without reading them (EXISTS, pipelined);
+        0 while the tier backs off."""
+        held = 0
+        for offset in range(0, len(keys), self.batch_blocks):
+            if not self.available:
+                break
+            batch = keys[offset : offset + self.batch_blocks]
+            answers = self._pipeline(lambda pipe, key: pipe.exists(self.redis_key(key)), batch)
+            if answers is None:
+                break
+            leading = next((index for index, answer in enumerate(answers) if not answer), len(answers))
+            held += leading
+            if leading < len(batch):
+                break
+        return held
+
     def keys(self) -> list[bytes]:
         return []
 

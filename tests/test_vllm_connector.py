@@ -1,0 +1,184 @@
+"""kvyard's KV tier inside real vLLM processes (vLLM's CPU build serving the demo model) through `KvyardConnector`:
+a fresh replica serves another replica's prompt from Redis, a restarted one from its own disk, with vLLM reporting
+the loaded tokens as cached and the greedy text unchanged; a corrupt block, a lost Redis or a replica killed while
+it saved is computed instead; another tenant's salt or another dtype never loads a block.
+
+The vLLM servers come from `.venv-vllm` (`bash scripts/setup.sh --vllm`; `--tests` makes it too). Without it these
+tests are skipped, except under CI, where a missing vLLM is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from redis_utils import RedisProcess, start_redis
+
+from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
+from kvyard.kvcache.redis_tier import KEY_PREFIX
+from kvyard.models.checkpoint import model_digest
+from kvyard.testing.model_presets import DEMO_MODEL_DIR
+from kvyard.testing.vllm_replicas import VLLM_BLOCK_SIZE, VllmReplica, start_vllm, vllm_python, wait_ready
+
+MODEL = "kvyard-demo"
+BLOCK = VLLM_BLOCK_SIZE
+
+if vllm_python() is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI runs the vLLM tests: `bash scripts/setup.sh --tests` makes .venv-vllm")
+    pytest.skip("no .venv-vllm here: run `bash scripts/setup.sh --vllm`", allow_module_level=True)
+
+
+@dataclass
+class Pair:
+    """Two replicas sharing one Redis, each with its own disk tier."""
+
+    scratch: Path
+    store: RedisProcess
+    a: VllmReplica
+    b: VllmReplica
+
+    def restart_store(self) -> None:
+        """As a Redis that lost its memory: the same port, nothing in it."""
+        self.store.kill()
+        self.store = start_redis(self.scratch, port=self.store.port)
+
+
+def transfer_config(scratch: Path, name: str, store: RedisProcess) -> str:
+    extra = {"tiers": "memory,disk,redis", "memory_gb": 0.25, "disk_dir": str(scratch / f"disk-{name}"),
+             "disk_gb": 1, "redis_url": store.url, "redis_timeout_s": 0.5}  # fmt: skip
+    return json.dumps({"kv_connector": "KvyardConnector", "kv_connector_module_path": "kvyard.integrations.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": extra})  # fmt: skip
+
+
+def start(scratch: Path, name: str, store: RedisProcess, cpu: int, *extra: str) -> VllmReplica:
+    cores = os.cpu_count() or 1
+    return start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, events=False, cpus=str(cpu % cores),
+                      extra=("--kv-transfer-config", transfer_config(scratch, name, store), *extra))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    scratch = tmp_path_factory.mktemp("vllm-connector")
+    store = start_redis(scratch)
+    replicas = [start(scratch, name, store, cpu) for cpu, name in enumerate("ab")]
+    pair = Pair(scratch, store, *replicas)
+    try:
+        wait_ready(replicas)
+        yield pair
+    finally:
+        for replica in (pair.a, pair.b):
+            replica.stop()
+        pair.store.kill()
+
+
+def complete(replica: VllmReplica, prompt: str, **extra: Any) -> tuple[str, int, int]:
+    """Greedy text, prompt tokens, and the tokens vLLM says it did not compute (its cache plus the connector's)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, **extra}
+    response = httpx.post(f"{replica.url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    usage = answer["usage"]
+    return answer["choices"][0]["text"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def prompt(topic: str, repeats: int = 30) -> str:
+    return f"{topic}: You write short Python functions for file paths and check that each path exists. " * repeats
+
+
+def loadable(prompt_tokens: int) -> int:
+    """Tokens of a prompt the tier can give: its full blocks, never the last token."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def stored_keys(text: str, salt: str = "") -> list[str]:
+    """The Redis keys of a prompt's full blocks, under the namespace the connector gives the demo model."""
+    from transformers import AutoTokenizer
+
+    token_ids = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)(text)["input_ids"]
+    namespace = KeyNamespace(MODEL, model_digest(DEMO_MODEL_DIR), "vllm-cpu:float32:auto", BLOCK, cache_salt=salt)
+    return [KEY_PREFIX + key.hex() for key in chain_block_keys(namespace.root_key(), token_ids, BLOCK)]
+
+
+def settle(client: redis.Redis, keys: list[str]) -> None:
+    """Wait until the writer thread behind the step has put every block of the prompt into Redis."""
+    deadline = time.monotonic() + 30
+    while sum(client.exists(key) for key in keys) < len(keys):
+        assert time.monotonic() < deadline, "the blocks never reached Redis"
+        time.sleep(0.1)
+
+
+def test_a_fresh_replica_serves_another_replicas_prompt_from_redis(pair: Pair) -> None:
+    text = prompt("Redis")
+    computed, length, cached = complete(pair.a, text)
+    assert cached == 0
+    settle(pair.store.client(), stored_keys(text))
+    loaded, _, cached = complete(pair.b, text)
+    assert cached == loadable(length) > 10 * BLOCK
+    assert loaded == computed
+
+
+def test_a_corrupt_block_is_dropped_and_computed_instead(pair: Pair) -> None:
+    text = prompt("Corrupt")
+    computed, length, _ = complete(pair.a, text)
+    client = pair.store.client()
+    keys = stored_keys(text)
+    settle(client, keys)
+    blob = bytearray(client.get(keys[4]) or b"")
+    blob[-7] ^= 0x40  # one bit of the payload: the CRC must catch it
+    client.set(keys[4], bytes(blob))
+    answer, _, _ = complete(pair.b, text)  # vLLM's cached_tokens still counts what was offered, not what came
+    assert answer == computed
+    assert not client.exists(keys[4]), "a corrupt block is removed from the store"
+    log = pair.b.log()
+    assert f"4 of {loadable(length) // BLOCK} blocks loaded, the rest is computed" in log
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
+
+
+def test_another_tenants_salt_never_loads_its_blocks(pair: Pair) -> None:
+    text = prompt("Tenant")
+    computed, length, _ = complete(pair.a, text, cache_salt="tenant-one")
+    settle(pair.store.client(), stored_keys(text, salt="tenant-one"))
+    answer, _, cached = complete(pair.b, text, cache_salt="tenant-two")
+    assert cached == 0 and answer == computed
+    _, _, cached = complete(pair.b, text, cache_salt="tenant-one")
+    assert cached == loadable(length)
+
+
+def test_a_lost_redis_is_computed_and_the_replica_stays_up(pair: Pair) -> None:
+    text = prompt("Outage")
+    computed, _, _ = complete(pair.a, text)
+    settle(pair.store.client(), stored_keys(text))
+    pair.store.kill()
+    answer, _, cached = complete(pair.b, text)
+    assert cached == 0 and answer == computed
+    pair.restart_store()
+
+
+def test_a_replica_killed_while_saving_restarts_and_serves_from_its_disk(pair: Pair) -> None:
+    """A is killed right after answering (its writer may be mid-block) and restarted with an emptied Redis: what
+    reached its disk is loaded, checked, and gives the same text; B restarted with another dtype loads nothing."""
+    first = prompt("Redis")
+    remembered, length, _ = complete(pair.a, first)
+    last, last_length, _ = complete(pair.a, prompt("Killed", repeats=60))
+    pair.a.kill()
+    pair.b.stop()
+    pair.restart_store()
+    pair.a = start(pair.scratch, "a", pair.store, 0)
+    pair.b = start(pair.scratch, "b", pair.store, 1, "--dtype", "bfloat16")
+    wait_ready([pair.a, pair.b])
+    answer, _, cached = complete(pair.a, first)
+    assert cached == loadable(length) and answer == remembered
+    answer, _, cached = complete(pair.a, prompt("Killed", repeats=60))
+    assert answer == last and cached % BLOCK == 0 and cached <= loadable(last_length)
+    _, _, cached = complete(pair.b, first)
+    assert cached == 0, "a bfloat16 replica never takes float32 blocks"
