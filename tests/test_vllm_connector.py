@@ -20,8 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import zmq
 from redis_utils import RedisProcess, start_redis
+from transformers import AutoTokenizer
 
+from kvyard.api.engine_kv_events import EventBatchDecoder, StoredBlocks
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.kvcache.redis_tier import KEY_PREFIX
 from kvyard.models.checkpoint import model_digest
@@ -61,8 +64,10 @@ def transfer_config(scratch: Path, name: str, store: RedisProcess) -> str:
 
 
 def start(scratch: Path, name: str, store: RedisProcess, cpu: int, *extra: str) -> VllmReplica:
+    """Replica `a` also publishes vLLM's KV events (without a replay socket)."""
     cores = os.cpu_count() or 1
-    return start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, events=False, cpus=str(cpu % cores),
+    return start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, events=name == "a", replay=False,
+                      cpus=str(cpu % cores),
                       extra=("--kv-transfer-config", transfer_config(scratch, name, store), *extra))  # fmt: skip
 
 
@@ -102,8 +107,6 @@ def loadable(prompt_tokens: int) -> int:
 
 def stored_keys(text: str, salt: str = "") -> list[str]:
     """The Redis keys of a prompt's full blocks, under the namespace the connector gives the demo model."""
-    from transformers import AutoTokenizer
-
     token_ids = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)(text)["input_ids"]
     namespace = KeyNamespace(MODEL, model_digest(DEMO_MODEL_DIR), "vllm-cpu:float32:auto", BLOCK, cache_salt=salt)
     return [KEY_PREFIX + key.hex() for key in chain_block_keys(namespace.root_key(), token_ids, BLOCK)]
@@ -125,6 +128,38 @@ def test_a_fresh_replica_serves_another_replicas_prompt_from_redis(pair: Pair) -
     loaded, _, cached = complete(pair.b, text)
     assert cached == loadable(length) > 10 * BLOCK
     assert loaded == computed
+
+
+def test_what_the_tier_holds_is_announced_in_vllms_kv_events(pair: Pair) -> None:
+    """The blocks the tier gained are announced as vLLM announces its device cache's, under the same hashes, with
+    medium KVYARD, so a router following the replica's events sees its tier. (The worker reports what its tiers
+    gained with a step's output: a write finished after the last step is announced with the next one.)"""
+    text = prompt("Events")
+    context = zmq.Context.instance()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(f"tcp://127.0.0.1:{pair.a.events_port}")
+    time.sleep(0.5)  # a SUB socket misses what is published before it has joined
+    device: dict[object, list[int]] = {}  # block hash -> tokens, in the order vLLM announced them
+    tier: dict[object, list[int]] = {}
+    try:
+        _, length, _ = complete(pair.a, text)
+        decoder, deadline = EventBatchDecoder(), time.monotonic() + 30
+        while len(device) < length // BLOCK or not set(list(device)[: length // BLOCK]) <= set(tier):
+            assert time.monotonic() < deadline, f"{len(tier)} tier blocks announced, {len(device)} device blocks"
+            if subscriber.poll(500):
+                for event in decoder.decode(subscriber.recv_multipart()).events:
+                    if isinstance(event, StoredBlocks):
+                        blocks = tier if event.medium == "KVYARD" else device
+                        for number, block_hash in enumerate(event.hashes):
+                            blocks[block_hash] = list(event.token_ids[number * BLOCK : (number + 1) * BLOCK])
+            elif len(device) >= length // BLOCK:
+                complete(pair.a, "Another step, to carry the worker's last report.")
+    finally:
+        subscriber.close(linger=0)
+    token_ids = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)(text)["input_ids"]
+    prompt_blocks = list(device)[: length // BLOCK]
+    assert [token for block in prompt_blocks for token in tier[block]] == token_ids[: length // BLOCK * BLOCK]
 
 
 def test_a_corrupt_block_is_dropped_and_computed_instead(pair: Pair) -> None:

@@ -24,15 +24,22 @@ class BlockLoad:
     root_key: bytes
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    first_index: int  # the position of the first block in the request
+
+    @property
+    def block_indexes(self) -> range:
+        return range(self.first_index, self.first_index + len(self.keys))
 
 
 @dataclass(frozen=True, slots=True)
 class BlockSave:
     """After this step's forward, give the tier vLLM's blocks `block_ids` under `keys`."""
 
+    request_id: str
     root_key: bytes
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    block_indexes: tuple[int, ...]  # each block's position in the request
 
 
 @dataclass(slots=True)
@@ -139,7 +146,7 @@ class BlockPlanner:
         assert state.load is not None
         first, count = state.load
         end = first + count
-        return BlockLoad(request_id, state.root_key, tuple(state.keys[first:end]), tuple(block_ids[first:end]))
+        return BlockLoad(request_id, state.root_key, tuple(state.keys[first:end]), tuple(block_ids[first:end]), first)
 
     def _save(
         self,
@@ -161,4 +168,5 @@ class BlockPlanner:
         if not chosen:
             return None
         keys = tuple(state.keys[index] for index in chosen)
-        return BlockSave(state.root_key, keys, tuple(block_ids[index] for index in chosen))
+        return BlockSave(request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen),
+                         tuple(chosen))  # fmt: skip

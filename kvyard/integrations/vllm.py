@@ -19,6 +19,7 @@ attention); multimodal requests are neither loaded nor saved.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,10 +34,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvyard.integrations.block_plan import BlockPlanner, ScheduledRequest, StepPlan
+from kvyard.integrations.block_plan import BlockLoad, BlockPlanner, BlockSave, ScheduledRequest, StepPlan
 from kvyard.integrations.connector_config import connector_config
 from kvyard.integrations.paged_blocks import PagedBlocks
 from kvyard.integrations.tier_presence import Source, TierPresence
+from kvyard.integrations.vllm_events import TierEvents
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
@@ -45,6 +47,7 @@ from kvyard.models.checkpoint import model_digest
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -97,6 +100,16 @@ def vllm_namespace(vllm_config: VllmConfig) -> KeyNamespace:
     return KeyNamespace(model_dir.name, digest, dtype, vllm_config.cache_config.block_size)
 
 
+def spare_cpus() -> frozenset[int] | None:
+    """The CPUs this machine has besides those the worker is bound to: vLLM's CPU backend pins its compute threads,
+    and a tier writer sharing their cores takes its time from the forward pass (None: the worker may run anywhere)."""
+    try:
+        spare = frozenset(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    return spare or None
+
+
 class KvyardConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -133,6 +146,7 @@ class KvyardConnector(KVConnectorBase_V1):
             shared = RedisTier(tier.redis_url, tier.redis_ttl_s, tier.redis_cluster, timeout_s=tier.redis_timeout_s)
         self._presence = TierPresence(self._tier_config, shared)
         self._planner = BlockPlanner(self._namespace, self._presence, load=load, save=save)
+        self._tier_events = TierEvents(self._namespace.block_size)
         self._requests: dict[str, Request] = {}
         log.info("kvyard connector: %s, namespace %s", self._tier_config.describe(), self._namespace)
 
@@ -166,7 +180,11 @@ class KvyardConnector(KVConnectorBase_V1):
         def block_ids_of(request_id: str) -> list[int]:
             return manager.get_block_ids(request_id)[0]
 
-        return KvyardStepMeta(self._planner.plan_step(scheduled, token_ids_of, block_ids_of))
+        plan = self._planner.plan_step(scheduled, token_ids_of, block_ids_of)
+        moves: list[BlockLoad | BlockSave] = [*plan.loads, *plan.saves]
+        for move in moves:
+            self._tier_events.planned(self._requests[move.request_id], zip(move.block_indexes, move.keys))
+        return KvyardStepMeta(plan)
 
     def _scheduled(self, output: SchedulerOutput) -> list[ScheduledRequest]:
         def after(request_id: str, computed: int) -> ScheduledRequest:
@@ -183,6 +201,10 @@ class KvyardConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, KvyardWorkerMeta):
             self._presence.apply(report.stored, report.removed, report.snapshot)
+            self._tier_events.reported(report.stored, report.removed, report.snapshot)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._tier_events.take()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
@@ -200,7 +222,7 @@ class KvyardConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._blocks = PagedBlocks(kv_caches, self._num_blocks)
-        self._store = self._tier_config.build()
+        self._store = self._tier_config.build(writer_cpus=spare_cpus())
         self._store.events = self._events
         log.info("kvyard connector: %d layers, %s blocks of %d bytes; tiers %s", len(self._blocks.layers),
                  self._blocks.format.dtype, self._blocks.block_bytes, self._tier_config.describe())  # fmt: skip

@@ -88,10 +88,10 @@ class KVTierConfig:
         }
         return " -> ".join(parts[name] for name in TIER_NAMES if name in self.active_tiers)  # fmt: skip
 
-    def build(self) -> TieredStore:
+    def build(self, writer_cpus: frozenset[int] | None = None) -> TieredStore:
         order = {name: index for index, name in enumerate(TIER_NAMES)}
         tiers = sorted(self.active_tiers, key=order.__getitem__)
-        return TieredStore([self._tier(name) for name in tiers], self.queue_bytes)
+        return TieredStore([self._tier(name) for name in tiers], self.queue_bytes, writer_cpus)
 
     def _tier(self, name: str) -> Tier:
         if name == "memory":

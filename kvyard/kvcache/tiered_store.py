@@ -14,6 +14,7 @@ wrote to (or saw leave) a shared tier, and `cleared` when a shared tier's store 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -120,7 +121,10 @@ class LoadedBlocks(list[DecodedBlock]):
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], queue_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], queue_bytes: int = 256 << 20, writer_cpus: frozenset[int] | None = None
+    ) -> None:
+        """`writer_cpus`: where the writer thread runs (None: where the thread creating the store runs)."""
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
@@ -131,6 +135,7 @@ class TieredStore:
         self._loaded = 0
         self._submitted = 0
         self._counter_lock = threading.Lock()
+        self._writer_cpus = writer_cpus
         self._writer = threading.Thread(target=self._write_loop, name="kvyard-kv-writer", daemon=True)
         self._writer.start()
 
@@ -196,6 +201,11 @@ class TieredStore:
         return False
 
     def _write_loop(self) -> None:
+        if self._writer_cpus:
+            try:
+                os.sched_setaffinity(0, self._writer_cpus)  # 0: this thread
+            except OSError as error:
+                log.warning("kv tier writer: cannot move to CPUs %s: %s", sorted(self._writer_cpus), error)
         while (batch := self._queue.take(WRITE_BATCH_BLOCKS, timeout=PROBE_INTERVAL_S)) is not None:
             if not batch:  # idle: ask the shared stores how they are, so a flush or a stall is seen without traffic
                 self._probe_shared_stores()
