@@ -22,6 +22,7 @@ import pytest
 import redis
 import zmq
 from redis_utils import RedisProcess, start_redis
+from router_utils import start_router
 from transformers import AutoTokenizer
 
 from kvyard.api.engine_kv_events import EventBatchDecoder, StoredBlocks
@@ -57,7 +58,7 @@ class Pair:
 
 def transfer_config(scratch: Path, name: str, store: RedisProcess) -> str:
     extra = {"tiers": "memory,disk,redis", "memory_gb": 0.25, "disk_dir": str(scratch / f"disk-{name}"),
-             "disk_gb": 1, "redis_url": store.url, "redis_timeout_s": 0.5}  # fmt: skip
+             "disk_gb": 1, "redis_url": store.url, "redis_timeout_s": 0.5, "remote_prefill_wait_s": 15}  # fmt: skip
     return json.dumps({"kv_connector": "KvyardConnector", "kv_connector_module_path": "kvyard.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": extra})  # fmt: skip
@@ -187,6 +188,28 @@ def test_another_tenants_salt_never_loads_its_blocks(pair: Pair) -> None:
     assert cached == 0 and answer == computed
     _, _, cached = complete(pair.b, text, cache_salt="tenant-one")
     assert cached == loadable(length)
+
+
+def test_the_router_prefills_on_one_vllm_replica_and_decodes_on_the_other_through_the_tier(pair: Pair) -> None:
+    """`kvyard route --prefill A --decode B`: both legs go out at once; B's connector waits for A's blocks to reach
+    Redis, loads every full block of the prompt, and answers with the text A gives the prompt whole."""
+    router = start_router(pair.scratch, [], "--prefill", pair.a.url, "--decode", pair.b.url, "--disaggregation",
+                          "always", "--health-timeout-s", "10", replicas_publish_events=False,
+                          timeout=120)  # fmt: skip
+    try:
+        text = prompt("Disaggregated", repeats=40)
+        body = {"model": MODEL, "prompt": text, "max_tokens": 24, "temperature": 0}
+        response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvyard-replica"] == pair.b.url
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == loadable(usage["prompt_tokens"])
+        unified, _, cached = complete(pair.a, text)
+        assert cached > 0, "the prefill replica computed the prompt"
+        assert response.json()["choices"][0]["text"] == unified
+        assert "came from the prefill replica" not in pair.b.log()
+    finally:
+        router.stop()
 
 
 def test_a_lost_redis_is_computed_and_the_replica_stays_up(pair: Pair) -> None:

@@ -4,6 +4,9 @@ hold, the per-step plan of loads and saves, and the copy between a paged KV cach
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,9 @@ from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.disk_tier import DiskTier
+from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.redis_tier import RedisTier
+from kvyard.kvcache.tiered_store import TieredStore
 
 BLOCK = 4
 NAMESPACE = KeyNamespace("model", "digest", "vllm-cpu:float32:auto", BLOCK)
@@ -184,3 +189,46 @@ def test_a_cache_it_cannot_read_as_blocks_is_refused() -> None:
         PagedBlocks({"a": torch.zeros(4, 2)}, 9)
     with pytest.raises(ValueError, match="bytes for"):
         PagedBlocks({"a": torch.zeros(4, 2)}, 4).write([1], [b"\x00"])
+
+
+def test_blocks_a_step_saves_count_as_held_before_the_worker_reports_them() -> None:
+    """The worker's report rides on a later step, which may come after the next request's lookup."""
+    tokens = list(range(3 * BLOCK + 1))
+    keys = chain_block_keys(NAMESPACE.root_key(), tokens, BLOCK)
+    presence = TierPresence(KVTierConfig(tiers=("memory",)))
+    planner = BlockPlanner(NAMESPACE, presence, load=True, save=True)
+    assert planner.matched_tokens("r", "", tokens, 0) == 0
+    planner.allocated("r", 0)
+    planner.plan_step([ScheduledRequest("r", 3 * BLOCK + 1)], lambda _: tokens, lambda _: [1, 2, 3, 4])
+    assert planner.matched_tokens("s", "", tokens, 0) == 3 * BLOCK
+    presence.apply([], [keys[1]])  # the worker did not find it when it loaded it
+    assert planner.matched_tokens("t", "", tokens, 0) == BLOCK
+
+
+def test_the_wait_for_a_prefill_replica_is_configured_and_checked() -> None:
+    assert connector_config({"remote_prefill_wait_s": 5}).remote_prefill_wait_s == 5.0
+    assert connector_config({}).remote_prefill_wait_s == 60.0
+    for wrong in (0, "5", True):
+        with pytest.raises(ValueError, match="remote_prefill_wait_s must be a positive number"):
+            connector_config({"remote_prefill_wait_s": wrong})
+
+
+def test_the_writers_cpus_are_a_cpu_list() -> None:
+    assert connector_config({"writer_cpus": "0,2-3"}).writer_cpus == frozenset({0, 2, 3})
+    assert connector_config({}).writer_cpus is None, "by default the writer stays where the worker starts it"
+    for wrong in ("", "a", "3-1", 2, "-1"):
+        with pytest.raises(ValueError, match="writer_cpus must be a CPU list"):
+            connector_config({"writer_cpus": wrong})
+
+
+def test_the_tier_writer_runs_on_the_cpus_it_is_given() -> None:
+    store = MemoryTier(1 << 20)
+    tiered = TieredStore([store], writer_cpus=frozenset({0}))
+    try:
+        thread = next(thread for thread in threading.enumerate() if thread.name == "kvyard-kv-writer")
+        deadline = time.monotonic() + 5
+        while os.sched_getaffinity(thread.native_id or 0) != {0}:
+            assert time.monotonic() < deadline, os.sched_getaffinity(thread.native_id or 0)
+            time.sleep(0.01)
+    finally:
+        tiered.close()

@@ -168,5 +168,6 @@ class BlockPlanner:
         if not chosen:
             return None
         keys = tuple(state.keys[index] for index in chosen)
+        self.presence.expect(keys)
         return BlockSave(request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen),
                          tuple(chosen))  # fmt: skip

@@ -3,8 +3,10 @@
 The scheduler decides how many tokens a request gets from the tier before any block moves, and it may run in
 another process than the worker that owns the tier. So it keeps three views: the keys the worker reports its own
 tiers gained and lost (memory and disk, from the tier's KV events), the disk tier's files (blocks written before a
-restart, which no event announced), and the shared store, asked directly (EXISTS). A block claimed here and gone by
-the time the worker loads it is reported by the worker as a load error, and vLLM computes it instead.
+restart, which no event announced), and the shared store, asked directly (EXISTS). Blocks a step saves count as held
+at once: the worker's report of them rides on a later step, which may not come before the next request asks. A
+block claimed here and gone by the time the worker loads it is reported by the worker as a load error, and vLLM
+computes it instead.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class TierPresence:
             self._local.clear()
         self._local.update(stored)
         self._local.difference_update(removed)
+
+    def expect(self, keys: Iterable[bytes]) -> None:
+        """Blocks the worker is saving: counted as held from now (the worker waits for a write that a load needs,
+        and reports a block it did not find, which is forgotten then)."""
+        self._local.update(keys)
 
     def held_locally(self, key: bytes) -> bool:
         return key in self._local

@@ -19,7 +19,6 @@ attention); multimodal requests are neither loaded nor saved.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,12 +55,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvyard")  # under vLLM's logger, so its handlers print it
+MAX_UNWRITTEN = 1 << 16
+PREFILL_POLL_S = 0.005  # how often a disaggregated request looks for its prefill replica's blocks
 
 _HIT_SOURCES: dict[Source, CacheHitSource] = {
     "memory": CacheHitSource.HOST,
     "disk": CacheHitSource.DISK,
     "redis": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+@dataclass(slots=True)
+class PrefillWait:
+    """A disaggregated request waiting for the prefill replica's blocks to reach the tier."""
+
+    deadline: float
+    next_look: float = 0.0
+    over: bool = False
 
 
 class KvyardStepMeta(KVConnectorMetadata):
@@ -73,18 +83,21 @@ class KvyardStepMeta(KVConnectorMetadata):
 
 @dataclass
 class KvyardWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: what the worker's own tiers gained and lost this step (`snapshot`: all they hold)."""
+    """Worker -> scheduler: what the worker's own tiers gained and lost this step (`snapshot`: all they hold), and
+    blocks a load did not find."""
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     snapshot: bool = False
+    missing: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KvyardWorkerMeta):
             return self
-        if other.snapshot:
-            return other
-        return KvyardWorkerMeta(self.stored + other.stored, self.removed + other.removed, self.snapshot)
+        first = other if other.snapshot else self
+        return KvyardWorkerMeta(first.stored + (other.stored if first is self else []),
+                                first.removed + (other.removed if first is self else []), first.snapshot,
+                                self.missing + other.missing)  # fmt: skip
 
 
 def vllm_namespace(vllm_config: VllmConfig) -> KeyNamespace:
@@ -100,16 +113,6 @@ def vllm_namespace(vllm_config: VllmConfig) -> KeyNamespace:
     return KeyNamespace(model_dir.name, digest, dtype, vllm_config.cache_config.block_size)
 
 
-def spare_cpus() -> frozenset[int] | None:
-    """The CPUs this machine has besides those the worker is bound to: vLLM's CPU backend pins its compute threads,
-    and a tier writer sharing their cores takes its time from the forward pass (None: the worker may run anywhere)."""
-    try:
-        spare = frozenset(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-    return spare or None
-
-
 class KvyardConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -123,6 +126,8 @@ class KvyardConnector(KVConnectorBase_V1):
         if config.ignored:
             log.warning("kvyard connector: ignoring unknown kv_connector_extra_config keys %s", list(config.ignored))
         self._tier_config = config.tier
+        self._remote_prefill_wait_s = config.remote_prefill_wait_s
+        self._writer_cpus = config.writer_cpus
         self._namespace = vllm_namespace(vllm_config)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         if role == KVConnectorRole.SCHEDULER:
@@ -148,17 +153,53 @@ class KvyardConnector(KVConnectorBase_V1):
         self._planner = BlockPlanner(self._namespace, self._presence, load=load, save=save)
         self._tier_events = TierEvents(self._namespace.block_size)
         self._requests: dict[str, Request] = {}
+        self._prefill_waits: dict[str, PrefillWait] = {}
+        self._idle = False  # the last step scheduled nothing
         log.info("kvyard connector: %s, namespace %s", self._tier_config.describe(), self._namespace)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.prompt_token_ids is None or request.mm_features:
             return 0, False
         self._requests[request.request_id] = request
+        wait = self._prefill_wait(request)
+        if wait is not None and (pause := wait.next_look - time.monotonic()) > 0:
+            if not self._idle:
+                return None, False
+            # Nothing else to run: vLLM would ask again at once, a busy loop that takes the CPU the prefill
+            # replica's writer may need. Sleep until it is time to look.
+            time.sleep(pause)
         salt = request.cache_salt or ""
         if request.lora_request is not None:
             salt += f"\x00lora:{request.lora_request.lora_name}"
         tokens = self._planner.matched_tokens(request.request_id, salt, request.all_token_ids, num_computed_tokens)
+        if wait is not None and self._still_waiting(request, wait, num_computed_tokens + tokens):
+            return None, False
         return tokens, False
+
+    def _prefill_wait(self, request: Request) -> PrefillWait | None:
+        """The wait of a request the router disaggregated (`do_remote_prefill`), until it is over."""
+        params = request.kv_transfer_params
+        if not self._planner.load_enabled or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        wait = self._prefill_waits.get(request.request_id)
+        if wait is None:
+            wait = self._prefill_waits[request.request_id] = PrefillWait(time.monotonic() + self._remote_prefill_wait_s)
+        return None if wait.over else wait
+
+    def _still_waiting(self, request: Request, wait: PrefillWait, available: int) -> bool:
+        """Whether the prompt's full blocks are not all in the tier yet and the wait has time left."""
+        block_size = self._planner.block_size
+        wanted = (len(request.all_token_ids) - 1) // block_size * block_size
+        now = time.monotonic()
+        if available >= wanted or now >= wait.deadline:
+            wait.over = True
+            if available < wanted:
+                log.warning("kvyard connector: request %s: %d of %d prompt tokens came from the prefill replica in "
+                            "%.0f s; the rest is computed here", request.request_id, available, wanted,
+                            self._remote_prefill_wait_s)  # fmt: skip
+            return False
+        wait.next_look = now + PREFILL_POLL_S
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._planner.allocated(request.request_id, num_external_tokens)
@@ -170,6 +211,7 @@ class KvyardConnector(KVConnectorBase_V1):
             request, num_external_tokens)  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._idle = scheduler_output.total_num_scheduled_tokens == 0
         scheduled = self._scheduled(scheduler_output)
         manager = self._kv_cache_manager
         assert manager is not None
@@ -201,6 +243,7 @@ class KvyardConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, KvyardWorkerMeta):
             self._presence.apply(report.stored, report.removed, report.snapshot)
+            self._presence.apply([], report.missing)
             self._tier_events.reported(report.stored, report.removed, report.snapshot)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -209,6 +252,7 @@ class KvyardConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
         self._requests.pop(request.request_id, None)
+        self._prefill_waits.pop(request.request_id, None)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -219,10 +263,12 @@ class KvyardConnector(KVConnectorBase_V1):
         self._events = KVEventLog()
         self._events_seen = 0
         self._load_errors: set[int] = set()
+        self._missing: list[bytes] = []  # keys a load did not find, for the scheduler to forget
+        self._unwritten: set[bytes] = set()  # keys given to the writer since it was last seen idle
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._blocks = PagedBlocks(kv_caches, self._num_blocks)
-        self._store = self._tier_config.build(writer_cpus=spare_cpus())
+        self._store = self._tier_config.build(writer_cpus=self._writer_cpus)
         self._store.events = self._events
         log.info("kvyard connector: %d layers, %s blocks of %d bytes; tiers %s", len(self._blocks.layers),
                  self._blocks.format.dtype, self._blocks.block_bytes, self._tier_config.describe())  # fmt: skip
@@ -231,12 +277,17 @@ class KvyardConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None or not plan.loads or self._store is None or self._blocks is None:
             return
+        # A block saved moments ago may still be on its way to the tier: let the writer finish first.
+        recent = any(key in self._unwritten for load in plan.loads for key in load.keys)
+        if recent and self._store.flush(self._tier_config.load_deadline_s):
+            self._unwritten.clear()
         for load in plan.loads:
             deadline = time.monotonic() + self._tier_config.load_deadline_s
             found = self._store.load_prefix(load.root_key, load.keys, self._blocks.format, deadline)
             self._blocks.write(load.block_ids[: len(found)], [block.payload for block in found])
             if len(found) < len(load.keys):
                 self._load_errors.update(load.block_ids[len(found) :])
+                self._missing.extend(load.keys[len(found) :])
                 log.warning("kvyard connector: request %s: %d of %d blocks loaded, the rest is computed",
                             load.request_id, len(found), len(load.keys))  # fmt: skip
             else:
@@ -258,6 +309,9 @@ class KvyardConnector(KVConnectorBase_V1):
         writes = [BlockWrite(save.root_key, key, fmt, payload=next(payloads))
                   for save in plan.saves for key in save.keys]  # fmt: skip
         self._store.submit(writes)
+        if len(self._unwritten) > MAX_UNWRITTEN:
+            self._unwritten.clear()  # only a wait before some load is lost: that load finds fewer blocks
+        self._unwritten.update(write.key for write in writes)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -268,13 +322,14 @@ class KvyardConnector(KVConnectorBase_V1):
             return None
         events, complete = self._events.events_since(self._events_seen)
         self._events_seen = self._events.last_seq
+        missing, self._missing = self._missing, []
         if not complete:
-            return KvyardWorkerMeta(self._store.local_keys(), [], snapshot=True)
-        report = KvyardWorkerMeta()
+            return KvyardWorkerMeta(self._store.local_keys(), [], snapshot=True, missing=missing)
+        report = KvyardWorkerMeta(missing=missing)
         for event in events:
             if event.medium == "local":
                 (report.stored if event.kind == "stored" else report.removed).extend(event.block_keys)
-        return report if report.stored or report.removed else None
+        return report if report.stored or report.removed or report.missing else None
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

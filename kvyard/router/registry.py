@@ -265,16 +265,13 @@ class Registry:
     async def _engine_sync(self, replica: Replica, events: EventEndpoints) -> None:
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
-        model = replica.model_cards[0] if replica.model_cards else None
         # The block size is the metrics' (or, failing that, a placeholder the first event replaces).
         try:
             metrics = await self._engine_metrics(replica, self.config.health_timeout_s)
         except (HttpError, TimeoutError, ValueError) as error:
             _LOG.info("metrics of %s unread (%s): the block size is taken from its events", replica.url, error)
             metrics = EngineMetrics()
-        namespace = KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
-                                 metrics.cache_dtype or "auto", metrics.block_size or 16)  # fmt: skip
-        blocks = EngineBlockKeys(replica.index, namespace)
+        blocks = EngineBlockKeys(replica.index, engine_namespace(replica, metrics))
         await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()
 
     async def _load(self, replica: Replica, timeout: float) -> LoadReport | None:
@@ -304,6 +301,8 @@ class Registry:
         if replica.started_at is not None and metrics.started_at != replica.started_at and not replica.index.has_events:
             replica.index.clear()  # restarted with an empty cache (an index from events learns it from the events)
         replica.started_at = metrics.started_at
+        if replica.namespace is None and metrics.block_size:  # without events: what PD pairs replicas by
+            replica.namespace = engine_namespace(replica, metrics)
         total = metrics.num_blocks or 0
         return LoadReport(num_waiting=metrics.waiting, num_running=metrics.running,
                           kv_blocks_used=round(metrics.kv_usage * total), kv_blocks_total=total,
@@ -320,6 +319,13 @@ class Registry:
         replica.resyncs += 1
         self.metrics.resyncs.labels(replica.url, reason).inc()
         _LOG.info("cache index of %s rebuilt (%s)", replica.url, reason)
+
+
+def engine_namespace(replica: Replica, metrics: EngineMetrics) -> KeyNamespace:
+    """The block namespace of a vLLM or SGLang replica: its model, engine, KV dtype and block size (16 until known)."""
+    model = replica.model_cards[0] if replica.model_cards else None
+    return KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
+                        metrics.cache_dtype or "auto", metrics.block_size or 16)  # fmt: skip
 
 
 async def _get(replica: Replica, path: str, timeout: float, headers: dict[str, str] | None = None) -> Response:
