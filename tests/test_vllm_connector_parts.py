@@ -222,13 +222,14 @@ def test_the_writers_cpus_are_a_cpu_list() -> None:
 
 
 def test_the_tier_writer_runs_on_the_cpus_it_is_given() -> None:
-    store = MemoryTier(1 << 20)
-    tiered = TieredStore([store], writer_cpus=frozenset({0}))
+    before = {thread.ident for thread in threading.enumerate()}
+    tiered = TieredStore([MemoryTier(1 << 20)], writer_cpus=frozenset({0}))
     try:
-        thread = next(thread for thread in threading.enumerate() if thread.name == "kvyard-kv-writer")
+        (thread,) = [thread for thread in threading.enumerate() if thread.ident not in before]  # this store's writer
+        assert thread.name == "kvyard-kv-writer" and thread.native_id is not None
         deadline = time.monotonic() + 5
-        while os.sched_getaffinity(thread.native_id or 0) != {0}:
-            assert time.monotonic() < deadline, os.sched_getaffinity(thread.native_id or 0)
+        while os.sched_getaffinity(thread.native_id) != {0}:
+            assert time.monotonic() < deadline, os.sched_getaffinity(thread.native_id)
             time.sleep(0.01)
     finally:
         tiered.close()
