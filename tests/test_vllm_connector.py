@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -210,6 +211,29 @@ def test_the_router_prefills_on_one_vllm_replica_and_decodes_on_the_other_throug
         assert "came from the prefill replica" not in pair.b.log()
     finally:
         router.stop()
+
+
+def test_a_stalled_redis_is_computed_and_the_replica_stays_up(pair: Pair) -> None:
+    """Redis stopped (SIGSTOP) while B serves a prompt A left there: B's lookup gives up after redis_timeout_s and
+    computes the prompt, with A's text; Redis resumed, B loads from it again."""
+    text = prompt("Stalled")
+    computed, length, _ = complete(pair.a, text)
+    settle(pair.store.client(), stored_keys(text))
+    pair.store.process.send_signal(signal.SIGSTOP)
+    try:
+        answer, _, cached = complete(pair.b, text)
+    finally:
+        pair.store.process.send_signal(signal.SIGCONT)
+    assert cached == 0 and answer == computed
+    deadline = time.monotonic() + 60  # the tier backs off after a failure, then asks again
+    for attempt in range(1000):  # a new prompt each time: B's own cache must not answer for Redis
+        text = prompt(f"Resumed {attempt}")
+        _, length, _ = complete(pair.a, text)
+        settle(pair.store.client(), stored_keys(text))
+        if complete(pair.b, text)[2] == loadable(length):
+            break
+        assert time.monotonic() < deadline, "B never read Redis again"
+        time.sleep(1)
 
 
 def test_a_lost_redis_is_computed_and_the_replica_stays_up(pair: Pair) -> None:
