@@ -17,23 +17,9 @@ from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 
 
 @dataclass(frozen=True, slots=True)
-class BlockLoad:
-    """Copy the tier's blocks `keys` into vLLM's blocks `block_ids` before this step's forward."""
-
-    request_id: str
-    root_key: bytes
-    keys: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-    first_index: int  # the position of the first block in the request
-
-    @property
-    def block_indexes(self) -> range:
-        return range(self.first_index, self.first_index + len(self.keys))
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSave:
-    """After this step's forward, give the tier vLLM's blocks `block_ids` under `keys`."""
+class BlockCopy:
+    """Blocks of one request moved between the tier and vLLM's paged cache: a load fills vLLM's blocks `block_ids`
+    from the tier's `keys` before the step's forward; a save gives the tier those blocks after it."""
 
     request_id: str
     root_key: bytes
@@ -44,8 +30,8 @@ class BlockSave:
 
 @dataclass(slots=True)
 class StepPlan:
-    loads: list[BlockLoad] = field(default_factory=list)
-    saves: list[BlockSave] = field(default_factory=list)
+    loads: list[BlockCopy] = field(default_factory=list)
+    saves: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +128,12 @@ class BlockPlanner:
         state = self._requests[request_id] = RequestBlocks(root)
         return state
 
-    def _load(self, request_id: str, state: RequestBlocks, block_ids: Sequence[int]) -> BlockLoad:
+    def _load(self, request_id: str, state: RequestBlocks, block_ids: Sequence[int]) -> BlockCopy:
         assert state.load is not None
         first, count = state.load
         end = first + count
-        return BlockLoad(request_id, state.root_key, tuple(state.keys[first:end]), tuple(block_ids[first:end]), first)
+        return BlockCopy(request_id, state.root_key, tuple(state.keys[first:end]), tuple(block_ids[first:end]),
+                         tuple(range(first, end)))  # fmt: skip
 
     def _save(
         self,
@@ -154,7 +141,7 @@ class BlockPlanner:
         state: RequestBlocks,
         token_ids_of: Callable[[str], Sequence[int]],
         block_ids_of: Callable[[str], Sequence[int]],
-    ) -> BlockSave | None:
+    ) -> BlockCopy | None:
         full = request.computed_after_step // self.block_size
         if full <= state.saved:
             return None
@@ -169,5 +156,5 @@ class BlockPlanner:
             return None
         keys = tuple(state.keys[index] for index in chosen)
         self.presence.expect(keys)
-        return BlockSave(request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen),
+        return BlockCopy(request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen),
                          tuple(chosen))  # fmt: skip

@@ -2,7 +2,8 @@
 
 vLLM hands the connector one tensor per layer with the block index at dimension 0 (its standardized layouts; CPU:
 `[num_blocks, kv_heads, block_size, 2 * head_size]`) or, in older GPU layouts, at dimension 1 behind K/V. A step's
-blocks are gathered on the device and copied to the host in one transfer, and written back the same way.
+blocks to save are gathered on the device and copied to the host in one transfer; a request's loaded blocks go back
+the same way.
 """
 
 from __future__ import annotations

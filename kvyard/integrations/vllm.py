@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvyard.integrations.block_plan import BlockLoad, BlockPlanner, BlockSave, ScheduledRequest, StepPlan
+from kvyard.integrations.block_plan import BlockPlanner, ScheduledRequest, StepPlan
 from kvyard.integrations.connector_config import connector_config
 from kvyard.integrations.paged_blocks import PagedBlocks
 from kvyard.integrations.tier_presence import Source, TierPresence
@@ -151,7 +152,10 @@ class KvyardConnector(KVConnectorBase_V1):
             shared = RedisTier(tier.redis_url, tier.redis_ttl_s, tier.redis_cluster, timeout_s=tier.redis_timeout_s)
         self._presence = TierPresence(self._tier_config, shared)
         self._planner = BlockPlanner(self._namespace, self._presence, load=load, save=save)
-        self._tier_events = TierEvents(self._namespace.block_size)
+        events = self._vllm_config.kv_events_config
+        # Only when vLLM publishes KV events: naming each block as vLLM's events do costs a hash lookup per block.
+        publish = events is not None and events.enable_kv_cache_events
+        self._tier_events = TierEvents(self._namespace.block_size) if publish else None
         self._requests: dict[str, Request] = {}
         self._prefill_waits: dict[str, PrefillWait] = {}
         self._idle = False  # the last step scheduled nothing
@@ -216,16 +220,16 @@ class KvyardConnector(KVConnectorBase_V1):
         manager = self._kv_cache_manager
         assert manager is not None
 
-        def token_ids_of(request_id: str) -> list[int]:
-            return list(self._requests[request_id].all_token_ids)
+        def token_ids_of(request_id: str) -> Sequence[int]:
+            return self._requests[request_id].all_token_ids  # vLLM's read-only view, sliced, never copied whole
 
         def block_ids_of(request_id: str) -> list[int]:
             return manager.get_block_ids(request_id)[0]
 
         plan = self._planner.plan_step(scheduled, token_ids_of, block_ids_of)
-        moves: list[BlockLoad | BlockSave] = [*plan.loads, *plan.saves]
-        for move in moves:
-            self._tier_events.planned(self._requests[move.request_id], zip(move.block_indexes, move.keys))
+        if self._tier_events is not None:
+            for copy in (*plan.loads, *plan.saves):
+                self._tier_events.planned(self._requests[copy.request_id], zip(copy.block_indexes, copy.keys))
         return KvyardStepMeta(plan)
 
     def _scheduled(self, output: SchedulerOutput) -> list[ScheduledRequest]:
@@ -236,18 +240,18 @@ class KvyardConnector(KVConnectorBase_V1):
         scheduled = [after(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
         scheduled += [after(request_id, computed) for request_id, computed in
-                      zip(cached.req_ids, cached.num_computed_tokens) if request_id in self._requests]  # fmt: skip
+                      zip(cached.req_ids, cached.num_computed_tokens)]  # fmt: skip
         return [request for request in scheduled if request.request_id in self._requests]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, KvyardWorkerMeta):
-            self._presence.apply(report.stored, report.removed, report.snapshot)
-            self._presence.apply([], report.missing)
-            self._tier_events.reported(report.stored, report.removed, report.snapshot)
+            self._presence.apply(report.stored, report.removed + report.missing, report.snapshot)
+            if self._tier_events is not None:
+                self._tier_events.reported(report.stored, report.removed, report.snapshot)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self._tier_events.take()
+        return self._tier_events.take() if self._tier_events is not None else []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
