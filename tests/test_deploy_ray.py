@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -27,6 +28,9 @@ import pytest
 import yaml
 from router_utils import wait_for
 from server_utils import free_port, start_server
+
+from kvyard.deploy.ray_cluster import head_command
+from kvyard.deploy.spec import parse_spec
 
 RAY = str(Path(sys.executable).parent / "ray")
 WORKER_RESOURCES = ({"replica_slot": 2, "node_a": 1}, {"replica_slot": 2, "node_b": 1})
@@ -106,6 +110,7 @@ def _wait_for_nodes(port: int, count: int, timeout_s: float = 120) -> None:
 def write_spec(
     path: Path, name: str, model: Path, roles: dict[str, int], routers: int = 1,
     external: list[dict[str, str]] | None = None, role_fields: dict[str, dict[str, Any]] | None = None,
+    ray: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
     spec: dict[str, Any] = {
         "name": name,
@@ -117,6 +122,8 @@ def write_spec(
     }  # fmt: skip
     if external:
         spec["external_replicas"] = external
+    if ray:
+        spec["ray"] = ray
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -302,11 +309,14 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
 
 
 def test_a_disaggregated_fleet(ray_cluster: RayCluster, llama_dir: Path, tmp_path: Path) -> None:
+    """Also: a spec's `ray` ports are for a cluster kvyard deploy starts; this one runs already, and keeps its own."""
     first = _free_port_pair()  # a range of two free ports, for the decode replica on loopback
     spec = write_spec(tmp_path / "fleet.yaml", "t-pd", llama_dir, {"prefill": 1, "decode": 1},
-                      role_fields={"decode": {"host": "127.0.0.1", "ports": f"{first}-{first + 1}"}})  # fmt: skip
+                      role_fields={"decode": {"host": "127.0.0.1", "ports": f"{first}-{first + 1}"}},
+                      ray={"port": 6390, "worker_ports": "20000-20999"})  # fmt: skip
     deployed = ray_cluster.deploy(str(spec))
     assert deployed.returncode == 0, deployed.stderr
+    assert "the spec's ray section (ray.port, ray.worker_ports) is ignored" in deployed.stderr, deployed.stderr
     try:
         status = ray_cluster.status("t-pd")
         decode_url = members(status, "decode")[0]["url"]
@@ -323,3 +333,79 @@ def test_a_disaggregated_fleet(ray_cluster: RayCluster, llama_dir: Path, tmp_pat
         assert pd_lines == ['kvyard_router_pd_requests_total{path="remote"} 1.0'], (pd_lines, answer.json(), status)
     finally:
         assert ray_cluster.deploy(str(spec), "--down").returncode == 0
+
+
+def test_the_head_kvyard_starts_listens_on_the_spec_ray_ports() -> None:
+    """The `ray start --head` kvyard deploy runs when no cluster runs, from a spec's `ray` section: the node takes
+    the address given, Ray listens on each port given, and its worker processes (this probe's driver) take ports
+    from the range. Run here with --block, a temp dir and a process group of its own, so it stops with the test
+    and leaves alone the other Ray clusters of the machine (`ray stop` would stop them all)."""
+    import ray
+
+    names = ("port", "node_manager_port", "object_manager_port", "metrics_export_port", "runtime_env_agent_port",
+             "dashboard_agent_listen_port", "dashboard_agent_grpc_port")  # fmt: skip
+    ports = dict(zip(names, _distinct_free_ports(len(names)), strict=True))
+    first = _free_port_range(8)
+    address = ray.util.get_node_ip_address()  # the one Ray would take (a spec names one where a machine has several)
+    section = {"node_ip_address": address, **ports, "worker_ports": f"{first}-{first + 7}"}
+    spec = parse_spec({"model": "demo", "roles": {"unified": {"replicas": 1}}, "ray": section})
+    temp_dir = tempfile.mkdtemp(prefix="kvh", dir="/tmp")
+    head = _start_node([*head_command(spec.ray), "--num-cpus=1", f"--temp-dir={temp_dir}", "--block"])
+    try:
+        _wait_for_nodes(ports["port"], 1)
+        # Ray's minimal install (`ray`, what kvyard[fleet] asks for) runs its dashboard agent without the HTTP, gRPC
+        # and metrics servers; `ray[default]` runs them.
+        agent = ("metrics_export_port", "dashboard_agent_listen_port", "dashboard_agent_grpc_port")
+        full_agent = ray._private.utils.get_dashboard_dependency_error() is None
+        listened = [port for name, port in ports.items() if full_agent or name not in agent]
+        probe = [sys.executable, "-c", _PORTS_PROBE, f"127.0.0.1:{ports['port']}", json.dumps(listened)]
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        node = json.loads(result.stdout.splitlines()[-1])
+        assert node["NodeManagerAddress"] == address
+        assert (node["NodeManagerPort"], node["ObjectManagerPort"], node["MetricsExportPort"]) == (
+            ports["node_manager_port"], ports["object_manager_port"], ports["metrics_export_port"])  # fmt: skip
+        assert set(listened) <= set(node["listening"]), (ports, node["listening"])
+        assert any(first <= port <= first + 7 for port in node["listening"]), "the driver's worker port"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# Connects (a driver, which takes a worker port), waits up to 60 s for the ports of argv[2] to listen (Ray's agents
+# start after the node), then prints the node as Ray lists it and the TCP ports anything listens on (LISTEN: 0A).
+_PORTS_PROBE = """
+import json, sys, time, ray
+def listening():
+    tables = [open(name).readlines()[1:] for name in ("/proc/net/tcp", "/proc/net/tcp6")]
+    return {int(row.split()[1].rsplit(":", 1)[1], 16) for table in tables for row in table if row.split()[3] == "0A"}
+ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
+deadline = time.monotonic() + 60
+while not set(json.loads(sys.argv[2])) <= listening() and time.monotonic() < deadline:
+    time.sleep(0.5)
+print(json.dumps({**ray.nodes()[0], "listening": sorted(listening())}, default=str))
+"""
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _free_port_range(size: int) -> int:
+    """The first of `size` consecutive free ports, below the kernel's ephemeral range (where free_port's lie)."""
+    while True:
+        first = random.randrange(20000, 30000 - size)
+        try:
+            for port in range(first, first + size):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first

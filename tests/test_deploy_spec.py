@@ -12,9 +12,16 @@ from typing import Any
 import pytest
 
 from kvyard.deploy.process import ProcessFailed, free_port
-from kvyard.deploy.spec import FleetSpec, SpecError, load_spec, parse_spec
+from kvyard.deploy.ray_cluster import head_command, ray_client_installed
+from kvyard.deploy.spec import FleetSpec, RaySpec, SpecError, load_spec, parse_spec
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "fleet.yaml"
+PORTS_EXAMPLE = Path(__file__).parent.parent / "examples" / "fleet-ports.yaml"
+
+
+def _with_ray(section: Any, **top: Any) -> dict[str, Any]:
+    """A one-replica fleet with this `ray` section (and other top-level fields)."""
+    return {"model": "demo", "roles": {"unified": {"replicas": 1}}, "ray": section, **top}
 
 
 def test_the_readme_example_parses() -> None:
@@ -69,10 +76,58 @@ def test_defaults_fill_what_the_spec_leaves_out() -> None:
     ({"external_replicas": [{"url": "http://h:1"}, {"url": "http://h:1/"}]}, "each URL once"),
     ({"external_replicas": "http://h:1"}, "external_replicas"),
     (["not", "a", "mapping"], "the fleet spec"),
+    (_with_ray("6379"), "ray must be a mapping"),
+    (_with_ray({"gcs_port": 6379}), "ray.gcs_port: unknown field"),
+    (_with_ray({"port": "6379"}), "ray.port"),
+    (_with_ray({"port": True}), "ray.port"),
+    (_with_ray({"port": 80}), "ray.port must be an integer of at least 1024"),
+    (_with_ray({"node_manager_port": 70000}), "ray.node_manager_port must be at most 65535"),
+    (_with_ray({"ray_client_server_port": 10001.5}), "ray.ray_client_server_port"),
+    (_with_ray({"worker_ports": "10002"}), "ray.worker_ports must be a range"),
+    (_with_ray({"worker_ports": "10999-10002"}), "ray.worker_ports must run from a port to a later one"),
+    (_with_ray({"worker_ports": "500-999"}), "ray.worker_ports must run from a port to a later one within 1024"),
+    (_with_ray({"worker_ports": [10002, 70000]}), "ray.worker_ports"),
+    (_with_ray({"worker_ports": "10002-10004"}), "ray.worker_ports 10002-10004 holds 3 port(s)"),
+    (_with_ray({"node_ip_address": "my-laptop"}), "ray.node_ip_address must be an IP address"),
+    (_with_ray({"node_ip_address": "127.0.0.1"}), "ray.node_ip_address: Ray replaces a loopback address"),
+    (_with_ray({"node_ip_address": 10}), "ray.node_ip_address"),
+    (_with_ray({"port": 6379, "node_manager_port": 6379}), "ray.port (6379) and ray.node_manager_port (6379) overlap"),
+    (_with_ray({"port": 10500, "worker_ports": "10002-10999"}), "ray.port (10500) and ray.worker_ports (10002-10999)"),
+    (_with_ray({"worker_ports": "7000-8000"}), "ray.worker_ports (7000-8000) and router.port (8000) overlap"),
+    (_with_ray({"metrics_export_port": 8001}, router={"replicas": 2}), "and router.port (8000-8001) overlap"),
+    (_with_ray({"worker_ports": "10002-10999"}, roles={"unified": {"replicas": 1, "ports": "10900-11000"}}),
+     "ray.worker_ports (10002-10999) and roles.unified.ports (10900-11000) overlap"),
 ])  # fmt: skip
 def test_a_bad_spec_names_its_field(document: Any, field: str) -> None:
     with pytest.raises(SpecError, match=re.escape(field)):
         parse_spec(document)
+
+
+def test_the_ray_section_sets_the_ports_of_the_head_kvyard_starts() -> None:
+    assert parse_spec(_with_ray(None)).ray == RaySpec() and not RaySpec().is_set  # no section: Ray chooses
+    spec = load_spec(PORTS_EXAMPLE)
+    assert spec.ray.port == 6390 and spec.ray.worker_ports == (10002, 10999) and spec.ray.is_set
+    section = {"node_ip_address": "10.0.0.5", "port": 6390, "node_manager_port": 6391, "object_manager_port": 6392,
+               "ray_client_server_port": 6393, "dashboard_agent_listen_port": 6394, "dashboard_agent_grpc_port": 6395,
+               "runtime_env_agent_port": 6396, "metrics_export_port": 6397, "worker_ports": [10002, 10999]}  # fmt: skip
+    ray = parse_spec(_with_ray(section)).ray
+    assert ray.fields_set() == [f"ray.{name}" for name in section]
+    client = ["--ray-client-server-port=6393"] if ray_client_installed() else []  # Ray refuses it without ray[client]
+    assert head_command(ray)[1:] == [
+        "start", "--head", "--disable-usage-stats", "--include-dashboard=false", "--node-ip-address=10.0.0.5",
+        "--port=6390", "--node-manager-port=6391", "--object-manager-port=6392", *client,
+        "--dashboard-agent-listen-port=6394", "--dashboard-agent-grpc-port=6395", "--runtime-env-agent-port=6396",
+        "--metrics-export-port=6397", "--min-worker-port=10002", "--max-worker-port=10999",
+    ]  # fmt: skip
+    assert head_command(RaySpec())[1:] == ["start", "--head", "--disable-usage-stats", "--include-dashboard=false"]
+
+
+def test_the_ray_worker_ports_hold_one_for_each_worker_process() -> None:
+    """2 replicas, 2 routers, the controller and 3 `kvyard deploy` commands at once: 8 ports."""
+    fleet = {"model": "demo", "roles": {"unified": {"replicas": 2}}, "router": {"replicas": 2}}
+    assert parse_spec({**fleet, "ray": {"worker_ports": "10002-10009"}}).ray.worker_ports == (10002, 10009)
+    with pytest.raises(SpecError, match=r"holds 7 port\(s\).*2 replica\(s\), 2 router\(s\), the controller .* need 8"):
+        parse_spec({**fleet, "ray": {"worker_ports": "10002-10008"}})
 
 
 def test_a_role_says_where_its_replicas_listen() -> None:

@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     namespace = f"kvyard-{name}"
     deploying = not (args.status or args.scale or args.down)
+    head = spec.ray if deploying and spec is not None else None  # what to start when no cluster runs
     try:
-        started_local = connect(args.address, namespace, start_local=deploying)
+        started_local = connect(args.address, namespace, start_local=head)
     except NoCluster as error:
         return fail(str(error), 1)
     _say(f"connected to Ray ({len(ray.nodes())} node(s)){', started here' if started_local else ''}")

@@ -5,6 +5,7 @@ field by field (an error names the field, as `roles.unified.replicas`)."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,44 @@ class ExternalReplica:
     events: EventEndpoints | None = None
 
 
+RAY_PORTS = ("port", "node_manager_port", "object_manager_port", "ray_client_server_port",
+             "dashboard_agent_listen_port", "dashboard_agent_grpc_port", "runtime_env_agent_port",
+             "metrics_export_port")  # fmt: skip
+RAY_LOWEST_PORT = 1024  # Ray refuses lower worker, client and agent ports (and lower ones need root)
+RAY_DRIVERS = 3  # `kvyard deploy` commands connected at once (a deploy, a --status, a --scale): a worker port each
+
+
+@dataclass(frozen=True, slots=True)
+class RaySpec:
+    """The Ray cluster `kvyard deploy` starts on this machine when none runs (`ray start --head`): its node
+    address and ports, named as `ray start`'s options are. None leaves the choice to Ray; a cluster that runs
+    already keeps the ports it was started with."""
+
+    node_ip_address: str | None = None  # which of the machine's addresses Ray's node takes (one with several)
+    port: int | None = None  # the GCS, where drivers and other nodes connect (Ray's default: 6379)
+    node_manager_port: int | None = None
+    object_manager_port: int | None = None
+    ray_client_server_port: int | None = None
+    dashboard_agent_listen_port: int | None = None
+    dashboard_agent_grpc_port: int | None = None
+    runtime_env_agent_port: int | None = None
+    metrics_export_port: int | None = None
+    worker_ports: tuple[int, int] | None = None  # inclusive; each Ray worker process (actor, driver) takes one
+
+    @property
+    def is_set(self) -> bool:
+        return self != RaySpec()
+
+    def single_ports(self) -> dict[str, int]:
+        """The ports set, by field name (`port`, `node_manager_port`, ...)."""
+        ports = {name: getattr(self, name) for name in RAY_PORTS}
+        return {name: port for name, port in ports.items() if port is not None}
+
+    def fields_set(self) -> list[str]:
+        """The fields given, as `ray.port`, for messages."""
+        return [f"ray.{item.name}" for item in dataclasses.fields(self) if getattr(self, item.name) is not None]
+
+
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
     name: str
@@ -77,6 +116,7 @@ class FleetSpec:
     kv_tier: KVTierSpec = field(default_factory=KVTierSpec)
     ready_timeout_s: float = 600.0  # longest wait for one process to answer /health
     external_replicas: tuple[ExternalReplica, ...] = ()
+    ray: RaySpec = field(default_factory=RaySpec)
 
     @property
     def namespace(self) -> str:
@@ -111,7 +151,7 @@ def load_spec(path: str | Path) -> FleetSpec:
 
 def parse_spec(document: Any) -> FleetSpec:
     top = _mapping(document, "the fleet spec", {"name", "model", "roles", "router", "kv_tier", "ready_timeout_s",
-                                                "external_replicas"})  # fmt: skip
+                                                "external_replicas", "ray"})  # fmt: skip
     name = _string(top.get("name", "default"), "name")
     if not _NAME.match(name):
         raise SpecError(f"name must be lower-case letters, digits and '-', at most 40, got {name!r}")
@@ -125,14 +165,19 @@ def parse_spec(document: Any) -> FleetSpec:
                         "external_replicas)")  # fmt: skip
     if roles["prefill"].replicas and not roles["decode"].replicas and not roles["unified"].replicas:
         raise SpecError("roles.prefill needs replicas that decode: roles.decode.replicas or roles.unified.replicas")
+    router = _router(top.get("router", {}))
+    ray = _ray(top.get("ray", {}))
+    _check_ray_ports_apart(ray, roles, router)
+    _check_ray_worker_ports(ray, roles, router)
     return FleetSpec(
         name=name,
         model=_string(top.get("model", "demo"), "model"),
         roles=roles,
-        router=_router(top.get("router", {})),
+        router=router,
         kv_tier=_kv_tier(top.get("kv_tier", {})),
         ready_timeout_s=_number(top.get("ready_timeout_s", 600.0), "ready_timeout_s", minimum=1.0),
         external_replicas=external,
+        ray=ray,
     )
 
 
@@ -169,7 +214,7 @@ def _role(document: Any, where: str) -> RoleSpec:
     )
 
 
-def _port_range(value: Any, where: str) -> tuple[int, int]:
+def _port_range(value: Any, where: str, lowest: int = 1) -> tuple[int, int]:
     """`9000-9099` (or `[9000, 9099]`): the first and last port, inclusive."""
     parts: Any = value.split("-") if isinstance(value, str) else value
     if not isinstance(parts, list) or len(parts) != 2:
@@ -178,9 +223,79 @@ def _port_range(value: Any, where: str) -> tuple[int, int]:
         first, last = (int(part) for part in parts)
     except (TypeError, ValueError):
         raise SpecError(f"{where} must be a range like 9000-9099, got {value!r}") from None
-    if not 1 <= first <= last <= 65535:
-        raise SpecError(f"{where} must run from a port to a later one within 1-65535, got {value!r}")
+    if not lowest <= first <= last <= 65535:
+        raise SpecError(f"{where} must run from a port to a later one within {lowest}-65535, got {value!r}")
     return first, last
+
+
+def _ray(document: Any) -> RaySpec:
+    doc = _mapping(document, "ray", {"node_ip_address", "worker_ports", *RAY_PORTS})
+
+    def port(name: str) -> int | None:
+        value = doc.get(name)
+        return None if value is None else _integer(value, f"ray.{name}", minimum=RAY_LOWEST_PORT, maximum=65535)
+
+    workers, address = doc.get("worker_ports"), doc.get("node_ip_address")
+    return RaySpec(
+        node_ip_address=_ip_address(address, "ray.node_ip_address") if address is not None else None,
+        port=port("port"),
+        node_manager_port=port("node_manager_port"),
+        object_manager_port=port("object_manager_port"),
+        ray_client_server_port=port("ray_client_server_port"),
+        dashboard_agent_listen_port=port("dashboard_agent_listen_port"),
+        dashboard_agent_grpc_port=port("dashboard_agent_grpc_port"),
+        runtime_env_agent_port=port("runtime_env_agent_port"),
+        metrics_export_port=port("metrics_export_port"),
+        worker_ports=_port_range(workers, "ray.worker_ports", RAY_LOWEST_PORT) if workers is not None else None,
+    )
+
+
+def _ip_address(value: Any, where: str) -> str:
+    try:
+        address = ipaddress.ip_address(_string(value, where))
+    except ValueError:
+        raise SpecError(f"{where} must be an IP address of this machine, as 10.0.0.5, got {value!r}") from None
+    if address.is_loopback:
+        keep = "set roles.ROLE.host (and router.host) to 127.0.0.1 to keep the fleet on loopback"
+        raise SpecError(f"{where}: Ray replaces a loopback address ({value}) with this machine's own; leave it out, "
+                        f"and {keep}")  # fmt: skip
+    return str(address)
+
+
+def _check_ray_ports_apart(ray: RaySpec, roles: Mapping[str, RoleSpec], router: RouterSpec) -> None:
+    """Each of Ray's ports is one process's, and the fleet's own processes take theirs from the same machine."""
+    ranges = [(f"ray.{name}", (port, port)) for name, port in ray.single_ports().items()]
+    if ray.worker_ports is not None:
+        ranges.append(("ray.worker_ports", ray.worker_ports))
+    if not ranges:
+        return
+    fleet = [(f"roles.{role}.ports", spec.ports) for role, spec in roles.items() if spec.replicas and spec.ports]
+    fleet.append(("router.port", (router.port, router.port + router.replicas - 1)))
+    for position, (name, span) in enumerate(ranges):
+        for other, other_span in [*ranges[position + 1 :], *fleet]:
+            if span[0] <= other_span[1] and other_span[0] <= span[1]:
+                raise SpecError(f"{name} ({_show(span)}) and {other} ({_show(other_span)}) overlap: each port can "
+                                "serve one process only")  # fmt: skip
+
+
+def _check_ray_worker_ports(ray: RaySpec, roles: Mapping[str, RoleSpec], router: RouterSpec) -> None:
+    """Ray gives each worker process a port of the range; once they are all taken, a new actor waits for one, with
+    no error, for as long as the deploy waits."""
+    if ray.worker_ports is None:
+        return
+    replicas = sum(spec.replicas for spec in roles.values())
+    needed = replicas + router.replicas + 1 + RAY_DRIVERS
+    have = ray.worker_ports[1] - ray.worker_ports[0] + 1
+    if have < needed:
+        raise SpecError(
+            f"ray.worker_ports {_show(ray.worker_ports)} holds {have} port(s); Ray gives one to each worker process: "
+            f"{replicas} replica(s), {router.replicas} router(s), the controller and up to {RAY_DRIVERS} kvyard "
+            f"deploy commands connected at once need {needed} (more to scale up)"
+        )
+
+
+def _show(span: tuple[int, int]) -> str:
+    return str(span[0]) if span[0] == span[1] else f"{span[0]}-{span[1]}"
 
 
 def _router(document: Any) -> RouterSpec:
