@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from kvyard.api.metrics import REQUESTS, sample_sum
 from kvyard.bench import provenance
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
@@ -51,9 +52,7 @@ def resident_kb(pid: int) -> int:
 
 
 def aborts(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('kvyard_requests_total{outcome="abort"}'))  # fmt: skip
+    return sample_sum(httpx.get(f"{url}/metrics", timeout=30).text, f"{REQUESTS}_total", outcome="abort")
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from routing import (
     MODEL,
     TRACE,
@@ -70,6 +71,7 @@ from routing import (
     service_seconds,
 )
 
+from kvyard.api.metrics import MODEL_NAME
 from kvyard.bench import provenance
 from kvyard.engine.scheduler import PREFILL_ORDERS
 from kvyard.router.config import RouterConfig
@@ -278,14 +280,15 @@ async def replay(
 
 
 async def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, by its name with labels."""
+    """Every sample of a /metrics page, by its name with its labels but the model's (summed over models)."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
         text = await response.text()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sample.labels.items() if key != MODEL_NAME)
+            name = f"{sample.name}{{{labels}}}" if labels else sample.name
+            samples[name] = samples.get(name, 0.0) + sample.value
     return samples
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 
+from kvyard.api.metrics import sample_sum
+
 
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -56,8 +58,7 @@ async def drive(args: argparse.Namespace, urls: list[str], pid: int) -> dict[str
         for url in urls:
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
-            lines = text.splitlines()
-            lag += next(float(line.split()[1]) for line in lines if line.startswith("kvyard_sim_lag_seconds "))
+            lag += sample_sum(text, "kvyard_sim_lag_seconds")
     return {"wall_s": round(wall, 2), "requests_per_s": round(args.requests / wall, 1), "sim_cpu_s": round(cpu, 2),
             "sim_cpu_ms_per_request": round(cpu / args.requests * 1e3, 2), "sse_chunks": chunks,
             "replica_lag_s_total": round(lag, 2)}  # fmt: skip

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvyard.api.metrics import MODEL_NAME
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 
 ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}  # the admin key every test server and router gets
@@ -78,8 +80,20 @@ def start_server(
 
 
 def metric_value(metrics_text: str, name: str) -> float:
-    """The value of an unlabelled sample `name` in Prometheus text format."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{}"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    """The value of sample `name` in Prometheus text format, summed over its label sets (a replica's carry only
+    the name of the model it serves)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+              if line.startswith((name + " ", name + "{"))]  # fmt: skip
+    if not values:
+        raise KeyError(name)
+    return sum(values)
+
+
+def model_names(metrics_text: str) -> dict[str, set[str | None]]:
+    """The `model_name` labels of each kvyard_ sample name of a replica's /metrics (None: a sample without one)."""
+    names: dict[str, set[str | None]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name.startswith("kvyard_"):
+                names.setdefault(sample.name, set()).add(sample.labels.get(MODEL_NAME))
+    return names

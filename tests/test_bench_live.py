@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import ServerProcess, free_port, start_server
+from server_utils import ServerProcess, free_port, metric_value, start_server
 
 from kvyard.bench.cli import run_cli
 from kvyard.bench.traces import resolve_trace
@@ -192,14 +192,11 @@ def test_a_speculating_server_reports_its_acceptance(
     finally:
         process.stop()
 
-    def total(text: str, name: str) -> float:
-        return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
-
     counted = result["server"]["counted"]
     for quantity in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications"):
         name = f"kvyard_{quantity}_total"
         # the probe request (2 tokens) proposes nothing: its single decode step comes before any verification
-        assert counted[quantity] == total(after, name) - total(before, name)
+        assert counted[quantity] == metric_value(after, name) - metric_value(before, name)
     assert 0 < counted["spec_accepted_tokens"] <= counted["spec_proposed_tokens"]
     summary = f"{counted['spec_accepted_tokens']:.0f} of {counted['spec_proposed_tokens']:.0f} proposed tokens accepted"
     assert summary in printed

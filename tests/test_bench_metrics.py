@@ -1,10 +1,13 @@
-"""Metric arithmetic of `kvyard bench` on hand-made timings, and its workloads' token and trace semantics."""
+"""Metric arithmetic of `kvyard bench` on hand-made timings, its workloads' token and trace semantics, and its
+reading of a server's counters (a simulated replica's /metrics, and hand-made snapshots of other servers)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -18,6 +21,7 @@ from kvyard.bench.metrics import (
     tpot,
 )
 from kvyard.bench.prefix import PrefixTracker, ideal_block_hit_ratio
+from kvyard.bench.probe import counted_by_server, metrics_snapshot
 from kvyard.bench.records import RequestRecord
 from kvyard.bench.report import compare_table, summary_table
 from kvyard.bench.traces import TraceRequest, load_azure, load_mooncake
@@ -31,6 +35,10 @@ from kvyard.bench.workloads import (
     shared_prefix_workload,
     trace_workload,
 )
+from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.net.http_client import HttpClient
+from kvyard.sim.config import SimConfig
+from kvyard.testing.sim_cluster import SimCluster, sim_server_options
 
 
 def record(start: float, token_times: list[float], end: float, output: int, **fields: object) -> RequestRecord:
@@ -153,6 +161,68 @@ def test_bad_slo_is_rejected_with_the_field(text: str, message: str) -> None:
 
 def test_bare_slo_numbers_are_milliseconds() -> None:
     assert parse_slo("ttft=250, e2e=2s") == SLO(ttft=0.25, e2e=2.0)
+
+
+# ---------------------------------------------------------------------------- what the server counted
+
+
+def snapshot(url: str) -> dict[str, float]:
+    async def read() -> dict[str, float] | None:
+        http = HttpClient(url)
+        try:
+            return await metrics_snapshot(http)
+        finally:
+            http.close()
+
+    samples = asyncio.run(read())
+    assert samples is not None
+    return samples
+
+
+def test_counts_are_read_off_a_replica_whose_metrics_name_its_model() -> None:
+    """A simulated replica on loopback, one request at a time: a request it turns away (429) is not counted, the
+    ones it served are, each counter summed over its labels, the model's name among them."""
+    config = SimConfig(model_name="bench-model", block_size=4, num_kv_blocks=256, time_scale=1.0,
+                       scheduler=SchedulerConfig(max_num_seqs=1))  # fmt: skip
+    with SimCluster([config], sim_server_options(max_queued_seqs=0)) as sim:
+        url = sim.urls[0]
+        before = snapshot(url)
+        body = {"prompt": list(range(10, 30)), "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as running:
+            lines = running.iter_lines()
+            next(lines)  # about a second of tokens to go: the replica is full until then
+            turned_away = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
+            assert turned_away.status_code == 429
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        served = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(40, 52)), "max_tokens": 3},
+                            timeout=30)  # fmt: skip
+        assert served.status_code == 200
+        after = snapshot(url)
+    rejected = "kvyard_requests_total{model_name=bench-model,outcome=rejected_overload}"
+    assert after[rejected] - before.get(rejected, 0.0) == 1
+    assert all("model_name=bench-model" in key for key in after if key.startswith("kvyard_"))
+    counted = counted_by_server(before, after)
+    assert {k: counted[k] for k in ("requests", "prompt_tokens", "generation_tokens", "cached_prompt_tokens")} == {
+        "requests": 2, "prompt_tokens": 20 + 12, "generation_tokens": 40 + 3, "cached_prompt_tokens": 0}  # fmt: skip
+
+
+def test_counts_are_read_alike_without_the_model_label_and_summed_over_models() -> None:
+    """A kvyard replica older than the label, then a server naming two models: totals over every model, less the
+    requests turned away."""
+    before = {"kvyard_requests_total{outcome=length}": 4.0, "kvyard_requests_total{outcome=rejected_overload}": 1.0,
+              "kvyard_prompt_tokens_total": 40.0}  # fmt: skip
+    after = {"kvyard_requests_total{outcome=length}": 6.0, "kvyard_requests_total{outcome=rejected_overload}": 9.0,
+             "kvyard_prompt_tokens_total": 70.0}  # fmt: skip
+    assert counted_by_server(before, after) == {"requests": 2, "prompt_tokens": 30}
+    before = {"kvyard_requests_total{model_name=a,outcome=stop}": 1.0, "kvyard_prompt_tokens_total{model_name=a}": 10.0}
+    after = {
+        "kvyard_requests_total{model_name=a,outcome=stop}": 3.0,
+        "kvyard_requests_total{model_name=b,outcome=length}": 4.0,
+        "kvyard_requests_total{model_name=b,outcome=rejected_overload}": 2.0,
+        "kvyard_prompt_tokens_total{model_name=a}": 30.0,
+        "kvyard_prompt_tokens_total{model_name=b}": 50.0,
+    }
+    assert counted_by_server(before, after) == {"requests": 2 + 4, "prompt_tokens": 20 + 50}
 
 
 # ---------------------------------------------------------------------------- ideal prefix reuse

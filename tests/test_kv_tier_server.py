@@ -60,12 +60,12 @@ def complete(server: ServerProcess, prompt: list[int], cache_salt: str | None = 
 
 
 def tier_metric(server: ServerProcess, name: str, tier: str) -> float:
+    """The sample `name` of `tier`, whatever else labels it (the model served)."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    prefix = f'{name}{{tier="{tier}"}} '
     for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line.removeprefix(prefix))
-    raise KeyError(prefix)
+        if line.startswith(name + "{") and f'tier="{tier}"' in line.split("}", 1)[0]:
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f'{name}{{tier="{tier}"}}')
 
 
 def wait_for_metric(server: ServerProcess, name: str, tier: str, minimum: float, timeout: float = 30) -> None:

@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from pd_utils import PD_HEADERS, Relay, decode_body, pd_request, prefill_body
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ADMIN, ServerProcess, start_server
 
+from kvyard.api.metrics import MODEL_NAME
 from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_TOKEN_HEADER
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 
@@ -37,13 +39,15 @@ def body_of(prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 
 def metrics(server: ServerProcess) -> dict[str, float]:
-    """Every sample of /metrics whose name starts with kvyard_kv_transfer, labels kept in the name."""
+    """Every sample of /metrics whose name starts with kvyard_kv_transfer, its labels but the model's kept in the
+    name."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples = {}
-    for line in text.splitlines():
-        if line.startswith("kvyard_kv_transfer"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvyard_kv_transfer"):
+                labels = ",".join(f'{key}="{value}"' for key, value in sample.labels.items() if key != MODEL_NAME)
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 
 

@@ -47,7 +47,7 @@ def samples(url: str, prefix: str) -> dict[str, float]:
 
 def pulled_blocks(decode: ServerProcess) -> float:
     name = "kvyard_kv_transfer_pulled_blocks_total"
-    return samples(decode.url, name).get(name, 0)
+    return sum(samples(decode.url, name).values())  # one sample, labelled with the model served
 
 
 def pd_paths(router: ServerProcess) -> dict[str, float]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import ADMIN, ServerProcess, metric_value, start_server
+from router_utils import labelled_metric
+from server_utils import ADMIN, ServerProcess, metric_value, model_names, start_server
 
 from kvyard import LLM, SamplingParams
 
@@ -304,7 +305,19 @@ def test_metrics_exposes_latency_histograms(server: ServerProcess, client: opena
                     "kvyard_spec_proposed_tokens"):  # fmt: skip
         assert f"# TYPE {counter}_total counter" in text  # rate() works on them
     assert metric_value(text, "kvyard_time_to_first_token_seconds_count") > 0
-    assert 'kvyard_requests_total{outcome="length"}' in text
+    assert labelled_metric(text, "kvyard_requests_total", model_name="tiny-llama", outcome="length") > 0
+
+
+def test_every_metric_names_the_served_model(server: ServerProcess, client: openai.OpenAI) -> None:
+    """As vLLM's: each kvyard_ sample is labelled with the model /v1/models names (--served-model-name), so the
+    fleets of several models scraped together stay apart."""
+    _assert_still_serving(client)
+    (card,) = client.models.list().data
+    names = model_names(httpx.get(f"{server.url}/metrics").text)
+    assert card.id == "tiny-llama" and len(names) >= 30  # request, engine, KV tier and transfer metrics
+    assert {"kvyard_requests_total", "kvyard_kv_blocks_used", "kvyard_kv_tier_hits_total",
+            "kvyard_kv_transfer_leased_blocks", "kvyard_time_to_first_token_seconds_bucket"} <= set(names)  # fmt: skip
+    assert {name: labels for name, labels in names.items() if labels != {card.id}} == {}
 
 
 def test_every_client_that_goes_away_counts_as_an_abort(server: ServerProcess) -> None:
@@ -312,9 +325,7 @@ def test_every_client_that_goes_away_counts_as_an_abort(server: ServerProcess) -
     (not one fewer), and the server keeps serving."""
 
     def aborts() -> float:
-        text = httpx.get(f"{server.url}/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('kvyard_requests_total{outcome="abort"}'))  # fmt: skip
+        return labelled_metric(httpx.get(f"{server.url}/metrics").text, "kvyard_requests_total", outcome="abort")
 
     before = aborts()
     for number in range(12):

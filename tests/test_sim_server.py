@@ -24,7 +24,8 @@ from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.sim.calibration import calibrate_from_json
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster, sim_server_options
-from tests.server_utils import ADMIN, metric_value
+from tests.router_utils import labelled_metric
+from tests.server_utils import ADMIN, metric_value, model_names
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = SimConfig(model_name="sim-model", block_size=4, num_kv_blocks=256, time_scale=0.01)
@@ -69,6 +70,10 @@ def live_keys(events: list[dict[str, Any]]) -> set[str]:
 
 def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 30000 + 1 for i in range(length)]
+
+
+def aborts(url: str) -> float:
+    return labelled_metric(httpx.get(f"{url}/metrics").text, "kvyard_requests_total", outcome="abort")
 
 
 # ---------------------------------------------------------------------------- completions and usage
@@ -264,7 +269,7 @@ def test_overload_gets_429_and_a_disconnected_client_frees_its_blocks() -> None:
         wait_for(lambda: httpx.get(f"{url}/load").json()["in_flight_requests"] == 0)
         load = httpx.get(f"{url}/load").json()
         assert (load["num_running"], load["kv_blocks_used"]) == (0, 0)
-        assert 'kvyard_requests_total{outcome="abort"} 1.0' in httpx.get(f"{url}/metrics").text
+        assert aborts(url) == 1
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
         assert ok.status_code == 200
 
@@ -329,9 +334,14 @@ def test_metrics_carry_the_replica_metric_names_and_counts() -> None:
             assert usage is not None and usage.prompt_tokens_details is not None
             cached += usage.prompt_tokens_details.cached_tokens or 0
         text = httpx.get(f"{url}/metrics").text
-    names = {family.name for family in ServerMetrics().registry.collect()}
+    names = {family.name for family in ServerMetrics("sim-model").registry.collect()}
     for name in names:
         assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name} " in text, name
+    # Every sample names the model the sim serves, as a real replica's do (the sim's own and the KV transfer's).
+    models = model_names(text)
+    assert {"kvyard_requests_total", "kvyard_num_requests_running", "kvyard_sim_lag_seconds",
+            "kvyard_kv_transfer_leased_blocks", "kvyard_kv_transfer_pulls_total"} <= set(models)  # fmt: skip
+    assert {name: labels for name, labels in models.items() if labels != {"sim-model"}} == {}
     assert metric_value(text, "kvyard_cached_prompt_tokens_total") == cached == 32
     assert metric_value(text, "kvyard_prompt_tokens_total") == 54
     assert metric_value(text, "kvyard_generation_tokens_total") == 9
@@ -360,6 +370,7 @@ def test_kvyard_sim_command_serves_calibrated_replicas(tmp_path: Path) -> None:
             assert info["cost_model"] == pytest.approx(expected) and info["time_scale"] == 0.01
             reply = client_for(url).completions.create(model="m", prompt="hello", max_tokens=3)
             assert reply.usage is not None and reply.usage.prompt_tokens == 5
+            assert model_names(httpx.get(f"{url}/metrics").text)["kvyard_prompt_tokens_total"] == {"m"}
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
@@ -371,7 +382,7 @@ def test_a_non_streaming_client_that_goes_away_frees_its_blocks() -> None:
         body = {"prompt": prompt(60, 30), "max_tokens": 900}  # about 30 simulated seconds
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
-        wait_for(lambda: 'kvyard_requests_total{outcome="abort"} 1.0' in httpx.get(f"{url}/metrics").text)
+        wait_for(lambda: aborts(url) == 1)
         load = httpx.get(f"{url}/load").json()
         assert (load["in_flight_requests"], load["num_running"], load["kv_blocks_used"]) == (0, 0, 0)
 

@@ -21,7 +21,7 @@ from kvyard.sim.engine import SimEngine
 from kvyard.sim.tier import TierCharge, TierTiming, model_load, shared_store
 from kvyard.testing.sim_cluster import SimCluster
 from tests.router_utils import labelled_metric, wait_for
-from tests.server_utils import ADMIN, metric_value
+from tests.server_utils import ADMIN, metric_value, model_names
 
 BLOCK_SIZE = 4
 KV_BYTES_PER_TOKEN = 1000
@@ -88,6 +88,10 @@ def test_an_evicted_prompt_is_reloaded_from_the_host_tier() -> None:
         assert seconds == pytest.approx(CACHEABLE * KV_BYTES_PER_TOKEN / (HOST.host_tier_gb_per_s * 1e9))
         assert metric(url, "kvyard_kv_tier_hits_total", tier="memory") == CACHEABLE // BLOCK_SIZE
         assert metric(url, "kvyard_kv_tier_written_blocks_total", tier="memory") >= 3 * CACHEABLE // BLOCK_SIZE
+        models = model_names(httpx.get(f"{url}/metrics", timeout=10).text)  # tier samples name the model too
+        assert {"kvyard_kv_tier_hits_total", "kvyard_kv_tier_load_seconds_count", "kvyard_kv_tier_queue_blocks",
+                "kvyard_sim_tier_hit_tokens_total"} <= set(models)  # fmt: skip
+        assert {name: labels for name, labels in models.items() if labels != {"sim-model"}} == {}
 
 
 def test_a_tier_load_is_held_back_by_its_modeled_time() -> None:

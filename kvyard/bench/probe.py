@@ -28,7 +28,8 @@ SERVER_COUNTERS = {
     "spec_accepted_tokens": (f"{metrics.SPEC_ACCEPTED}_total", "vllm:spec_decode_num_accepted_tokens_total"),
     "spec_verifications": (f"{metrics.SPEC_VERIFICATIONS}_total", "vllm:spec_decode_num_drafts_total"),
 }  # fmt: skip
-NOT_SERVED = f"{metrics.REQUESTS}_total{{outcome={metrics.REJECTED_OVERLOAD}}}"
+# kvyard's count of requests it turned away, whatever else labels it (model_name, or nothing on older replicas).
+NOT_SERVED = (f"{metrics.REQUESTS}_total", f"outcome={metrics.REJECTED_OVERLOAD}")
 
 
 @dataclass(slots=True)
@@ -110,7 +111,8 @@ async def metrics_snapshot(http: HttpClient) -> dict[str, float] | None:
 
 
 def counted_by_server(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """Differences of the known counters (summed over labels), excluding requests the server turned away."""
+    """Differences of the known counters, summed over their labels (every model a server names in `model_name`),
+    excluding requests the server turned away."""
     if before is None or after is None:
         return {}
     counted = {}
@@ -118,10 +120,15 @@ def counted_by_server(before: dict[str, float] | None, after: dict[str, float] |
         for name in names:
             keys = [k for k in after if k == name or k.startswith(name + "{")]
             if keys:
-                keys = [k for k in keys if k != NOT_SERVED]
+                keys = [k for k in keys if not _not_served(k)]
                 counted[quantity] = sum(after[k] - before.get(k, 0.0) for k in keys)
                 break
     return counted
+
+
+def _not_served(key: str) -> bool:
+    name, _, labels = key.partition("{")
+    return name == NOT_SERVED[0] and NOT_SERVED[1] in labels.removesuffix("}").split(",")
 
 
 def _sample_key(name: str, labels: dict[str, str]) -> str:

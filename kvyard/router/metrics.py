@@ -1,4 +1,6 @@
-"""Prometheus metrics of the router, in a registry owned by the app (no global state)."""
+"""Prometheus metrics of the router, in a registry owned by the app (no global state). Unlike a replica's they carry
+no `model_name`: one router fronts every model of its fleet, and each metric is about the router itself or one
+replica (whose own metrics name its models), never about one model."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class ReplicaApp:
         self.options = options
         self.reasoning = ReasoningParser.named(options.reasoning_parser)
         self.engine: ReplicaEngine | None = None
-        self.metrics = ServerMetrics(self._engine_stats)
+        self._metrics: ServerMetrics | None = None  # made with the engine: its samples name the model served
         self.load_error: BaseException | None = None
         self.in_flight = 0  # admitted requests not yet answered
         self.in_flight_seqs = 0  # their sequences (prompts × n): what admission counts
@@ -117,16 +117,22 @@ class ReplicaApp:
     def set_engine(self, engine: ReplicaEngine) -> None:
         """The engine is ready (the model has loaded): start serving it."""
         self.engine = engine
-        self._register_engine_collectors()
-
-    def _register_engine_collectors(self) -> None:
-        for collector in self.engine.collectors() if self.engine is not None else []:
-            self.metrics.registry.register(collector)
+        self.reset_metrics()
 
     def reset_metrics(self) -> None:
         """Start the counters from zero, as a restarted replica would (the engine's collectors stay)."""
-        self.metrics = ServerMetrics(self._engine_stats)
-        self._register_engine_collectors()
+        if self.engine is None:
+            return
+        self._metrics = ServerMetrics(self.engine.model_name, self._engine_stats)
+        for collector in self.engine.collectors():
+            self._metrics.registry.register(collector)
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        """The metrics of the engine served: made with it, so there wherever ready() has passed."""
+        if self._metrics is None:
+            raise RuntimeError("no engine is served yet: its metrics do not exist")
+        return self._metrics
 
     def reload_keys(self) -> None:
         """Read the API-key file again (SIGHUP); on failure the keys in force stay."""
@@ -389,7 +395,9 @@ class ReplicaApp:
         return self.engine.stats() if self.engine is not None else None
 
     async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
-        responder.send(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+        """Nothing while the model loads: until then there is no model to name, nor anything to count."""
+        body = generate_latest(self._metrics.registry) if self._metrics is not None else b""
+        responder.send(200, body, content_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: HttpRequest, responder: Responder) -> None:
         lenient = not self.options.reject_unknown_fields

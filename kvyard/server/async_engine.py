@@ -195,8 +195,8 @@ class AsyncEngine:
         def puller_counters() -> Any:
             return self.engine.kv_puller.counters() if self.engine.kv_puller else None
 
-        return [KVTierCollector(lambda: self.engine.kv_tier_snapshot()),
-                KVTransferCollector(lambda: self.engine.kv_exports, puller_counters)]  # fmt: skip
+        return [KVTierCollector(lambda: self.engine.kv_tier_snapshot(), self.model_name),
+                KVTransferCollector(lambda: self.engine.kv_exports, puller_counters, self.model_name)]  # fmt: skip
 
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.engine.engine_config.model, "dtype": str(self.engine.dtype).removeprefix("torch.")}

@@ -1,4 +1,5 @@
-"""Prometheus views of the KV tier's counters (kvyard.kvcache.stats) and of KV transfers, read at scrape time."""
+"""Prometheus views of the KV tier's counters (kvyard.kvcache.stats) and of KV transfers, read at scrape time, each
+labelled with the model the replica serves (kvyard.api.metrics.MODEL_NAME)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from kvyard.api.metrics import MODEL_NAME, counter_family, gauge_family
 from kvyard.engine.kv_exports import KVExports
 from kvyard.engine.kv_pull_link import PullCounters
 from kvyard.kvcache.stats import StoreSnapshot
@@ -25,32 +27,34 @@ _TIER_COUNTERS = (
 
 
 class KVTierCollector(Collector):
-    def __init__(self, snapshot: Callable[[], StoreSnapshot | None]) -> None:
+    def __init__(self, snapshot: Callable[[], StoreSnapshot | None], model_name: str) -> None:
         self.snapshot = snapshot
+        self.model_name = model_name
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily]:
         snap = self.snapshot()
         if snap is None:
             return
+        model, by_tier = self.model_name, [MODEL_NAME, "tier"]
         for attribute, name, documentation in _TIER_COUNTERS:
-            family = CounterMetricFamily(name, documentation, labels=["tier"])
+            family = CounterMetricFamily(name, documentation, labels=by_tier)
             for tier, counters in snap.tiers.items():
-                family.add_metric([tier], getattr(counters, attribute))
+                family.add_metric([model, tier], getattr(counters, attribute))
             yield family
-        load = SummaryMetricFamily("kvyard_kv_tier_load_seconds", "Time of one lookup in the tier", labels=["tier"])
+        load = SummaryMetricFamily("kvyard_kv_tier_load_seconds", "Time of one lookup in the tier", labels=by_tier)
         store = SummaryMetricFamily("kvyard_kv_tier_store_seconds", "Time of one batched write to the tier",
-                                    labels=["tier"])  # fmt: skip
+                                    labels=by_tier)  # fmt: skip
         for tier, counters in snap.tiers.items():
-            load.add_metric([tier], counters.loads, counters.load_seconds)
-            store.add_metric([tier], counters.stores, counters.store_seconds)
+            load.add_metric([model, tier], counters.loads, counters.load_seconds)
+            store.add_metric([model, tier], counters.stores, counters.store_seconds)
         yield load
         yield store
-        yield GaugeMetricFamily("kvyard_kv_tier_queue_blocks", "Blocks waiting to be written", value=snap.queue_blocks)
-        yield GaugeMetricFamily("kvyard_kv_tier_queue_bytes", "Bytes waiting to be written", value=snap.queue_bytes)
-        yield CounterMetricFamily("kvyard_kv_tier_queue_dropped_blocks", "Blocks not written because the write "
-                                  "queue was full", value=snap.queue_dropped_blocks)  # fmt: skip
-        yield CounterMetricFamily("kvyard_kv_tier_loaded_blocks", "Blocks loaded from the tier into the device "
-                                  "cache", value=snap.loaded_blocks)  # fmt: skip
+        yield gauge_family("kvyard_kv_tier_queue_blocks", "Blocks waiting to be written", model, snap.queue_blocks)
+        yield gauge_family("kvyard_kv_tier_queue_bytes", "Bytes waiting to be written", model, snap.queue_bytes)
+        yield counter_family("kvyard_kv_tier_queue_dropped_blocks", "Blocks not written because the write queue was "
+                             "full", model, snap.queue_dropped_blocks)  # fmt: skip
+        yield counter_family("kvyard_kv_tier_loaded_blocks", "Blocks loaded from the tier into the device cache",
+                             model, snap.loaded_blocks)  # fmt: skip
 
 
 _EXPORT_COUNTERS = (
@@ -65,31 +69,33 @@ _EXPORT_COUNTERS = (
 class KVTransferCollector(Collector):
     """Both sides of prefill/decode transfers: leases held here, pulls made from here."""
 
-    def __init__(self, exports: Callable[[], KVExports], pulls: Callable[[], PullCounters | None]) -> None:
+    def __init__(
+        self, exports: Callable[[], KVExports], pulls: Callable[[], PullCounters | None], model_name: str
+    ) -> None:
         self.exports = exports
         self.pulls = pulls
+        self.model_name = model_name
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        exports = self.exports()
+        exports, model = self.exports(), self.model_name
         for attribute, name, documentation in _EXPORT_COUNTERS:
-            yield CounterMetricFamily(name, documentation, value=getattr(exports.counters, attribute))
-        yield GaugeMetricFamily("kvyard_kv_transfer_leased_blocks", "Blocks pinned for transfers now",
-                                value=exports.num_pinned_blocks)  # fmt: skip
-        yield GaugeMetricFamily("kvyard_kv_transfer_active_leases", "Transfers holding a lease now",
-                                value=exports.num_active)  # fmt: skip
+            yield counter_family(name, documentation, model, getattr(exports.counters, attribute))
+        yield gauge_family("kvyard_kv_transfer_leased_blocks", "Blocks pinned for transfers now", model,
+                           exports.num_pinned_blocks)  # fmt: skip
+        yield gauge_family("kvyard_kv_transfer_active_leases", "Transfers holding a lease now", model,
+                           exports.num_active)  # fmt: skip
         pulls = self.pulls()
         if pulls is None:
             return
-        yield CounterMetricFamily("kvyard_kv_transfer_pulls", "Transfers pulled from prefill replicas",
-                                  value=pulls.pulls)  # fmt: skip
-        yield CounterMetricFamily("kvyard_kv_transfer_pulls_complete", "Pulls that brought every block asked for",
-                                  value=pulls.complete)  # fmt: skip
-        yield CounterMetricFamily("kvyard_kv_transfer_pulled_blocks", "Blocks pulled and verified", value=pulls.blocks)
-        yield CounterMetricFamily("kvyard_kv_transfer_pulled_bytes", "Bytes of pulled blocks", value=pulls.bytes)
-        yield CounterMetricFamily("kvyard_kv_transfer_pull_seconds", "Time spent pulling, waiting for prefill "
-                                  "included", value=pulls.seconds)  # fmt: skip
+        yield counter_family("kvyard_kv_transfer_pulls", "Transfers pulled from prefill replicas", model, pulls.pulls)
+        yield counter_family("kvyard_kv_transfer_pulls_complete", "Pulls that brought every block asked for", model,
+                             pulls.complete)  # fmt: skip
+        yield counter_family("kvyard_kv_transfer_pulled_blocks", "Blocks pulled and verified", model, pulls.blocks)
+        yield counter_family("kvyard_kv_transfer_pulled_bytes", "Bytes of pulled blocks", model, pulls.bytes)
+        yield counter_family("kvyard_kv_transfer_pull_seconds", "Time spent pulling, waiting for prefill included",
+                             model, pulls.seconds)  # fmt: skip
         fallbacks = CounterMetricFamily("kvyard_kv_transfer_fallbacks", "Pulls that fell short (the rest was "
-                                        "computed here), by reason", labels=["reason"])  # fmt: skip
+                                        "computed here), by reason", labels=[MODEL_NAME, "reason"])  # fmt: skip
         for reason, count in sorted(pulls.fallbacks.items()):
-            fallbacks.add_metric([reason], count)
+            fallbacks.add_metric([model, reason], count)
         yield fallbacks

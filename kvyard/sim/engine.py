@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
+from kvyard.api.metrics import MODEL_NAME, counter_family, gauge_family
 from kvyard.engine.core import EngineCore, EngineStats, ExportRead, KVSnapshot, RequestOutput
 from kvyard.engine.kv_pull_link import KVPullLink, PullCounters
 from kvyard.engine.request import KVTransferParams
@@ -291,39 +292,40 @@ class SimEngine:
 
 
 class _SimCollector(Collector):
-    """The simulator's own counters, read at scrape time."""
+    """The simulator's own counters, read at scrape time, labelled with the model it serves as a real replica's."""
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        yield GaugeMetricFamily("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost "
-                                  "model (the process could not keep up)", value=self.engine.clock.lag_s)  # fmt: skip
-        yield GaugeMetricFamily("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps "
-                                  "(cost model times time scale)", value=self.engine.clock.busy_s)  # fmt: skip
+        model = self.engine.model_name
+        yield gauge_family("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost model "
+                           "(the process could not keep up)", model, self.engine.clock.lag_s)  # fmt: skip
+        yield gauge_family("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps (cost "
+                           "model times time scale)", model, self.engine.clock.busy_s)  # fmt: skip
         modeled = self.engine.modeled_transfers()
-        yield CounterMetricFamily("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have "
-                                  "moved in the simulated model", value=modeled.bytes)  # fmt: skip
-        yield CounterMetricFamily("kvyard_sim_transfer_model_seconds", "Simulated seconds pulls were held "
-                                  "back after their last block arrived (what a streamed transfer would still take)",
-                                  value=modeled.seconds)  # fmt: skip
-        yield from self._tier_loads()
+        yield counter_family("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have moved "
+                             "in the simulated model", model, modeled.bytes)  # fmt: skip
+        yield counter_family("kvyard_sim_transfer_model_seconds", "Simulated seconds pulls were held back after "
+                             "their last block arrived (what a streamed transfer would still take)", model,
+                             modeled.seconds)  # fmt: skip
+        yield from self._tier_loads(model)
 
-    def _tier_loads(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        loads = self.engine.modeled_tier_loads()
+    def _tier_loads(self, model: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        loads, by_source = self.engine.modeled_tier_loads(), [MODEL_NAME, "source"]
         tokens = CounterMetricFamily("kvyard_sim_tier_hit_tokens", "Prompt tokens loaded from the KV tier, by the "
-                                     "tier that served them (host, shared)", labels=["source"])  # fmt: skip
+                                     "tier that served them (host, shared)", labels=by_source)  # fmt: skip
         nbytes = CounterMetricFamily("kvyard_sim_tier_model_bytes", "KV bytes those loads would have moved in the "
-                                     "simulated model", labels=["source"])  # fmt: skip
+                                     "simulated model", labels=by_source)  # fmt: skip
         seconds = CounterMetricFamily("kvyard_sim_tier_model_seconds", "Simulated seconds charged for tier "
                                       "loads (latency plus bytes over bandwidth, misses included)",
-                                      labels=["source"])  # fmt: skip
+                                      labels=by_source)  # fmt: skip
         for source, modeled in sorted(loads.items()):
-            tokens.add_metric([source], modeled.tokens)
-            nbytes.add_metric([source], modeled.bytes)
-            seconds.add_metric([source], modeled.seconds)
+            tokens.add_metric([model, source], modeled.tokens)
+            nbytes.add_metric([model, source], modeled.bytes)
+            seconds.add_metric([model, source], modeled.seconds)
         yield from (tokens, nbytes, seconds)
         store = self.engine.shared_store
         if store is not None and self.engine.config.shared_store_blocks:
-            yield GaugeMetricFamily("kvyard_sim_shared_store_blocks", "Blocks in the store the replicas of this "
-                                    "process share", value=len(store))  # fmt: skip
+            yield gauge_family("kvyard_sim_shared_store_blocks", "Blocks in the store the replicas of this process "
+                               "share", model, len(store))  # fmt: skip

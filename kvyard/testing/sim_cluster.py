@@ -51,12 +51,12 @@ def sim_replica_specs(
 
 def transfer_collector(engine: SimEngine) -> Collector:
     """The KV-transfer counters of a real replica (leases, pulls), for a simulated one."""
-    return KVTransferCollector(lambda: engine.core.kv_exports, engine.pull_counters)
+    return KVTransferCollector(lambda: engine.core.kv_exports, engine.pull_counters, engine.model_name)
 
 
 def tier_collector(engine: SimEngine) -> Collector:
     """The KV-tier counters of a real replica (kvyard_kv_tier_*), for a simulated one."""
-    return KVTierCollector(engine.tier_snapshot)
+    return KVTierCollector(engine.tier_snapshot, engine.model_name)
 
 
 def sim_server_options(
