@@ -82,11 +82,12 @@ def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
 def test_parsed_options_build_nested_configs() -> None:
     arguments = ["serve", "model-dir", "--max-num-seqs", "3", "--no-prefix-caching", "--kv-tier", "memory",
                  "--kv-memory-gb", "0.5", "--max-queued-seqs", "7", "--prefill-only-step-tokens", "8192",
-                 "--prefill-order", "shortest"]  # fmt: skip
+                 "--prefill-order", "shortest", "--scheduling-policy", "priority"]  # fmt: skip
     args = build_parser().parse_args(arguments)
     engine = config_from_args(EngineConfig, args, model="model-dir")
     assert engine.scheduler == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=3,
-                                               prefill_only_step_tokens=8192, prefill_order="shortest")  # fmt: skip
+                                               prefill_only_step_tokens=8192, prefill_order="shortest",
+                                               scheduling_policy="priority")  # fmt: skip
     assert not engine.enable_prefix_caching
     assert engine.kv_tier == KVTierConfig(tiers=("memory",), memory_gb=0.5)
     assert config_from_args(ServerOptions, args).max_queued_seqs == 7

@@ -82,6 +82,17 @@ def test_special_tokens_are_skipped(tokenizer: Any) -> None:
     assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=True) == "héllo wörld 🙂"
 
 
+def test_special_tokens_are_kept_when_not_skipped(tokenizer: Any) -> None:
+    ids = [tokenizer.bos_token_id, *encode(tokenizer, "héllo"), tokenizer.eos_token_id]
+    ids += [*encode(tokenizer, " wörld 🙂"), tokenizer.pad_token_id]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    deltas, _, _ = stream(detok, ids)
+    deltas.append(detok.finish())
+    expected = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "".join(deltas) == detok.text == expected != tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.startswith(tokenizer.bos_token) and tokenizer.eos_token in expected
+
+
 def test_incomplete_character_at_the_end_is_flushed_by_finish(tokenizer: Any) -> None:
     ids = encode(tokenizer, "ab 你好")
     detok = IncrementalDetokenizer(tokenizer)

@@ -7,6 +7,7 @@ import asyncio
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 from server_utils import start_server
 
+from kvyard.api.errors import InputError
+from kvyard.engine.bad_words import bad_words_token_ids
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore
 from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
@@ -23,6 +26,7 @@ from kvyard.engine.llm_engine import LLMEngine
 from kvyard.engine.native_runner import runs_natively
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.models.config import load_model_config
 from kvyard.models.layers import RotaryEmbedding
 from kvyard.models.mapped_safetensors import MappedTensorsError, map_tensors
 from kvyard.models.native_model import NativeModel
@@ -52,10 +56,11 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(
-    engine: EngineCore, prompts: list[list[int]], takeover: tuple[int, LLMEngine] | None = None
-) -> dict[str, list[int]]:
+    engine: EngineCore, prompts: list[list[int]], takeover: tuple[int, LLMEngine] | None = None,
+    params: SamplingParams = GREEDY,
+) -> dict[str, list[int]]:  # fmt: skip
     for index, prompt in enumerate(prompts):
-        engine.add_request(f"r{index}", prompt, GREEDY)
+        engine.add_request(f"r{index}", prompt, params)
     tokens, step = {}, 0
     while engine.has_unfinished_requests():
         if takeover is not None and step == takeover[0]:
@@ -87,6 +92,38 @@ def test_the_native_engine_and_a_takeover_give_the_pytorch_engines_tokens(
     assert _run(native, _prompts(), takeover=(3, full)) == expected  # mid-prefill and mid-decode of others
 
 
+def test_bad_words_are_banned_alike_on_the_native_kernels_and_in_pytorch(model_dirs: dict[str, Path]) -> None:
+    config = EngineConfig.create(str(model_dirs["llama"]), num_kv_blocks=64, max_num_seqs=4,
+                                 max_num_batched_tokens=16, kv_tier=None)  # fmt: skip
+    pytorch = LLMEngine(config)
+    plain = _run(pytorch, _prompts())
+    word, sequences = _bad_word_generated(pytorch.tokenizer, list(plain.values()), config)
+    banned = replace(GREEDY, bad_words=[word])
+    expected = _run(LLMEngine(config), _prompts(), params=banned)
+    assert _run(NativeStartEngine(config), _prompts(), params=banned) == expected != plain
+    for tokens in expected.values():
+        assert not any(_contains(tokens, sequence) for sequence in sequences)
+
+
+def _bad_word_generated(tokenizer: Any, outputs: list[list[int]], config: EngineConfig) -> tuple[str, list[Any]]:
+    """A word of two tokens the outputs hold (as one of its token sequences), and its sequences."""
+    vocab_size = load_model_config(config.model).vocab_size
+    for tokens in outputs:
+        for start in range(len(tokens) - 1):
+            word = tokenizer.decode(tokens[start : start + 2])
+            try:
+                sequences = bad_words_token_ids([word], tokenizer, vocab_size)
+            except InputError:
+                continue
+            if tuple(tokens[start : start + 2]) in sequences:
+                return word, sequences
+    raise AssertionError("no output holds a two-token word")
+
+
+def _contains(tokens: list[int], sequence: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i : i + len(sequence)]) == sequence for i in range(len(tokens) - len(sequence) + 1))
+
+
 def test_both_models_build_the_same_rotary_tables(model_dirs: dict[str, Path]) -> None:
     from kvyard.models.config import load_model_config
 
@@ -101,6 +138,7 @@ def test_what_the_native_engine_cannot_run_waits_or_starts_without_it(
     packages: dict[tuple[str, str], Path], llama_dir: Path
 ) -> None:
     assert runs_natively(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_tokens=2))
+    assert runs_natively(SamplingParams(bad_words=["x"], skip_special_tokens=False, priority=1))
     for params in (SamplingParams(seed=1), SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),
                    SamplingParams(logit_bias={3: 1.0}), SamplingParams(prompt_logprobs=1)):  # fmt: skip
         assert not runs_natively(params)

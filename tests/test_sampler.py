@@ -7,6 +7,9 @@ import math
 import pytest
 import torch
 
+from kvyard.api.errors import InputError
+from kvyard.engine.bad_words import bad_words_token_ids
+from kvyard.engine.request import Request
 from kvyard.engine.sampler import SamplingRow, sample
 from kvyard.engine.sampling_params import SamplingParams
 
@@ -219,3 +222,58 @@ def test_sampling_params_normalises_and_classifies() -> None:
     assert SamplingParams(top_k=1).is_greedy
     assert not SamplingParams(temperature=0.5, top_k=2).is_greedy
     SamplingParams(top_p=1.0, top_k=-1, temperature=0.0, logprobs=20, min_tokens=16)  # edges are valid
+
+
+def _request(params: SamplingParams, output: list[int], bad_words: list[tuple[int, ...]]) -> Request:
+    return Request("r", [1, 2, 3], params, b"r" * 16, 4, output_token_ids=output, stop_token_ids=frozenset({9}),
+                   bad_words_token_ids=bad_words)  # fmt: skip
+
+
+def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest() -> None:
+    words = [(5,), (7, 8), (1, 2, 3)]
+    params = SamplingParams(max_tokens=8)
+    assert _request(params, [], words).banned_token_ids() == {5}  # one token: always
+    assert _request(params, [4, 7], words).banned_token_ids() == {5, 8}
+    assert _request(params, [7, 4], words).banned_token_ids() == {5}
+    assert _request(params, [1, 2], words).banned_token_ids() == {5, 3}
+    assert _request(params, [2], words).banned_token_ids() == {5}  # the prompt does not count
+    assert _request(params, [1], words).banned_token_ids(ahead=[2]) == {5, 3}  # after proposals being verified
+    assert _request(params, [1, 2], words).banned_token_ids(ahead=[7]) == {5, 8}
+    assert _request(params, [1, 2], []).banned_token_ids() == frozenset()
+    with_min = SamplingParams(max_tokens=8, min_tokens=3)
+    assert _request(with_min, [7, 7], words).banned_token_ids() == {5, 8, 9}  # and the stop tokens until min_tokens
+    assert _request(with_min, [7], words).banned_token_ids(ahead=[7, 7]) == {5, 8}
+
+
+class WordEncoder:
+    """Encodes the words it knows, as a tokenizer would."""
+
+    def __init__(self, words: dict[str, list[int]]) -> None:
+        self.words = words
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return self.words[text]
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space_as_vllm_does() -> None:
+    encoder = WordEncoder({"cat": [10], " cat": [11], "dog": [12, 13], " dog": [14, 15], "owl": [16, 17],
+                           " owl": [18], "emu": [19], " emu": [19], "": [], " ": [20]})  # fmt: skip
+    # " owl" is one token where "owl" is two: not taken (vLLM keeps only a spaced form of as many tokens); nor is
+    # a spaced form that starts with the bare form's token
+    assert bad_words_token_ids(["cat", " dog", "owl", "emu"], encoder, 100) == [(10,), (11,), (12, 13), (14, 15),
+                                                                                 (16, 17), (19,)]  # fmt: skip
+    with pytest.raises(InputError, match="bad_words: bad word ' ' has no tokens") as error:
+        bad_words_token_ids([" "], encoder, 100)
+    assert error.value.param == "bad_words"
+    with pytest.raises(InputError, match=r"bad_words.*id 19, outside the model's vocabulary") as error:
+        bad_words_token_ids(["emu"], encoder, 19)
+    with pytest.raises(InputError, match=r"bad_words.*129 token sequences"):
+        bad_words_token_ids(["dog"] * 64 + ["emu"], encoder, 100)
+
+
+def test_bad_words_and_priority_are_type_checked() -> None:
+    with pytest.raises(ValueError, match="bad_words must be strings"):
+        SamplingParams(bad_words=[3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        SamplingParams(priority=True)

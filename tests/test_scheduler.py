@@ -28,6 +28,7 @@ class Sim:
     enable_caching: bool = True
     prefill_only_step_tokens: int = 0
     prefill_order: str = "fcfs"
+    scheduling_policy: str = "fcfs"
     pool: BlockPool = field(init=False)
     kv: KVCacheManager = field(init=False)
     scheduler: Scheduler = field(init=False)
@@ -42,14 +43,14 @@ class Sim:
         self.pool = BlockPool(self.num_blocks, self.enable_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
         config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.prefill_only_step_tokens,
-                                 self.prefill_order)  # fmt: skip
+                                 self.prefill_order, self.scheduling_policy)  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
 
-    def add(self, prompt: list[int], num_outputs: int) -> Request:
+    def add(self, prompt: list[int], num_outputs: int, priority: int = 0) -> Request:
         request = Request(
             request_id=f"req{len(self.requests)}",
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=num_outputs),
+            sampling_params=SamplingParams(max_tokens=num_outputs, priority=priority),
             cache_root_key=ROOT,
             block_size=self.block_size,
         )
@@ -102,14 +103,20 @@ class Sim:
             # The blocks cover every token computed after this step.
             needed = -(-(item.request.num_computed_tokens + item.num_new_tokens) // self.block_size)
             assert len(item.request.block_table) == needed
-        # Victims are the newest running requests, newest first, and none of them runs this step.
+        # Victims are the last running requests (the newest; under priority the least urgent), last first, and none
+        # of them runs this step.
         assert out.preempted == list(reversed(running_before))[: len(out.preempted)]
         for victim in out.preempted:
             assert victim.status is RequestStatus.PREEMPTED
             assert victim.block_table == [] and victim.num_computed_tokens == 0
             assert victim not in self.scheduler.running and victim in self.scheduler.waiting
             assert all(s.request is not victim for s in out.scheduled)
-        if out.preempted:
+        if self.scheduling_policy == "priority":
+            keys = [(r.priority, r.arrival_time) for r in self.scheduler.running]
+            assert keys == sorted(keys)
+            keys = [(r.priority, r.arrival_time) for r in self.scheduler.waiting]
+            assert keys == sorted(keys)
+        elif out.preempted:
             # Preempted requests keep their age order at the front of the queue.
             front = list(self.scheduler.waiting)[: len(out.preempted)]
             assert front == list(reversed(out.preempted))
@@ -151,6 +158,8 @@ def test_config_validation() -> None:
         SchedulerConfig(prefill_only_step_tokens=-1)
     with pytest.raises(ValueError, match="prefill_order must be one of fcfs, shortest, got 'lifo'"):
         SchedulerConfig(prefill_order="lifo")
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, got 'sjf'"):
+        SchedulerConfig(scheduling_policy="sjf")
 
 
 def test_steps_that_hold_up_no_stream_take_the_prefill_only_budget() -> None:
@@ -362,6 +371,41 @@ def test_shortest_first_chooses_among_the_oldest_max_num_seqs_waiting() -> None:
     sim.check_all_done()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_admits_a_later_urgent_request_first(policy: str) -> None:
+    sim = Sim(num_blocks=64, max_num_seqs=2, scheduling_policy=policy)
+    short = sim.add(distinct_prompt(0, 4), num_outputs=2, priority=1)
+    sim.add(distinct_prompt(1, 4), num_outputs=20, priority=1)
+    sim.step()  # both run: the engine is full
+    early = sim.add(distinct_prompt(2, 4), num_outputs=2, priority=1)
+    urgent = sim.add(distinct_prompt(3, 4), num_outputs=2, priority=0)
+    sim.step()
+    assert short.is_finished and early.status is urgent.status is RequestStatus.WAITING
+    admitted = scheduled(sim.step())[-1]  # after the running request's decode
+    assert admitted == ((urgent, 4) if policy == "priority" else (early, 4))
+    sim.run(max_steps=50)
+    order = [name for name in sim.finished if name in (urgent.request_id, early.request_id)]
+    assert order == ([urgent.request_id, early.request_id] if policy == "priority" else ["req2", "req3"])
+    sim.check_all_done()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_preempts_the_least_urgent_running_request(policy: str) -> None:
+    # Three 8-token prompts take 6 of the 7 blocks; the first decode to cross a block boundary takes the seventh,
+    # and the next one must free a request's blocks.
+    sim = Sim(num_blocks=7, block_size=4, scheduling_policy=policy)
+    first = sim.add(distinct_prompt(0, 8), num_outputs=6, priority=0)
+    lax = sim.add(distinct_prompt(1, 8), num_outputs=6, priority=5)
+    newest = sim.add(distinct_prompt(2, 8), num_outputs=6, priority=0)
+    preempted = []
+    while not preempted:
+        preempted = sim.step().preempted
+    assert preempted == ([lax] if policy == "priority" else [newest])
+    assert first.num_preemptions == 0
+    sim.run(max_steps=100)
+    sim.check_all_done()
+
+
 def test_finishing_a_waiting_request_releases_nothing_and_removes_it() -> None:
     sim = Sim(num_blocks=16, max_num_seqs=1)
     running = sim.add(distinct_prompt(0, 5), num_outputs=3)
@@ -412,12 +456,14 @@ def test_random_workloads_finish_within_budget(
         enable_caching=enable_caching,
         prefill_only_step_tokens=data.draw(st.sampled_from([0, 3 * budget])),
         prefill_order=data.draw(st.sampled_from(["fcfs", "shortest"])),
+        scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"])),
     )
     for shared, tail, num_outputs, delay in workload:
         for _ in range(delay):
             if sim.scheduler.has_unfinished():
                 sim.step()
-        sim.add((prefix if shared else []) + tail, num_outputs)
+        priority = data.draw(st.integers(-2, 2)) if sim.scheduling_policy == "priority" else 0
+        sim.add((prefix if shared else []) + tail, num_outputs, priority)
     # A generous but finite bound: no request may starve and the loop may not livelock.
     sim.run(max_steps=sim.num_steps + 20 * longest * len(workload) + 50)
     sim.check_all_done()

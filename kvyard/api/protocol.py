@@ -17,6 +17,8 @@ from kvyard.api.errors import APIError, bad_request
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n samples with seed + i, a signed 64-bit generator seed
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default --max-logprobs
+MAX_BAD_WORDS = 128
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 Model = TypeVar("Model", bound=BaseModel)
 IGNORED_FIELDS_HEADER = "X-Kvyard-Ignored-Fields"  # names the request fields a replica ignored (drop_unknown)
@@ -65,6 +67,9 @@ def validation_error(error: ValidationError) -> APIError:
     param = _param_name(first.get("loc", ()))
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
+    if param == "input":  # the embeddings' union, as the prompt's
+        return APIError(400, "input must be a string, a list of strings, a list of token ids (integers) or a list "
+                        "of lists of token ids", param, first.get("type"))  # fmt: skip
     if param == "prompt":  # a union: pydantic names only its first member's complaint
         return APIError(400, "prompt must be a string, a list of strings, a list of token ids (integers) or a list "
                         "of lists of token ids", param, first.get("type"))  # fmt: skip
@@ -210,6 +215,12 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = Field(default=None, max_length=16384)
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(default=None, max_length=65536)
+    # vLLM's sampling and scheduling extensions
+    skip_special_tokens: bool = True
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # -1: as many as fit
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # lower is served first (--scheduling-policy)
 
     @model_validator(mode="before")
     @classmethod
@@ -233,6 +244,14 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"biases must be between -100 and 100, got {bias} for token {key}")
         return value
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (as many tokens as the context leaves room for) or a positive number of "
+                             "tokens to keep")  # fmt: skip
+        return value
+
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -254,13 +273,20 @@ class SamplingFields(BaseModel):
             return "resume", "resume continues one choice: n must be 1"
         if self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode and self.n != 1:
             return "kv_transfer_params", "a prefill for another replica runs one choice: n must be 1"
+        if self.stream and self.prompt_logprobs:
+            return "prompt_logprobs", "prompt_logprobs are not available when stream is true"
         return None
+
+    @property
+    def returned_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, where they are returned: a stream has none (as vLLM, only 0 may be asked there)."""
+        return None if self.stream else self.prompt_logprobs
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -348,14 +374,18 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message is continued: no generation prompt, no end of turn
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        asked_prompt = self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and asked_prompt:
+            return "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
             return "tools", "tools must have distinct function names"
@@ -366,6 +396,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def adds_generation_prompt(self) -> bool:
+        """Whether the template opens a new assistant turn: not when the last message is continued."""
+        return self.add_generation_prompt and not self.continue_final_message
 
 
 class TokenizeRequest(BaseModel):

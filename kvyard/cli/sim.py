@@ -90,7 +90,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         budget = budget or calibration.max_num_batched_tokens
         print(f"calibrated from {args.calibrate}: {calibration.cost}", file=sys.stderr)
     scheduler = SchedulerConfig(budget or SchedulerConfig().max_num_batched_tokens, args.max_num_seqs,
-                                args.prefill_only_step_tokens, args.prefill_order)  # fmt: skip
+                                args.prefill_only_step_tokens, args.prefill_order, args.scheduling_policy)  # fmt: skip
     config = config_from_args(SimConfig, args, scheduler=scheduler, model_name=args.model_name or "kvyard-sim",
                               dtype=args.dtype or "float32", **fixed)  # fmt: skip
     return _with_namespace_of(config, args) if args.namespace_from is not None else config

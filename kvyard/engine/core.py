@@ -19,10 +19,12 @@ from typing import Protocol
 
 from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_sampling_token_ids, check_token_ids
 from kvyard.api.errors import InputError
+from kvyard.engine.bad_words import bad_words_token_ids
 from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.detokenizer import Decoder, IncrementalDetokenizer
+from kvyard.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvyard.engine.kv_cache_manager import BlockPuller, BlockTier, KVCacheManager
 from kvyard.engine.kv_exports import ExportView, KVExports
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.request import KVTransferParams, Request, RequestStatus, TokenLogprobs
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -51,9 +53,12 @@ MIN_MEASURED_PREFILL_TOKENS = 32  # steps this large say what a prefill token co
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
+    """A request's next token, or (token_id -1) a pooling request's result."""
+
     request: Request
     token_id: int
     logprobs: TokenLogprobs | None = None
+    pooled: list[float] | None = None
 
 
 class Runner(Protocol):
@@ -121,6 +126,7 @@ class RequestOutput:
     times: RequestTimes | None = None
     num_local_tier_tokens: int = 0  # of the cached tokens, loaded from the replica's own lower tiers
     num_shared_tier_tokens: int = 0  # of the cached tokens, loaded from the shared store
+    pooled: list[float] | None = None  # a pooling request's embedding, or its score as one value
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """`later` (the same request's next output) with this one's new tokens and text in front of its own."""
@@ -173,12 +179,14 @@ class KVSnapshot:
 
 
 class EngineCore:
+    generates = True  # False: an embedding checkpoint without an LM head, which only pools prompts
+
     def __init__(
         self,
         config: CoreConfig,
         namespace: KeyNamespace,
         runner: Runner,
-        tokenizer: Decoder | None = None,
+        tokenizer: Tokenizer | None = None,
         eos_token_ids: Iterable[int] = (),
         proposer: Proposer | None = None,
     ) -> None:
@@ -234,10 +242,12 @@ class EngineCore:
         cache_salt: str | None = None,
         resumed_output_ids: Sequence[int] = (),
         kv_transfer: KVTransferParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Queue a request. `resumed_output_ids`: output another replica generated before it failed; they are
         prefilled with the prompt, count toward `max_tokens`, and generation continues after them.
-        `kv_transfer`: prefill it for another replica, or pull its prompt's blocks from one (docs/contracts.md §6)."""
+        `kv_transfer`: prefill it for another replica, or pull its prompt's blocks from one (docs/contracts.md §6).
+        `pooling`: compute the prompt only and answer with an embedding or a score (`params` then unused)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         export_id = kv_transfer.export_id if kv_transfer is not None else None
@@ -246,9 +256,16 @@ class EngineCore:
         check_prompt(prompt_token_ids, self.limits)
         check_kv_room(len(prompt_token_ids), params.max_tokens, self.limits)
         check_sampling_token_ids(params.stop_token_ids, list(params.logit_bias), self.limits.vocab_size)
+        self._check_priority(params.priority)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         if resumed_output_ids:
             self._check_resume(len(prompt_token_ids), resumed_output_ids, params)
-        detokenizer = self._make_detokenizer(params)
+        if not self.generates and (pooling is None or pooling.choice_token_ids is not None):
+            message = "this model has no language-model head (an embedding checkpoint): it serves /v1/embeddings only"
+            raise InputError(message, "model", "model_cannot_generate")
+        if pooling is not None and (kv_transfer is not None or resumed_output_ids):
+            raise ValueError("a pooling request neither disaggregates nor resumes")
+        detokenizer = self._make_detokenizer(params) if pooling is None else None
         if detokenizer is not None:
             for token_id in resumed_output_ids:
                 detokenizer.push(token_id)
@@ -262,6 +279,8 @@ class EngineCore:
             stop_token_ids=self._stop_token_ids(params),
             kv_transfer=kv_transfer,
             spec_acceptance=self._spec_acceptance,
+            pooling=pooling,
+            bad_words_token_ids=bad_words,
         )
         if params.structured is not None:
             request.grammar = self._grammar_matcher(params.structured, resumed_output_ids)
@@ -281,6 +300,19 @@ class EngineCore:
         if num_prompt_tokens + len(resumed_output_ids) >= self.limits.max_model_len:
             raise InputError("the prompt plus resume.token_ids fill the model's context", "resume.token_ids",
                              "context_length_exceeded")  # fmt: skip
+
+    def _check_priority(self, priority: int) -> None:
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise InputError(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                             f"priority); this engine schedules {self.config.scheduler.scheduling_policy}",
+                             "priority")  # fmt: skip
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> list[tuple[int, ...]]:
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise InputError("bad_words need a tokenizer, and this model directory has none", "bad_words")
+        return bad_words_token_ids(words, self.tokenizer, self.limits.vocab_size)
 
     def root_key(self, cache_salt: str | None) -> bytes:
         """The namespace root of a tenant's block keys."""
@@ -308,7 +340,8 @@ class EngineCore:
             if params.stop:
                 raise ValueError("stop strings need a tokenizer, and this model directory has none")
             return None
-        return IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output)
+        return IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output,
+                                      params.skip_special_tokens)  # fmt: skip
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         stop = set(params.stop_token_ids)
@@ -440,6 +473,11 @@ class EngineCore:
         request = tokens[0].request
         if request.first_token_time is None:
             request.first_token_time = now
+        if tokens[0].pooled is not None:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            output = _output(request, [], "", "")
+            output.pooled = tokens[0].pooled
+            return output
         detokenizer = self._detokenizers.get(request.request_id)
         new_ids: list[int] = []
         new_text = ""

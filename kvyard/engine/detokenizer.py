@@ -10,6 +10,12 @@ class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class Tokenizer(Decoder, Protocol):
+    """What the engine reads text with: decoding its output, encoding a request's bad words."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
 @dataclass(slots=True)
 class IncrementalDetokenizer:
     """Emits text as tokens arrive without re-decoding the whole output each step.
@@ -22,6 +28,7 @@ class IncrementalDetokenizer:
     decoder: Decoder
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: special tokens are part of the text
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # the output text so far (cut at a matched stop string)
     emitted: int = 0  # characters of `text` already handed out as deltas
@@ -35,8 +42,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add a token. Returns (text safe to emit now, matched stop string or None)."""
         self.token_ids.append(token_id)
-        before = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        after = self.decoder.decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return "", None
         self.prefix_offset = self.read_offset
@@ -46,11 +53,14 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Flush everything held back (stop-string look-ahead, an incomplete last character)."""
-        full = self.decoder.decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
-        before = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         self.read_offset = len(self.token_ids)
         self._append_checking_stop(full[len(before) :])
         return self._emit(final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append_checking_stop(self, delta: str) -> str | None:
         """Append `delta`; if a stop string now appears, cut the text there and return it."""

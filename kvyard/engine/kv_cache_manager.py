@@ -203,7 +203,7 @@ class KVCacheManager:
         return num_blocks * self.block_size
 
     def _max_cached_blocks(self, request: Request) -> int:
-        if request.needs_prompt_logprobs:  # every prompt position's logits are wanted
+        if request.computes_whole_prompt:
             return 0
         return (request.num_tokens - 1) // self.block_size
 

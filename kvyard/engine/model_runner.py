@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 
 from kvyard.engine.core import SampledToken
 from kvyard.engine.penalties import TokenHistory
+from kvyard.engine.pooler import PromptPooler, choice_score
 from kvyard.engine.request import Request, TokenLogprobs
 from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
 from kvyard.engine.scheduler import ScheduledRequest
@@ -47,10 +48,11 @@ def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat) ->
 @dataclass(slots=True)
 class BatchLogits:
     """Logits for the scheduled requests that sample this step, in `sampling` order: one row each, and one per
-    proposed token more for a speculating request."""
+    proposed token more for a speculating request; and the results of pooling requests whose prompt is done."""
 
     logits: torch.Tensor
     sampling: list[ScheduledRequest]
+    pooled: list[SampledToken] = field(default_factory=list)
 
 
 PROMPT_SCORING_ROWS = 256  # prompt positions turned into logits at once (each row is a vocabulary of floats)
@@ -140,7 +142,7 @@ class ModelRunner(PagedModel):
         """One forward pass, then a sampled token for every request whose sequence it completes."""
         batch = self.forward(scheduled)
         if not batch.sampling:
-            return []
+            return batch.pooled
         rows = [self._sampling_row(item, ahead) for item in batch.sampling
                 for ahead in range(1 + len(item.spec_token_ids))]  # fmt: skip
         _constrain(rows, batch.sampling)
@@ -156,7 +158,7 @@ class ModelRunner(PagedModel):
             else:
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)
-        return sampled
+        return sampled + batch.pooled
 
     def _score_prompt(self, request: Request, hidden: torch.Tensor, first_position: int) -> None:
         """Logprobs of the prompt tokens that follow positions first_position.. (the rows of `hidden`), kept on
@@ -171,15 +173,33 @@ class ModelRunner(PagedModel):
                 target = first_position + block_start + row + 1
                 if target != len(request.prompt_logprobs):
                     continue
-                token_id = request.prompt_token_ids[target]
-                top = log_probs[row].topk(num_top) if num_top else None
-                request.prompt_logprobs.append(TokenLogprobs(
-                    token_id, float(log_probs[row, token_id]),
-                    dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
-                ))  # fmt: skip
+                request.prompt_logprobs.append(_scored_token(log_probs[row], request.prompt_token_ids[target], num_top))
+
+    @cached_property
+    def _pooler(self) -> PromptPooler:
+        return PromptPooler()
+
+    def _pool(
+        self, request: Request, hidden: torch.Tensor, first_position: int, completes: bool
+    ) -> SampledToken | None:
+        """Feed a pooling request's chunk (the rows of `hidden`) to its pooling; its result once the prompt is done."""
+        params = request.pooling
+        assert params is not None
+        if params.reads_every_position:
+            self._pooler.add_chunk(request.request_id, hidden, first_position)
+        if not completes:
+            return None
+        last = hidden[-1]
+        if params.choice_token_ids is not None:
+            score = choice_score(self.model.compute_logits(last[None])[0], params.choice_token_ids)
+            return SampledToken(request, -1, pooled=[score])
+        return SampledToken(
+            request, -1, pooled=self._pooler.embedding(request.request_id, params, last, request.num_prompt_tokens)
+        )
 
     def release(self, request: Request) -> None:
         self._generators.pop(request.request_id, None)
+        self._pooler.release(request.request_id)
 
     def _sampling_row(self, item: ScheduledRequest, ahead: int = 0) -> SamplingRow:
         """How to sample the request's output position `num_output_tokens + ahead` (ahead > 0: after `ahead` of
@@ -189,7 +209,7 @@ class ModelRunner(PagedModel):
         if request.sampling_params.has_penalties:
             output = [*request.output_token_ids, *item.spec_token_ids[:ahead]] if ahead else request.output_token_ids
             history = TokenHistory(request.prompt_token_ids, output)
-        banned = tuple(request.banned_token_ids())
+        banned = tuple(request.banned_token_ids(item.spec_token_ids[:ahead]))
         return SamplingRow(request.sampling_params, self._generator(request, ahead), banned, history)
 
     def _generator(self, request: Request, ahead: int) -> torch.Generator | None:
@@ -222,6 +242,7 @@ class ModelRunner(PagedModel):
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         scoring: list[tuple[Request, int, int, int]] = []  # prompt scoring: request, first row and position, rows
+        pooling: list[tuple[ScheduledRequest, int, int]] = []  # pooling requests: item, first row and position
         block_tables: list[list[int]] = []
         context_lens: list[int] = []
         query_lens: list[int] = []
@@ -231,10 +252,12 @@ class ModelRunner(PagedModel):
             num_known = item.num_new_tokens - len(item.spec_token_ids)
             if request.needs_prompt_logprobs:
                 scoring.append((request, len(input_ids), start, min(num_known, request.num_prompt_tokens - 1 - start)))
+            if request.pooling is not None:
+                pooling.append((item, len(input_ids), start))
             input_ids.extend(request.all_token_ids[start : start + num_known])
             input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, start + item.num_new_tokens))
-            if item.completes_sequence:
+            if item.completes_sequence and request.pooling is None:
                 sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
                 sampling.append(item)
             queries = range(1, item.num_new_tokens + 1) if item.spec_token_ids else [item.num_new_tokens]
@@ -245,10 +268,31 @@ class ModelRunner(PagedModel):
         hidden = self.run(input_ids, positions, block_tables, context_lens, query_lens)
         for request, first_row, first_position, num_rows in scoring:
             self._score_prompt(request, hidden[first_row : first_row + max(0, num_rows)], first_position)
+        pooled = [
+            self._pool(
+                item.request,
+                hidden[first_row : first_row + item.num_new_tokens],
+                first_position,
+                item.completes_sequence,
+            )
+            for item, first_row, first_position in pooling
+        ]
+        done = [result for result in pooled if result is not None]
         if not sample_rows:
-            return BatchLogits(torch.empty(0, device=self.device), [])
+            return BatchLogits(torch.empty(0, device=self.device), [], done)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return BatchLogits(logits, sampling)
+        return BatchLogits(logits, sampling, done)
+
+
+def _scored_token(log_probs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """A prompt token's logprob, its rank as vLLM counts it (the tokens at least as likely) and the `num_top` most
+    likely tokens, from one position's `log_probs`."""
+    logprob = log_probs[token_id]
+    top = log_probs.topk(num_top) if num_top else None
+    return TokenLogprobs(
+        token_id, float(logprob), dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
+        int((log_probs >= logprob).sum()),
+    )  # fmt: skip
 
 
 def _constrain(rows: list[SamplingRow], sampling: list[ScheduledRequest]) -> None:

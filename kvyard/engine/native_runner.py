@@ -44,8 +44,8 @@ class NativeRunner:
         self.rng = np.random.default_rng()
 
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
-        if any(item.spec_token_ids or item.request.needs_prompt_logprobs for item in scheduled):
-            raise ValueError("the native runner does not speculate or score prompts")
+        if any(item.spec_token_ids or item.request.needs_prompt_logprobs or item.request.pooling for item in scheduled):
+            raise ValueError("the native runner does not speculate, score prompts or pool them")
         decodes = [item for item in scheduled if item.num_new_tokens == 1]
         chunks = [item for item in scheduled if item.num_new_tokens > 1]
         sampled: list[tuple[Request, np.ndarray]] = []

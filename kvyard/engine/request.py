@@ -9,6 +9,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvyard.engine.bad_words import banned_by_bad_words
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.structured_output import GrammarMatcher
 from kvyard.kvcache.block_key import chain_block_keys
@@ -63,7 +65,8 @@ class KVTransferParams:
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: dict[int, float]
+    top: dict[int, float]  # the most likely tokens, most likely first
+    rank: int | None = None  # the token's rank in the vocabulary, 1 the most likely (prompt logprobs have it)
 
 
 @dataclass(slots=True)
@@ -99,6 +102,8 @@ class Request:
     spec_probe_interval: int = 8  # idle steps before its next probe (speculative.PROBE_EVERY, doubling)
     grammar: GrammarMatcher | None = None  # where its output stands in the grammar it must match
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token; the first None
+    pooling: PoolingParams | None = None  # a prompt-only request: an embedding or score instead of tokens
+    bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # its bad words, tokenized
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -132,11 +137,24 @@ class Request:
         wanted = self.sampling_params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens
 
-    def banned_token_ids(self) -> frozenset[int]:
-        """Tokens the sampler must not pick now: the stop tokens, until `min_tokens` are out."""
-        if self.num_output_tokens < self.sampling_params.min_tokens:
-            return self.stop_token_ids
-        return frozenset()
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's output is wanted (prompt logprobs, mean pooling): none may come from a cache."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.reads_every_position)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    def banned_token_ids(self, ahead: Sequence[int] = ()) -> frozenset[int]:
+        """Tokens the sampler must not pick next (after `ahead`, proposed tokens being verified): the stop tokens
+        until `min_tokens` are out, and those its bad words ban after the output."""
+        banned = frozenset[int]()
+        if self.num_output_tokens + len(ahead) < self.sampling_params.min_tokens:
+            banned = self.stop_token_ids
+        if self.bad_words_token_ids:
+            banned |= banned_by_bad_words(self.bad_words_token_ids, self.output_token_ids, ahead)
+        return banned
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -22,6 +22,8 @@ class SamplingParams:
     stop_token_ids: list[int] = setting(default_factory=list, help="stop at this token id (repeatable)")
     ignore_eos: bool = setting(False, help="keep generating past the end-of-sequence token")
     include_stop_str_in_output: bool = setting(False, help="keep the matched stop string in the text")
+    skip_special_tokens: bool = setting(True, help="leave special tokens (end-of-turn markers and the like) out of "
+                                        "the output text")  # fmt: skip
     logprobs: int | None = setting(None, help="return the log-probability of each sampled token and of this many "
                                    "top alternatives (0-20)")  # fmt: skip
     prompt_logprobs: int | None = setting(None, help="return the log-probability of each prompt token (after "
@@ -36,9 +38,13 @@ class SamplingParams:
                                         "prompt or output by this; 1 is off")  # fmt: skip
     # token id -> bias (-100 to 100) added to its logit; a JSONL record's or API body's string keys are ids too
     logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words: list[str] = setting(default_factory=list, help="a word never to generate (repeatable): the last of "
+                                   "its tokens, with and without a leading space, is banned wherever the output "
+                                   "ends with the ones before it (vLLM's bad_words)")  # fmt: skip
     structured: StructuredOutput | None = None  # what the output must match (constrained decoding)
     speculate: bool = setting(True, help="let speculative decoding propose tokens for this request, when the "
                               "engine has it on (--speculative)")  # fmt: skip
+    priority: int = 0  # lower is served first, under the engine's scheduling_policy "priority" (else it must be 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +71,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not all(isinstance(word, str) for word in self.bad_words):
+            raise ValueError(f"bad_words must be strings, got {self.bad_words!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         self._check_penalties()
 
     def _check_penalties(self) -> None:

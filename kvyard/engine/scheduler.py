@@ -14,10 +14,15 @@ starts at the next step instead of after it. Where a time-to-first-token bound g
 it does in an SLO, that lets the short prompts meet it at little cost to the long ones. A prompt passed over
 `MAX_STEPS_PASSED_OVER` times is served before the shorter ones, so none starves; and a prompt chunk never preempts
 a request already served in the step (it waits instead).
+
+With `scheduling_policy="priority"` each request's `priority` (lower first, then arrival) orders the queue and the
+running requests in place of age: the most urgent are admitted and served first, and the least urgent running
+request is the one preempted (vLLM's priority policy). Under the default "fcfs" every request has priority 0.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from kvyard.engine.request import Request, RequestStatus
 from kvyard.settings import setting
 
 PREFILL_ORDERS = ("fcfs", "shortest")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Shortest-first starves nothing: a prompt passed over this many steps is served before the shorter ones.
 MAX_STEPS_PASSED_OVER = 64
 
@@ -45,8 +51,16 @@ class SchedulerConfig:
                                  "compute first (prefix-cache hits and pulled blocks not counted), so a long prompt "
                                  "being computed yields to shorter ones that arrive meanwhile; a prompt passed over "
                                  f"{MAX_STEPS_PASSED_OVER} steps goes first")  # fmt: skip
+    scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES, help="which requests go first: fcfs, "
+                                     "by age (the newest running request is preempted when blocks run out); "
+                                     "priority, by each request's priority, lower first, then by age (the "
+                                     "lowest-priority running request is preempted); under fcfs a request with a "
+                                     "priority other than 0 is refused")  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")  # fmt: skip
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
         if self.max_num_batched_tokens < 1:
@@ -87,6 +101,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._by_priority = config.scheduling_policy == "priority"
 
     @property
     def num_waiting(self) -> int:
@@ -100,7 +115,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self._by_priority:
+            _insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -165,7 +183,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.reset_for_recompute()
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            _insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _schedule_shortest_first(self, output: SchedulerOutput, budget: int) -> None:
@@ -193,12 +214,14 @@ class Scheduler:
         (started by `ready_to_admit`) then run while other prompts are computed; a longer queue waits its turn."""
         return list(itertools.islice(self.waiting, self.config.max_num_seqs))
 
-    def _prefill_priority(self, request: Request) -> tuple[bool, int, float]:
+    def _prefill_priority(self, request: Request) -> tuple[int, bool, int, float]:
+        priority = request.priority if self._by_priority else 0
         if request.num_steps_passed_over >= MAX_STEPS_PASSED_OVER:
-            return False, 0, request.arrival_time
+            return priority, False, 0, request.arrival_time
         if request.status is RequestStatus.RUNNING:
-            return True, _tokens_left(request), request.arrival_time
-        return True, request.num_tokens - self.kv.num_cached_tokens_estimate(request), request.arrival_time
+            return priority, True, _tokens_left(request), request.arrival_time
+        num_left = request.num_tokens - self.kv.num_cached_tokens_estimate(request)
+        return priority, True, num_left, request.arrival_time
 
     def _schedule_prompt_chunk(self, output: SchedulerOutput, request: Request, budget: int) -> int:
         num_new = min(_tokens_left(request), budget)
@@ -221,7 +244,10 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
-        self.running.append(request)
+        if self._by_priority:
+            _insert_by_priority(self.running, request)
+        else:
+            self.running.append(request)
         output.scheduled.append(ScheduledRequest(request, num_new))
         return num_new
 
@@ -249,3 +275,12 @@ class Scheduler:
 
 def _tokens_left(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+def _insert_by_priority(requests: deque[Request] | list[Request], request: Request) -> None:
+    """Insert `request` into `requests`, kept in (priority, arrival) order, after those with its own key."""
+    requests.insert(bisect.bisect_right(requests, _priority_key(request), key=_priority_key), request)

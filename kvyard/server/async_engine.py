@@ -96,6 +96,10 @@ class AsyncEngine:
         return self.engine.config.scheduler.max_num_seqs
 
     @property
+    def scheduling_policy(self) -> str:
+        return self.engine.config.scheduler.scheduling_policy
+
+    @property
     def vocabulary(self) -> HFVocabulary | None:
         return self._vocabulary
 

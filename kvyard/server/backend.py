@@ -52,6 +52,11 @@ class ReplicaEngine(Protocol):
     def max_num_seqs(self) -> int: ...
 
     @property
+    def scheduling_policy(self) -> str:
+        """fcfs, or priority: requests may then carry priorities."""
+        ...
+
+    @property
     def vocabulary(self) -> Vocabulary | None: ...
 
     def check_ready(self) -> None:

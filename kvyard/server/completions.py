@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class ChoiceState:
     last_token_time: float | None = None
     tool_stream: ToolStream | None = None  # a streamed chat with tools: the calls already sent
     reasoning_stream: ReasoningStream | None = None  # a streamed chat whose reasoning is parsed: what went out
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # echo with logprobs
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # echo with logprobs, prompt_logprobs
     echoed: bool = False  # a streamed echo: the prompt went out
     text_offset: int = 0  # characters of the tokens whose logprobs went out (legacy `text_offset`)
 
@@ -162,7 +163,7 @@ class CompletionRunner:
         ordered = [choices[i] for i in sorted(choices)]
         usage = self.usage(prepared, ordered)
         self.count_prompt(usage)
-        return {
+        response: dict[str, Any] = {
             "id": prepared.request_id,
             "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created,
@@ -170,6 +171,9 @@ class CompletionRunner:
             "choices": [self._full_choice(prepared, c) for c in ordered],
             "usage": usage,
         }
+        if prepared.kind == "chat" and prepared.prompt_logprobs is not None:  # vLLM: one list, the response's
+            response["prompt_logprobs"] = self._prompt_logprobs(ordered[0], prepared.prompt_logprobs)
+        return response
 
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
         base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
@@ -179,6 +183,8 @@ class CompletionRunner:
             logprobs = None
             if prepared.logprobs is not None:
                 logprobs = self._completion_logprobs(choice, [*echo[1], *_entries(choice.logprobs)])
+            if prepared.prompt_logprobs is not None:
+                base["prompt_logprobs"] = self._prompt_logprobs(choice, prepared.prompt_logprobs)
             return {**base, "text": echo[0] + choice.text, "logprobs": logprobs}
         logprobs = self._logprobs(prepared, choice.logprobs) if prepared.logprobs is not None else None
         text, reasoning = choice.text, None
@@ -277,7 +283,7 @@ class CompletionRunner:
         prompt = prepared.prompts[choice.prompt_index]
         entries: list[LogprobEntry] = []
         if prepared.logprobs is not None:
-            scored = choice.prompt_logprobs or [None]
+            scored = [_top_only(e, prepared.logprobs) for e in choice.prompt_logprobs or [None]]
             entries = [(token_id, scored[i] if i < len(scored) else None) for i, token_id in enumerate(prompt)]
         return prepared.echo_texts[choice.prompt_index], entries
 
@@ -377,6 +383,21 @@ class CompletionRunner:
             "text_offset": offsets,
         }
 
+    def _prompt_logprobs(self, choice: ChoiceState, num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: None for the first token, then for each token a dict by token id of its own
+        logprob, rank and text, then those of the `num_top` most likely tokens."""
+        return [None if entry is None else self._ranked(entry, num_top) for entry in choice.prompt_logprobs]
+
+    def _ranked(self, entry: TokenLogprobs, num_top: int) -> dict[str, dict[str, Any]]:
+        ranked = {str(entry.token_id): self._logprob(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(itertools.islice(entry.top.items(), num_top), start=1):
+            ranked[str(token_id)] = self._logprob(token_id, logprob, rank)
+        return ranked
+
+    def _logprob(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        # as vLLM clamps them: JSON has no -inf
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self._token_text(token_id)}
+
     def _token_text(self, token_id: int) -> str:
         vocabulary = self.engine.vocabulary
         return vocabulary.decode([token_id]) if vocabulary is not None else f"token_id:{token_id}"
@@ -387,6 +408,13 @@ LogprobEntry = tuple[int, TokenLogprobs | None]  # a token and its logprobs (Non
 
 def _entries(logprobs: list[TokenLogprobs]) -> list[LogprobEntry]:
     return [(entry.token_id, entry) for entry in logprobs]
+
+
+def _top_only(entry: TokenLogprobs | None, num_top: int) -> TokenLogprobs | None:
+    """`entry` with its `num_top` most likely alternatives only (it may have more, for prompt_logprobs)."""
+    if entry is None or len(entry.top) <= num_top:
+        return entry
+    return TokenLogprobs(entry.token_id, entry.logprob, dict(itertools.islice(entry.top.items(), num_top)), entry.rank)
 
 
 def _tool_finish_reason(finish_reason: str | None) -> str | None:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.api.checks import check_sampling_token_ids, check_token_ids, resolve_max_tokens
+from kvyard.api.checks import ContextLimits, check_sampling_token_ids, check_token_ids, resolve_max_tokens
 from kvyard.api.errors import APIError, bad_request
 from kvyard.api.protocol import (
     MAX_PROMPTS,
@@ -19,6 +19,7 @@ from kvyard.api.protocol import (
     ResumeState,
     SamplingFields,
 )
+from kvyard.engine.bad_words import bad_words_token_ids
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.engine.structured_output import StructuredOutput, checked_grammar
@@ -48,6 +49,7 @@ class PreparedRequest:
     tools: ToolPlan | None = None  # how a chat's output becomes tool calls
     reasoning: ReasoningParser | None = None  # how a chat's thinking is taken out of its content
     echo_texts: list[str] | None = None  # echo: each prompt's text, returned before its completion
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top alternatives of each prompt token returned
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -78,14 +80,33 @@ def prepare_completion(
         raise bad_request("resume continues one choice: send one prompt", "resume")
     if body.kv_transfer_params is not None and len(tokens) != 1:
         raise bad_request("a disaggregated request has one prompt", "kv_transfer_params")
-    prepared = _prepared("completion", engine, body, tokens, body.max_tokens, body.logprobs, cache_salt)
+    kept = truncated(tokens, body.truncate_prompt_tokens, body.max_tokens, engine.limits)
+    prepared = _prepared("completion", engine, body, kept, body.max_tokens, body.logprobs, cache_salt)
     if body.echo:
         if body.resume is not None:
             raise bad_request("an echoed stream cannot be resumed", "resume")
-        prepared.echo_texts = [p if isinstance(p, str) else _decoded(engine, t) for p, t in zip(prompts, tokens)]
+        prepared.echo_texts = [p if isinstance(p, str) and len(k) == len(t) else _decoded(engine, k)
+                               for p, t, k in zip(prompts, tokens, kept)]  # fmt: skip
         for params in prepared.params:
-            params.prompt_logprobs = body.logprobs
+            if body.logprobs is not None:  # the echoed prompt's logprobs, and prompt_logprobs' if more were asked
+                params.prompt_logprobs = max(body.logprobs, params.prompt_logprobs or 0)
     return prepared
+
+
+def truncated(
+    prompts: list[list[int]], keep: int | None, max_tokens: int | None, limits: ContextLimits
+) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` tokens of each prompt; -1 keeps as many as leave room in
+    the context for `max_tokens` (or for one token when it is not given)."""
+    if keep is None:
+        return prompts
+    room = limits.max_model_len - (max_tokens or 1)
+    if keep > room or room < 1:
+        wanted = f"max_tokens={max_tokens}" if max_tokens is not None else "one generated token"
+        raise bad_request(f"truncate_prompt_tokens={keep} leaves no room for {wanted} in the model's context of "
+                          f"{limits.max_model_len} tokens", "truncate_prompt_tokens")  # fmt: skip
+    keep = room if keep == -1 else keep
+    return [prompt[-keep:] for prompt in prompts]
 
 
 def _decoded(engine: ReplicaEngine, token_ids: list[int]) -> str:
@@ -107,12 +128,16 @@ def prepare_chat(
         raise bad_request("a stream with tools cannot be resumed", "resume")
     if reasoning is not None and body.resume is not None:
         raise bad_request("a stream whose reasoning is parsed cannot be resumed", "resume")
-    prompt = render_chat(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                         tools_for_template(body))  # fmt: skip
+    template_kwargs = body.chat_template_kwargs
+    if body.continue_final_message:
+        template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
+    rendered = render_chat(engine, body.messages, body.adds_generation_prompt, template_kwargs,
+                           tools_for_template(body))  # fmt: skip
+    prompts = truncated([rendered], body.truncate_prompt_tokens, body.requested_max_tokens, engine.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # As vLLM: a required or named tool call's schema replaces response_format and structured_outputs; under
     # tool_choice auto they constrain the answer, from which calls are then read as usual.
-    prepared = _prepared("chat", engine, body, [prompt], body.requested_max_tokens, logprobs, cache_salt,
+    prepared = _prepared("chat", engine, body, prompts, body.requested_max_tokens, logprobs, cache_salt,
                          tool_constraint)  # fmt: skip
     prepared.tools = tool_plan
     prepared.reasoning = reasoning
@@ -132,6 +157,9 @@ def _prepared(
     max_tokens = resolve_max_tokens(max(len(p) for p in prompts), max_tokens, engine.limits)
     biased_ids = [int(key) for key in body.logit_bias or {}]
     check_sampling_token_ids(body.stop_token_ids or [], biased_ids, engine.limits.vocab_size)
+    check_priority(engine, body.priority)
+    if body.bad_words:  # the engine tokenizes them too: here a bad word is a 400 before any stream starts
+        bad_words_token_ids(body.bad_words, vocabulary_of(engine, "bad_words"), engine.limits.vocab_size)
     structured = structured or structured_output_of(body)
     if structured is not None:
         vocabulary_of(engine, structured.param)
@@ -151,6 +179,7 @@ def _prepared(
         stream_progress=body.stream_progress,
         resume=resume,
         kv_transfer=kv_transfer_params(body.kv_transfer_params),
+        prompt_logprobs=body.returned_prompt_logprobs,
     )
     if resume is not None and resume.created is not None:
         prepared.created = resume.created
@@ -209,15 +238,19 @@ def build_sampling_params(
                     stop_token_ids=list(body.stop_token_ids or []),
                     ignore_eos=body.ignore_eos,
                     include_stop_str_in_output=body.include_stop_str_in_output,
+                    skip_special_tokens=body.skip_special_tokens,
                     logprobs=logprobs,
+                    prompt_logprobs=body.returned_prompt_logprobs,
                     min_tokens=min(body.min_tokens, max_tokens),
                     presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty,
                     repetition_penalty=body.repetition_penalty,
                     min_p=body.min_p,
                     logit_bias={int(key): bias for key, bias in (body.logit_bias or {}).items()},
+                    bad_words=list(body.bad_words),
                     speculate=body.speculate,
                     structured=structured,
+                    priority=body.priority,
                 )
             )
         except ValueError as error:
@@ -233,6 +266,16 @@ def check_model(engine: ReplicaEngine, model: str | None) -> None:
     if model is not None and model != engine.model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{engine.model_name}'",
                        "model", "model_not_found")  # fmt: skip
+
+
+def check_priority(engine: ReplicaEngine, priority: int) -> None:
+    """As vLLM: a priority other than 0 needs the priority scheduling policy (the engine checks it too)."""
+    if not priority:
+        return
+    policy = engine.scheduling_policy
+    if policy != "priority":
+        raise bad_request(f"priority {priority} needs the priority scheduling policy (kvyard serve "
+                          f"--scheduling-policy priority); this replica schedules {policy}", "priority")  # fmt: skip
 
 
 def vocabulary_of(engine: ReplicaEngine, param: str) -> Vocabulary:

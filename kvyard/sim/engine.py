@@ -181,6 +181,10 @@ class SimEngine:
         return self.config.scheduler.max_num_seqs
 
     @property
+    def scheduling_policy(self) -> str:
+        return self.config.scheduler.scheduling_policy
+
+    @property
     def vocabulary(self) -> ByteTokenizer:
         return self._vocabulary
 
