@@ -37,7 +37,7 @@ from kvyard.engine.native_runner import NativeRunner, runs_natively
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.models.checkpoint import fused_tensors, model_digest
+from kvyard.models.checkpoint import fused_tensors, has_lm_head, model_digest
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.native_model import KV_STORAGE, NativeModel, default_num_threads, kernel_functions
 from kvyard.models.package_info import is_package, read_info
@@ -59,6 +59,7 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
         "attention backend torch": config.attention_backend == "torch",
         "speculative decoding": config.speculative.method is not None,
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
+        "an embedding checkpoint (no LM head), which only PyTorch pools": not package and not has_lm_head(config.model),
         f"quantization {config.quantization} of a package": package and config.quantization not in (
             "none", read_info(config.model).weights),
     }  # fmt: skip

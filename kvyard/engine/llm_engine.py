@@ -31,6 +31,7 @@ from kvyard.engine.self_draft import SelfDraftProposer
 from kvyard.engine.speculative import MODEL_METHODS
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
+from kvyard.models.checkpoint import has_lm_head
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
@@ -62,6 +63,7 @@ class LLMEngine(EngineCore):
         max_model_len = max_model_len_of(config, self.model_config)
         tokenizer = load_tokenizer(config.model)
         model, digest, scheme = self._load_weights(config, max_model_len)
+        self.generates = is_package(config.model) or has_lm_head(config.model)
         # Only the fp32 CPU fast paths have bf16 matmuls (quantization.matmul_in_bf16 checks the option's value).
         fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
         bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme) and fast_paths_possible

@@ -33,6 +33,29 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+BACKBONE_ROOTS = ("embed_tokens.", "layers.", "norm.")  # a base model's tensors, saved without the `model.` prefix
+
+
+def checkpoint_tensor_name(name: str) -> str:
+    """A checkpoint tensor's name as a causal LM's: a base model (`Qwen3Model`, as embedding checkpoints such as
+    Qwen3-Embedding ship) stores `layers.0....` where the causal LM stores `model.layers.0....`."""
+    return f"model.{name}" if name.startswith(BACKBONE_ROOTS) else name
+
+
+def has_lm_head(model_dir: str | Path) -> bool:
+    """Whether the checkpoint can generate: it stores an LM head, or ties it to the embedding (read from the
+    safetensors headers only)."""
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False):
+        return True
+    return any("lm_head.weight" in _header_names(path) for path in safetensors_files(model_dir))
+
+
+def _header_names(path: Path) -> set[str]:
+    with path.open("rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        return set(json.loads(file.read(size)))
+
+
 def model_digest(model_dir: str | Path) -> str:
     """A stable digest of the model's config and weights, used in the KV cache namespace.
 

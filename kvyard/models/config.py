@@ -14,6 +14,11 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling)
+    "LlamaModel": "llama",
+    "MistralModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

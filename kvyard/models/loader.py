@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvyard.models.checkpoint import FUSED_SHARDS, model_digest, safetensors_files
+from kvyard.models.checkpoint import FUSED_SHARDS, checkpoint_tensor_name, model_digest, safetensors_files
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 
@@ -77,10 +77,11 @@ def _load_weights(model: CausalLM, files: list[Path], config: ModelConfig) -> No
     for path in files:
         with safe_open(str(path), framework="pt") as reader:
             for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _load_tensor(params, name, reader.get_tensor(name), config)
+                target = _load_tensor(params, checkpoint_tensor_name(name), reader.get_tensor(name), config)
                 if target is not None:
                     loaded.add(target)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings or "lm_head.weight" not in loaded:
+        # Tied; or an embedding checkpoint without a head, which pools and never generates (has_lm_head says so).
         model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
