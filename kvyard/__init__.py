@@ -9,9 +9,10 @@ if TYPE_CHECKING:
     from kvyard.engine.config import EngineConfig
     from kvyard.engine.llm import LLM
     from kvyard.engine.llm_engine import LLMEngine, RequestOutput
+    from kvyard.engine.pooling import PoolingParams
     from kvyard.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 # Imported on first use, so that processes that never run the engine (router, simulated replicas,
@@ -21,6 +22,7 @@ _LAZY = {
     "EngineConfig": "kvyard.engine.config",
     "LLMEngine": "kvyard.engine.llm_engine",
     "RequestOutput": "kvyard.engine.llm_engine",
+    "PoolingParams": "kvyard.engine.pooling",
     "SamplingParams": "kvyard.engine.sampling_params",
 }
 

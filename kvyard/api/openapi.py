@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from kvyard.api.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from kvyard.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{model}"
@@ -18,6 +19,9 @@ _BODIES: dict[str, tuple[type[BaseModel], str]] = {
     "/v1/chat/completions": (ChatCompletionRequest, "Chat completions, whole or streamed (server-sent events)"),
     "/tokenize": (TokenizeRequest, "Text, token ids or chat messages to token ids"),
     "/detokenize": (DetokenizeRequest, "Token ids to text"),
+    "/v1/embeddings": (EmbeddingRequest, "Embeddings: the prompts' final hidden states, pooled"),
+    "/v1/rerank": (RerankRequest, "Documents ordered by a yes/no judge's probability of yes (Jina/Cohere shape)"),
+    "/score": (ScoreRequest, "Scores of text pairs by a yes/no judge (vLLM's shape)"),
 }
 _GETS = {"/v1/models": "The served models", "/health": "200 once the model serves", "/version": "kvyard's version"}
 _ERROR = {

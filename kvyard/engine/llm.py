@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine, RequestOutput
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -64,18 +65,40 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._tokenize(p, index) for index, p in enumerate(prompt_list)]
+        requests = [(tokens, params, None) for tokens, params in zip(token_lists, params_list)]
+        return self._run(self._add_all(requests, cache_salt), use_tqdm)
+
+    def embed(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        pooling: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Pool every prompt (default: the last token's final hidden state, normalized); each output's `pooled` is
+        the embedding, or with `pooling.choice_token_ids` a one-value score. Outputs come back in prompt order."""
+        pooling = pooling or PoolingParams()
+        token_lists = [self._tokenize(p, index) for index, p in enumerate(_as_prompt_list(prompts))]
+        requests = [(tokens, SamplingParams(max_tokens=1), pooling) for tokens in token_lists]
+        return self._run(self._add_all(requests, cache_salt), use_tqdm)
+
+    def _add_all(
+        self, requests: Sequence[tuple[list[int], SamplingParams, PoolingParams | None]], cache_salt: str | None
+    ) -> list[str]:
+        """Queue every request, or none: one the engine refuses takes back those queued before it."""
         request_ids: list[str] = []
-        for index, (tokens, params) in enumerate(zip(token_lists, params_list)):
+        for index, (tokens, params, pooling) in enumerate(requests):
             request_id = str(self._next_id)
             self._next_id += 1
             try:
-                self.engine.add_request(request_id, tokens, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, tokens, params, cache_salt=cache_salt, pooling=pooling)
             except ValueError as error:
                 for added in request_ids:
                     self.engine.abort_request(added)
                 raise ValueError(f"prompt {index}: {error}") from error
             request_ids.append(request_id)
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

@@ -373,8 +373,11 @@ async def _detokenize(router: Router, request: HttpRequest, responder: Responder
     await _to_one_replica(router, request, responder, "/detokenize")
 
 
-async def _to_one_replica(router: Router, request: HttpRequest, responder: Responder, path: str) -> None:
-    """A request any replica of the model answers alike (tokens): to the least busy one, its answer as it is."""
+async def _to_one_replica(
+    router: Router, request: HttpRequest, responder: Responder, path: str, upstream_body: bytes | None = None
+) -> None:
+    """A request any replica of the model answers alike (tokens, embeddings): to the least busy one, its answer
+    as it is. `upstream_body`: what to send instead of the request's body."""
     body = json_object(request.body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -385,12 +388,40 @@ async def _to_one_replica(router: Router, request: HttpRequest, responder: Respo
         raise APIError(503, "no healthy replica", code="no_replica", retry_after=1)
     replica = min(candidates, key=lambda candidate: candidate.in_flight)
     headers = {"Content-Type": "application/json", **replica.api_headers}
+    sent = request.body if upstream_body is None else upstream_body
+    replica.in_flight += 1
     try:
-        response = await replica.http.request("POST", path, request.body, headers=headers)
+        response = await replica.http.request("POST", path, sent, headers=headers)
     except (ConnectError, HttpError) as error:
         raise APIError(502, f"replica {replica.url} did not answer: {error}", code="replica_error") from None
+    finally:
+        replica.in_flight -= 1
     content_type = response.headers.get("content-type", "application/json")
     responder.send(response.status, bytes(response.body), [("X-Kvyard-Replica", replica.url)], content_type)
+
+
+async def _pooling(router: Router, request: HttpRequest, responder: Responder) -> None:
+    """Embeddings, rerank and score: one replica computes the whole request (the least busy), with the caller's
+    tenant salt and the router's limits, as a completion would be."""
+    caller = router.keys.authenticate(request.headers) or bearer_token(request.headers) or request.peer
+    router.limiter.admit(caller, 0)
+    if router.in_flight >= router.config.max_in_flight:
+        router.metrics.rejected.labels("queue_full").inc()
+        raise APIError(429, f"router queue is full ({router.in_flight} requests in flight); retry later",
+                       code="overloaded", retry_after=1)  # fmt: skip
+    body = json_object(request.body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    router._check_model(model)
+    upstream_body = router._with_tenant_salt(request, body)
+    router.in_flight += 1
+    router.metrics.in_flight.inc()
+    try:
+        await _to_one_replica(router, request, responder, request.path, upstream_body)
+    finally:
+        router.in_flight -= 1
+        router.metrics.in_flight.dec()
 
 
 async def _version(router: Router, request: HttpRequest, responder: Responder) -> None:
@@ -419,7 +450,18 @@ async def _load(router: Router, request: HttpRequest, responder: Responder) -> N
 
 
 async def _openapi(router: Router, request: HttpRequest, responder: Responder) -> None:
-    paths = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models", "/health", "/version")
+    paths = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/score",
+        "/v1/models",
+        "/health",
+        "/version",
+    )
     responder.send_json(200, openapi_document(__version__, paths))
 
 
@@ -495,6 +537,12 @@ _ROUTES: dict[str, dict[str, Endpoint]] = {
     "/health": {"GET": _health},
     "/tokenize": {"POST": _tokenize},
     "/detokenize": {"POST": _detokenize},
+    "/v1/embeddings": {"POST": _pooling},
+    "/rerank": {"POST": _pooling},
+    "/v1/rerank": {"POST": _pooling},
+    "/v2/rerank": {"POST": _pooling},
+    "/score": {"POST": _pooling},
+    "/v1/score": {"POST": _pooling},
     "/version": {"GET": _version},
     "/load": {"GET": _load},
     "/openapi.json": {"GET": _openapi},

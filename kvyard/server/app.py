@@ -30,6 +30,7 @@ from kvyard.api.errors import APIError, InputError, bad_request, error_body
 from kvyard.api.load import LoadReport
 from kvyard.api.metrics import REJECTED_OVERLOAD, EngineCounters, ServerMetrics
 from kvyard.api.openapi import openapi_document
+from kvyard.api.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest, ScoringFields
 from kvyard.api.protocol import (
     IGNORED_FIELDS_HEADER,
     ChatCompletionRequest,
@@ -50,6 +51,16 @@ from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Respo
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.completions import CompletionRunner
 from kvyard.server.options import ServerOptions
+from kvyard.server.pooling import (
+    PoolingJob,
+    embedding_job,
+    embedding_response,
+    rerank_response,
+    run_job,
+    score_pairs,
+    score_response,
+    scoring_job,
+)
 from kvyard.server.prepare import (
     PreparedRequest,
     check_model,
@@ -188,7 +199,12 @@ class ReplicaApp:
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/loads"): self.sglang_load,
             ("GET", "/get_load"): self.sglang_load,
+            ("POST", "/v1/embeddings"): self.embeddings,
         }
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            routes["POST", path] = self.rerank
+        for path in ("/score", "/v1/score"):
+            routes["POST", path] = self.score
         for path in ("/server_info", "/get_server_info"):
             routes["GET", path] = self.server_info
         for path in ("/model_info", "/get_model_info"):
@@ -306,6 +322,60 @@ class ReplicaApp:
                            code="overloaded", retry_after=1)  # fmt: skip
         self.in_flight += 1
         self.in_flight_seqs += num_seqs
+
+    # ------------------------------------------------------------------ pooling: embeddings, rerank, score
+
+    async def embeddings(self, request: HttpRequest, responder: Responder) -> None:
+        engine = self.ready()
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, EmbeddingRequest)
+        body = validate(raw, EmbeddingRequest)
+        check_model(engine, body.model)
+        salt, method = self._cache_salt(request, body.cache_salt), self.options.pooling
+        job = await self._prepare(engine, request, lambda: embedding_job(engine, body, method, salt))
+        vectors = await self._pool(engine, request, job)
+        responder.send_json(200, embedding_response(engine, body, job, vectors), ignored)
+
+    async def rerank(self, request: HttpRequest, responder: Responder) -> None:
+        engine = self.ready()
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, RerankRequest)
+        body = validate(raw, RerankRequest)
+        check_model(engine, body.model)
+        pairs = [(body.query, document) for document in body.documents]
+        job = await self._scoring_job(engine, request, body, pairs, "documents")
+        scores = [result[0] for result in await self._pool(engine, request, job)]
+        responder.send_json(200, rerank_response(engine, body, job, scores), ignored)
+
+    async def score(self, request: HttpRequest, responder: Responder) -> None:
+        engine = self.ready()
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, ScoreRequest)
+        body = validate(raw, ScoreRequest)
+        check_model(engine, body.model)
+        job = await self._scoring_job(engine, request, body, score_pairs(body), "text_2")
+        scores = [result[0] for result in await self._pool(engine, request, job)]
+        responder.send_json(200, score_response(engine, job, scores), ignored)
+
+    async def _scoring_job(
+        self, engine: ReplicaEngine, request: HttpRequest, body: ScoringFields, pairs: list[tuple[str, str]], param: str
+    ) -> PoolingJob:
+        salt, answers = self._cache_salt(request, body.cache_salt), self.options.score_tokens
+        return await self._prepare(engine, request, lambda: scoring_job(engine, body, pairs, answers, salt, param))
+
+    async def _pool(self, engine: ReplicaEngine, request: HttpRequest, job: PoolingJob) -> list[list[float]]:
+        """Admit a pooling job as a request of that many sequences and run it."""
+        self.limiter.admit(self.caller_key(request) or request.peer, job.num_tokens)
+        self._admit(engine, len(job.prompts))
+        try:
+            with self._counting_aborts():
+                results = await run_job(engine, job)
+        finally:
+            self.in_flight -= 1
+            self.in_flight_seqs -= len(job.prompts)
+        self.metrics.requests.labels(outcome="stop").inc()
+        self.metrics.prompt_tokens.inc(job.num_tokens)
+        return results
 
     # ------------------------------------------------------------------ tokens
 

@@ -21,6 +21,7 @@ from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
 from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
 from kvyard.engine.fast_start import NativeStartEngine
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
@@ -118,12 +119,36 @@ class AsyncEngine:
         kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         await self._engine_that_runs(params)
+
+        def add(engine: Engine) -> Any:
+            return engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumed_output_ids, kv_transfer)
+
+        async for output in self._outputs(request_id, add, final_only):
+            yield output
+
+    async def pool(
+        self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, cache_salt: str | None = None
+    ) -> RequestOutput:
+        if self._takeover is not None and isinstance(self.engine, NativeStartEngine):
+            await asyncio.shield(self._takeover)  # the native runner pools nothing: wait for PyTorch's
+        params = SamplingParams(max_tokens=1)
+
+        def add(engine: Engine) -> Any:
+            return engine.add_request(request_id, prompt_token_ids, params, cache_salt, pooling=pooling)
+
+        async for output in self._outputs(request_id, add, final_only=True):
+            return output
+        raise RuntimeError(f"pooling request {request_id} ended without an output")
+
+    async def _outputs(
+        self, request_id: str, add: Callable[[Engine], Any], final_only: bool
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request on the engine thread (`add`) and yield its outputs; leaving early aborts it."""
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
         try:
-            await self.call(lambda engine: engine.add_request(
-                request_id, prompt_token_ids, params, cache_salt, resumed_output_ids, kv_transfer))  # fmt: skip
+            await self.call(add)
             pending: RequestOutput | None = None
             while not finished:
                 item = await stream.get()

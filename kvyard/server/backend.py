@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
@@ -76,6 +77,13 @@ class ReplicaEngine(Protocol):
         """Add a request and yield its outputs (only the last when `final_only`); closing the iterator early
         aborts the request. `resumed_output_ids` continue another replica's output, `kv_transfer` disaggregates
         it (see `EngineCore.add_request`). Raises `InputError` for a request the engine refuses."""
+        ...
+
+    async def pool(
+        self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, cache_salt: str | None = None
+    ) -> RequestOutput:
+        """Run a prompt-only request and return its final output, whose `pooled` is the embedding or score;
+        cancelling the call aborts the request. Raises `APIError` where the engine computes no such thing."""
         ...
 
     async def read_export(self, transfer_id: str, start: int) -> ExportRead | None:

@@ -10,6 +10,7 @@ from kvyard.server.reasoning import REASONING_PARSERS
 from kvyard.settings import setting
 
 ROLES = ("unified", "prefill", "decode")
+POOLING_CHOICES = ("auto", "last", "mean")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
 
@@ -38,6 +39,17 @@ class ServerOptions:
                                "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
                                "configurations it cannot run start as without it")  # fmt: skip
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
+    pooling: str = setting(
+        "auto",
+        choices=POOLING_CHOICES,
+        help="how /v1/embeddings pools the final hidden states: the last token's (decoder embedding models such as "
+        "Qwen3-Embedding), their mean, or auto (the model directory's sentence-transformers pooling config, else last)",
+    )
+    score_tokens: str = setting(
+        "no,yes",
+        help="the answer tokens of /v1/rerank and /score, as NO,YES: a score is the probability of YES against NO "
+        "after the judging prompt (yes/no rerankers such as Qwen3-Reranker)",
+    )
     owned_by: str = "kvyard"
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /kv/* and fault injection
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
@@ -45,5 +57,9 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, got {self.pooling!r}")
+        if len([word for word in self.score_tokens.split(",") if word]) != 2:
+            raise ValueError(f"score_tokens must be two words separated by a comma (no,yes), got {self.score_tokens!r}")
         if self.max_queued_seqs < 0:
             raise ValueError(f"max_queued_seqs must be >= 0, got {self.max_queued_seqs}")

@@ -36,6 +36,7 @@ from kvyard.api.errors import APIError
 from kvyard.api.metrics import MODEL_NAME, counter_family, gauge_family
 from kvyard.engine.core import EngineCore, EngineStats, ExportRead, KVSnapshot, RequestOutput
 from kvyard.engine.kv_pull_link import KVPullLink, PullCounters
+from kvyard.engine.pooling import PoolingParams
 from kvyard.engine.request import KVTransferParams
 from kvyard.engine.sampling_params import SamplingParams
 from kvyard.kvcache.events import KVEventLog
@@ -226,6 +227,12 @@ class SimEngine:
                 del self._streams[request_id]
                 if not finished:
                     self.core.abort_request(request_id)
+
+    async def pool(
+        self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, cache_salt: str | None = None
+    ) -> RequestOutput:
+        message = "a simulated replica has no hidden states: it computes no embeddings or scores"
+        raise APIError(400, message, "model", "model_cannot_pool")
 
     async def read_export(self, transfer_id: str, start: int) -> ExportRead | None:
         return self.core.read_export(transfer_id, start)
