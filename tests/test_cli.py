@@ -146,3 +146,12 @@ def test_a_model_path_that_does_not_exist_is_refused_before_serving(tmp_path: Pa
     result = run_kvyard("serve", str(missing), "--port", "0")
     assert result.returncode == 2 and f"no such model directory: {missing}" in result.stderr
     assert "listening on" not in result.stderr + result.stdout
+
+
+def test_convert_without_a_model_converts_the_demo_and_a_missing_one_is_refused(tmp_path: Path) -> None:
+    result = run_kvyard("convert", "--weights", "bf16", "--out", str(tmp_path / "demo-bf16"))
+    assert result.returncode == 0, result.stderr
+    assert "the embedded demo model" in result.stderr
+    assert (tmp_path / "demo-bf16" / "config.json").exists()
+    missing = run_kvyard("convert", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"))
+    assert missing.returncode != 0 and "no such model directory" in missing.stderr

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.cli import fail
+from kvyard.cli.models import resolve_model_dir
 from kvyard.models import PACKAGE_SCHEMES
 
 
@@ -19,7 +20,8 @@ def add_parser(commands: Any) -> None:
         "load time, "
         "as a package that `kvyard serve PACKAGE` and `LLM(PACKAGE)` load without converting again.",
     )  # fmt: skip
-    parser.add_argument("model", type=Path, help="the Hugging Face model directory to convert")
+    parser.add_argument("model", nargs="?", default=None, help="the Hugging Face model directory to convert "
+                        "(default: the embedded demo model, kvyard/testing/kvyard-demo)")  # fmt: skip
     parser.add_argument("--weights", choices=PACKAGE_SCHEMES, default="int8", help="weight format: int8 (a scale "
                         "per 32 weights), fp16 or bf16 (default: int8)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the package directory to write (new or empty)")
@@ -30,9 +32,10 @@ def run(args: argparse.Namespace) -> int:
     from kvyard.models.package import convert
 
     started = time.monotonic()
-    print(f"kvyard: converting {args.model} to {args.weights} weights ...", flush=True)
     try:
-        info = convert(args.model, args.weights, args.out)
+        model = resolve_model_dir(args.model, "converting")
+        print(f"kvyard: converting {model} to {args.weights} weights ...", flush=True)
+        info = convert(model, args.weights, args.out)
     except (OSError, ValueError) as error:
         return fail(str(error), 1)
     size_mb = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file()) / 1e6

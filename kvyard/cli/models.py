@@ -17,17 +17,17 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         "on Python, kvyard/testing/kvyard-demo)")  # fmt: skip
 
 
-def resolve_model_dir(model: str | None) -> str:
+def resolve_model_dir(model: str | None, doing: str = "serving") -> str:
     """The given model directory, or the embedded demo model; ValueError for a path that does not exist (said
-    before a server prints where it listens)."""
+    before a server prints where it listens). `doing`: what the command does with it, for the message."""
     if model:
         if not Path(model).exists():
             raise ValueError(f"no such model directory: {model} (a Hugging Face checkpoint or a kvyard weight "
-                             "package; no model at all serves the embedded demo model)")  # fmt: skip
+                             "package; no model at all means the embedded demo model)")  # fmt: skip
         return model
     from kvyard.testing.model_presets import DEMO_MODEL_DIR
 
-    print(f"kvyard: no model given: serving the embedded demo model ({DEMO_MODEL_DIR})", file=sys.stderr, flush=True)
+    print(f"kvyard: no model given: {doing} the embedded demo model ({DEMO_MODEL_DIR})", file=sys.stderr, flush=True)
     return str(DEMO_MODEL_DIR)
 
 
