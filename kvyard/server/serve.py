@@ -146,8 +146,10 @@ def serve_replicas(
         ports = [h.port for h in hosted]
         urls = [f"http://{host_name}:{p}" for p in ports]
         ready = {"ports": ports, "urls": urls}
-        if ports_file is not None:
-            ports_file.write_text(orjson.dumps(ready).decode())
+        if ports_file is not None:  # whole or absent: a reader polling for the file never sees it half written
+            partial = ports_file.with_name(f".{ports_file.name}.partial")
+            partial.write_text(orjson.dumps(ready).decode())
+            partial.replace(ports_file)
         print(orjson.dumps(ready).decode(), flush=True)
         say(f"{len(hosted)} replica(s) ready: {' '.join(urls)}")
         await wait_for_stop_signal([h.app for h in hosted])
