@@ -90,10 +90,12 @@ def start_vllm(
     model_dir: Path, log_dir: Path, *, served_name: str, port: int | None = None, events_port: int | None = None,
     replay_port: int | None = None, events: bool = True, replay: bool = True, cpus: str = "auto",
     kv_cache_gb: int = 1, extra: tuple[str, ...] = (), environment: dict[str, str] | None = None,
+    taskset: str | None = None,
 ) -> VllmReplica:  # fmt: skip
     """Start a vLLM server (returns at once; `wait_ready` waits). `cpus` is VLLM_CPU_OMP_THREADS_BIND ("0", "1",
     "0-1", "auto"); KV events, when on, go to a PUB socket on `events_port` and a replay socket on `replay_port`;
-    `environment` adds variables (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache)."""
+    `environment` adds variables (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache); `taskset`: a CPU list the
+    whole process tree is bound to."""
     python = vllm_python()
     if python is None:
         raise FileNotFoundError("no vLLM here: run `bash scripts/setup.sh --vllm` (or set $KVYARD_VLLM_PYTHON)")
@@ -116,7 +118,8 @@ def start_vllm(
         variables["LD_PRELOAD"] = str(openmp)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT, env=variables,
+        bound = ["taskset", "-c", taskset] if taskset is not None else []
+        process = subprocess.Popen([*bound, *command, *extra], stdout=log, stderr=subprocess.STDOUT, env=variables,
                                    start_new_session=True)  # fmt: skip
     return VllmReplica(process, port, events_port, replay_port, log_path)
 
