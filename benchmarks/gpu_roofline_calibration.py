@@ -31,27 +31,51 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
-LINEAR_SHAPES = ((HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN), (HIDDEN, 2 * INTERMEDIATE),
-                 (INTERMEDIATE, HIDDEN))  # (in, out): qkv, o, gate_up, down  # fmt: skip
+LINEAR_SHAPES = (
+    (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
+    (HEADS * HEAD_DIM, HIDDEN),
+    (HIDDEN, 2 * INTERMEDIATE),
+    (INTERMEDIATE, HIDDEN),
+)  # (in, out): qkv, o, gate_up, down
 LAYER_PARAMETERS = sum(n_in * n_out for n_in, n_out in LINEAR_SHAPES)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak the preset assumes "
-                        "(H100/H200 SXM datasheet)")  # fmt: skip
-    parser.add_argument("--bandwidth-tb-s", type=float, default=None, help="memory bandwidth the efficiencies are "
-                        "against (none: 4.8 for an H200, 3.35 for any other GPU)")  # fmt: skip
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192],
-                        help="prompt lengths of the prefill timings")  # fmt: skip
-    parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32, 128],
-                        help="sequences per decode step of the decode timings")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak the preset assumes (H100/H200 SXM datasheet)"
+    )
+    parser.add_argument(
+        "--bandwidth-tb-s",
+        type=float,
+        default=None,
+        help="memory bandwidth the efficiencies are against (none: 4.8 for an H200, 3.35 for any other GPU)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths of the prefill timings"
+    )
+    parser.add_argument(
+        "--decode-rows",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32, 128],
+        help="sequences per decode step of the decode timings",
+    )
     parser.add_argument("--decode-context", type=int, default=4096, help="KV tokens per sequence in decode attention")
-    parser.add_argument("--skip-full-model", action="store_true", help="time the pieces only, not whole steps of "
-                        "the 32-layer model (which needs about 17 GB of weights and up to 17 GB of KV)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json",
-                        help="JSON result file")  # fmt: skip
+    parser.add_argument(
+        "--skip-full-model",
+        action="store_true",
+        help="time the pieces only, not whole steps of "
+        "the 32-layer model (which needs about 17 GB of weights and up to 17 GB of KV)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "benchmarks" / "results" / "gpu_roofline_calibration.json",
+        help="JSON result file",
+    )
     return parser.parse_args()
 
 
@@ -103,8 +127,9 @@ class DecoderStack:
         import torch
 
         def weights() -> list[Any]:
-            return [torch.randn(n_in, n_out, device="cuda", dtype=torch.bfloat16) * 0.02
-                    for n_in, n_out in LINEAR_SHAPES]  # fmt: skip
+            return [
+                torch.randn(n_in, n_out, device="cuda", dtype=torch.bfloat16) * 0.02 for n_in, n_out in LINEAR_SHAPES
+            ]
 
         self.layers = [weights() for _ in range(layers)]
         self.head = torch.randn(HIDDEN, vocab, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -134,8 +159,10 @@ class DecoderStack:
 def decode_step_seconds(stack: DecoderStack, rows: int, context: int) -> float:
     import torch
 
-    caches = [tuple(torch.randn(rows, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                    for _ in range(2)) for _ in stack.layers]  # fmt: skip
+    caches = [
+        tuple(torch.randn(rows, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for _ in stack.layers
+    ]
     x = torch.randn(rows, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -169,14 +196,27 @@ def full_steps(args: argparse.Namespace) -> dict[str, Any]:
     for rows in args.decode_rows:
         measured = decode_step_seconds(stack, rows, args.decode_context)
         predicted = cost.decode_step_seconds(rows, rows * args.decode_context)
-        decode.append({"rows": rows, "context": args.decode_context, "seconds": measured, "preset_seconds": predicted,
-                       "preset_over_measured": predicted / measured})  # fmt: skip
+        decode.append(
+            {
+                "rows": rows,
+                "context": args.decode_context,
+                "seconds": measured,
+                "preset_seconds": predicted,
+                "preset_over_measured": predicted / measured,
+            }
+        )
     prefill = []
     for tokens in args.prompt_tokens:
         measured = prefill_seconds(stack, tokens)
         predicted = cost.prefill_seconds(tokens)
-        prefill.append({"tokens": tokens, "seconds": measured, "preset_seconds": predicted,
-                        "preset_over_measured": predicted / measured})  # fmt: skip
+        prefill.append(
+            {
+                "tokens": tokens,
+                "seconds": measured,
+                "preset_seconds": predicted,
+                "preset_over_measured": predicted / measured,
+            }
+        )
     return {"decode_steps_cuda_graph": decode, "prefills": prefill}
 
 
@@ -191,34 +231,66 @@ def main() -> None:
     peak, bandwidth = args.peak_tflops * 1e12, bandwidth_tb_s * 1e12
     weights = [torch.randn(n_in, n_out, device="cuda", dtype=torch.bfloat16) for n_in, n_out in LINEAR_SHAPES]
     layer_bytes = 2 * LAYER_PARAMETERS
-    results: dict[str, Any] = {"prefill_linears": [], "decode_linears": [], "prefill_attention": [],
-                               "decode_attention": []}  # fmt: skip
+    results: dict[str, Any] = {
+        "prefill_linears": [],
+        "decode_linears": [],
+        "prefill_attention": [],
+        "decode_attention": [],
+    }
     for tokens in args.prompt_tokens:
         seconds = linear_layers(weights, tokens)
         flops = 2 * LAYER_PARAMETERS * tokens
-        results["prefill_linears"].append({"tokens": tokens, "seconds": seconds, "tflops": flops / seconds / 1e12,
-                                           "compute_efficiency": flops / seconds / peak})  # fmt: skip
+        results["prefill_linears"].append(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "tflops": flops / seconds / 1e12,
+                "compute_efficiency": flops / seconds / peak,
+            }
+        )
         seconds = prefill_attention(tokens)
         flops = 4 * HEADS * HEAD_DIM * tokens * tokens / 2  # causal: half the (query, key) pairs
-        results["prefill_attention"].append({"tokens": tokens, "seconds": seconds, "tflops": flops / seconds / 1e12,
-                                             "attention_efficiency": flops / seconds / peak})  # fmt: skip
+        results["prefill_attention"].append(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "tflops": flops / seconds / 1e12,
+                "attention_efficiency": flops / seconds / peak,
+            }
+        )
     for rows in args.decode_rows:
         seconds = linear_layers(weights, rows)
-        results["decode_linears"].append({"rows": rows, "seconds": seconds, "tb_s": layer_bytes / seconds / 1e12,
-                                          "bandwidth_efficiency": layer_bytes / seconds / bandwidth})  # fmt: skip
+        results["decode_linears"].append(
+            {
+                "rows": rows,
+                "seconds": seconds,
+                "tb_s": layer_bytes / seconds / 1e12,
+                "bandwidth_efficiency": layer_bytes / seconds / bandwidth,
+            }
+        )
         seconds = decode_attention(rows, args.decode_context)
         kv_bytes = rows * 2 * KV_HEADS * args.decode_context * HEAD_DIM * 2
-        results["decode_attention"].append({"rows": rows, "context": args.decode_context, "seconds": seconds,
-                                            "tb_s": kv_bytes / seconds / 1e12,
-                                            "bandwidth_efficiency": kv_bytes / seconds / bandwidth})  # fmt: skip
+        results["decode_attention"].append(
+            {
+                "rows": rows,
+                "context": args.decode_context,
+                "seconds": seconds,
+                "tb_s": kv_bytes / seconds / 1e12,
+                "bandwidth_efficiency": kv_bytes / seconds / bandwidth,
+            }
+        )
     if not args.skip_full_model:
         results.update(full_steps(args))
-    conditions = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "model_shape": "Llama-3-8B, bf16, one decoder layer's linears (436 MB) and attention (GQA 32/8)",
-                  "peak_tflops_assumed": args.peak_tflops, "bandwidth_tb_s_assumed": bandwidth_tb_s,
-                  "timing": "CUDA events, median of 20 after 3 warm-ups",
-                  "preset_assumptions": {"compute_efficiency": 0.5, "attention_efficiency": 0.4,
-                                         "bandwidth_efficiency": 0.75}}  # fmt: skip
+    conditions = {
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "model_shape": "Llama-3-8B, bf16, one decoder layer's linears (436 MB) and attention (GQA 32/8)",
+        "peak_tflops_assumed": args.peak_tflops,
+        "bandwidth_tb_s_assumed": bandwidth_tb_s,
+        "timing": "CUDA events, median of 20 after 3 warm-ups",
+        "preset_assumptions": {"compute_efficiency": 0.5, "attention_efficiency": 0.4, "bandwidth_efficiency": 0.75},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=1) + "\n")
     for kind, rows in results.items():

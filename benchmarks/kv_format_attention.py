@@ -97,8 +97,11 @@ def measure(kernels: NativeKernels, case: Case, name: str) -> tuple[float, float
     """Seconds of one decode-attention call and of one store of the step's keys and values."""
     cache = case.caches[name]
     max_context = int(case.tables.shape[1]) * BLOCK_SIZE
-    decode = timed(lambda: kernels.paged_decode(case.q, cache[0], cache[1], case.tables, case.lens, max_context,
-                                                BLOCK_SIZE, HEAD_DIM**-0.5))  # fmt: skip
+    decode = timed(
+        lambda: kernels.paged_decode(
+            case.q, cache[0], cache[1], case.tables, case.lens, max_context, BLOCK_SIZE, HEAD_DIM**-0.5
+        )
+    )
     store = timed(lambda: kernels.store_kv(cache[0], cache[1], case.slots, case.k, case.v))
     return decode, store
 
@@ -147,9 +150,10 @@ def main() -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "cpu": platform.processor() or platform.machine(),
-        "kvyard_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-    }  # fmt: skip
+        "kvyard_commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+    }
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -73,8 +73,12 @@ def measure_recompute(model: Path, prompt: list[int], repeats: int, engine: dict
         for _ in range(repeats):
             llm.reset_prefix_cache()
             runs.append(timed_generate(llm, prompt))
-    return {"ttft_s": statistics.median(r[0] for r in runs), "runs_s": [r[0] for r in runs],
-            "cached_tokens": runs[0][1], "token": runs[0][2]}  # fmt: skip
+    return {
+        "ttft_s": statistics.median(r[0] for r in runs),
+        "runs_s": [r[0] for r in runs],
+        "cached_tokens": runs[0][1],
+        "token": runs[0][2],
+    }
 
 
 def measure_tier(
@@ -99,12 +103,16 @@ def measure_tier(
     read_s = after.load_seconds - before.load_seconds
     ttft = statistics.median(r[0] for r in runs)
     return {
-        "ttft_s": ttft, "runs_s": [r[0] for r in runs], "cached_tokens": runs[0][1], "token": runs[0][2],
-        "blocks_per_run": (after.hits - before.hits) // repeats, "bytes_per_run": read_bytes // repeats,
+        "ttft_s": ttft,
+        "runs_s": [r[0] for r in runs],
+        "cached_tokens": runs[0][1],
+        "token": runs[0][2],
+        "blocks_per_run": (after.hits - before.hits) // repeats,
+        "bytes_per_run": read_bytes // repeats,
         "tier_read_bandwidth_gb_s": read_bytes / read_s / 1e9 if read_s else None,
         "end_to_end_load_bandwidth_gb_s": read_bytes / repeats / ttft / 1e9,
         "page_cache_dropped": all(dropped) if cold_disk else None,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -137,25 +145,35 @@ def main() -> None:
                 result["ttft_ratio_vs_recompute"] = result["ttft_s"] / results["recompute"]["ttft_s"]
                 result["same_first_token"] = result["token"] == results["recompute"]["token"]
                 results[name] = result
-                print(f"{name}: TTFT {result['ttft_s'] * 1000:.0f} ms ({result['ttft_ratio_vs_recompute']:.3f}x), "
-                      f"{result['cached_tokens']} cached tokens, tier read {result['tier_read_bandwidth_gb_s']:.2f} "
-                      f"GB/s, end to end {result['end_to_end_load_bandwidth_gb_s']:.2f} GB/s")  # fmt: skip
+                print(
+                    f"{name}: TTFT {result['ttft_s'] * 1000:.0f} ms ({result['ttft_ratio_vs_recompute']:.3f}x), "
+                    f"{result['cached_tokens']} cached tokens, tier read {result['tier_read_bandwidth_gb_s']:.2f} "
+                    f"GB/s, end to end {result['end_to_end_load_bandwidth_gb_s']:.2f} GB/s"
+                )
         finally:
             if redis is not None:
                 redis.kill()
     report = {
         "benchmark": "kv_tier",
         "conditions": {
-            "model": str(model), "model_config": json.loads((model / "config.json").read_text()),
-            "dtype": "float32", "device": "cpu", "prompt_tokens": args.prompt_tokens, "block_size": 16,
-            "repeats": args.repeats, "statistic": "median", "cpu_busy_before": round(busy_before, 3),
-            "cores": __import__("os").cpu_count(), "redis": "local redis-server on loopback",
-            "kvyard_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, check=False).stdout.strip(),
+            "model": str(model),
+            "model_config": json.loads((model / "config.json").read_text()),
+            "dtype": "float32",
+            "device": "cpu",
+            "prompt_tokens": args.prompt_tokens,
+            "block_size": 16,
+            "repeats": args.repeats,
+            "statistic": "median",
+            "cpu_busy_before": round(busy_before, 3),
+            "cores": __import__("os").cpu_count(),
+            "redis": "local redis-server on loopback",
+            "kvyard_commit": subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+            ).stdout.strip(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         },
         "results": results,
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

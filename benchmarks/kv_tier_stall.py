@@ -74,8 +74,13 @@ def run_phase(
                 loader_done[loader] = {"wait_s": now - arrived, "cached_tokens": output.num_cached_tokens}
         if time.perf_counter() - arrived > 10 * seconds:
             raise RuntimeError(f"{loader} did not finish")
-    return {"itl_p50_ms": 1e3 * statistics.median(gaps), "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
-            "itl_max_ms": 1e3 * max(gaps), "tokens": len(gaps), "loader": loader_done[loader]}  # fmt: skip
+    return {
+        "itl_p50_ms": 1e3 * statistics.median(gaps),
+        "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
+        "itl_max_ms": 1e3 * max(gaps),
+        "tokens": len(gaps),
+        "loader": loader_done[loader],
+    }
 
 
 def stall(redis: RedisProcess, seconds: float) -> threading.Thread:
@@ -90,8 +95,9 @@ def measure(model: Path, redis: RedisProcess, stored: list[list[int]], args: arg
     from kvyard import LLM  # imports torch (1 s): not before --help has had its chance
     from kvyard.kvcache import KVTierConfig
 
-    tier = KVTierConfig(tiers=("redis",), redis_url=redis.url, redis_timeout_s=3 * args.phase_s,
-                        load_deadline_s=3 * args.phase_s)  # fmt: skip
+    tier = KVTierConfig(
+        tiers=("redis",), redis_url=redis.url, redis_timeout_s=3 * args.phase_s, load_deadline_s=3 * args.phase_s
+    )
     redis.client().flushall()
     with LLM(str(model), kv_tier=tier) as writer:
         writer.generate(stored, ONE_TOKEN)
@@ -106,8 +112,11 @@ def measure(model: Path, redis: RedisProcess, stored: list[list[int]], args: arg
         sleeper = stall(redis, args.phase_s)
         stalled = run_phase(engine, streams, "load-stalled", stored[1], args.phase_s)
         sleeper.join()
-    return {"baseline": baseline, "stall": stalled,
-            "itl_p99_ratio_stall_over_baseline": stalled["itl_p99_ms"] / baseline["itl_p99_ms"]}  # fmt: skip
+    return {
+        "baseline": baseline,
+        "stall": stalled,
+        "itl_p99_ratio_stall_over_baseline": stalled["itl_p99_ms"] / baseline["itl_p99_ms"],
+    }
 
 
 def main() -> None:

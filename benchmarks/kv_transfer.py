@@ -53,10 +53,15 @@ def prefill(url: str, tokens: list[int], transfer_id: str) -> None:
 
     from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 
-    body = {"prompt": tokens, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}  # fmt: skip
-    response = httpx.post(f"{url}/v1/completions", json=body, headers={"x-kvyard-admin-key": TEST_ADMIN_KEY},
-                          timeout=600)  # fmt: skip
+    body = {
+        "prompt": tokens,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id},
+    }
+    response = httpx.post(
+        f"{url}/v1/completions", json=body, headers={"x-kvyard-admin-key": TEST_ADMIN_KEY}, timeout=600
+    )
     response.raise_for_status()
 
 
@@ -87,8 +92,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             prefill(server.url, tokens, transfer_id)
             keys = chain_block_keys(root, tokens, BLOCK_SIZE)
             started = time.perf_counter()
-            pulled = pull_blocks(TransferHandle(server.url, transfer_id), root, keys, 0, fmt,
-                                 PullLimits(600, 60, admin))  # fmt: skip
+            pulled = pull_blocks(
+                TransferHandle(server.url, transfer_id), root, keys, 0, fmt, PullLimits(600, 60, admin)
+            )
             pull_s = time.perf_counter() - started
             if pulled.failure is not None or len(pulled) != len(keys):
                 raise RuntimeError(f"pull failed: {pulled.failure}, {len(pulled)} of {len(keys)} blocks")
@@ -103,10 +109,15 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if len(verified) != len(keys):
                 raise RuntimeError(f"redis returned {len(found)} of {len(keys)} blocks")
             total = sum(map(len, blobs))
-            rows.append({"bytes": total, "blocks": len(keys), "pull_s": pull_s, "redis_put_s": put_s,
-                         "redis_get_s": get_s})  # fmt: skip
-            print(f"kv_transfer: prompt {index}: {total / 1e6:.1f} MB, pull {total / pull_s / 1e9:.2f} GB/s, "
-                  f"redis get {total / get_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)  # fmt: skip
+            rows.append(
+                {"bytes": total, "blocks": len(keys), "pull_s": pull_s, "redis_put_s": put_s, "redis_get_s": get_s}
+            )
+            print(
+                f"kv_transfer: prompt {index}: {total / 1e6:.1f} MB, pull {total / pull_s / 1e9:.2f} GB/s, "
+                f"redis get {total / get_s / 1e9:.2f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         redis_tier.close()
         redis_server.kill()
@@ -155,10 +166,11 @@ def main() -> int:
     conditions = {
         "model": f"{DEFAULT_ARCH} {DEFAULT_PRESET} preset (random weights), float32, block size {BLOCK_SIZE}",
         "hardware": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
-        "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens,
         "pull": "kvyard pull client (http.client) from a kvyard serve prefill replica, blocks verified",
         "redis": "RedisTier (redis-py pipelines of 64 blocks) on a local redis-server, blocks verified",
-    }  # fmt: skip
+    }
     report = {"benchmark": "kv_transfer", "conditions": conditions, **result}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["summary"]))

@@ -29,9 +29,27 @@ from server_utils import ServerProcess, start_server  # noqa: E402
 from kvyard.testing.create_model import ensure_default_model  # noqa: E402
 
 WORDS = (
-    "cache", "block", "token", "prefix", "replica", "router", "decode", "prefill", "latency", "batch",
-    "memory", "tensor", "kernel", "stream", "request", "session", "history", "model", "serve", "queue",
-)  # fmt: skip
+    "cache",
+    "block",
+    "token",
+    "prefix",
+    "replica",
+    "router",
+    "decode",
+    "prefill",
+    "latency",
+    "batch",
+    "memory",
+    "tensor",
+    "kernel",
+    "stream",
+    "request",
+    "session",
+    "history",
+    "model",
+    "serve",
+    "queue",
+)
 
 
 def user_message(rng: random.Random, num_words: int) -> str:
@@ -47,8 +65,14 @@ def run_session(
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
             messages.append({"role": "user", "content": user_message(rng, words_per_turn)})
-            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             start = time.perf_counter()
             ttft, text, usage = None, "", None
             with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
@@ -66,15 +90,19 @@ def run_session(
                         text += piece or ""
             assert usage is not None and ttft is not None
             messages.append({"role": "assistant", "content": text})
-            results.append({
-                "turn": turn + 1,
-                "prompt_tokens": usage["prompt_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "ttft_s": ttft,
-                "e2e_s": time.perf_counter() - start,
-            })  # fmt: skip
-            print(f"  turn {turn + 1}: {usage['prompt_tokens']} prompt tokens, "
-                  f"{usage['prompt_tokens_details']['cached_tokens']} cached, TTFT {ttft * 1000:.0f} ms")  # fmt: skip
+            results.append(
+                {
+                    "turn": turn + 1,
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                    "ttft_s": ttft,
+                    "e2e_s": time.perf_counter() - start,
+                }
+            )
+            print(
+                f"  turn {turn + 1}: {usage['prompt_tokens']} prompt tokens, "
+                f"{usage['prompt_tokens_details']['cached_tokens']} cached, TTFT {ttft * 1000:.0f} ms"
+            )
     return results
 
 
@@ -110,21 +138,33 @@ def main() -> None:
     report = {
         "benchmark": "multiturn_ttft",
         "conditions": {
-            "model": str(model), "model_config": json.loads((model / "config.json").read_text()),
-            "dtype": "float32", "device": "cpu", "cpu": _cpu_name(), "cores": _cores(),
-            "speculative_decoding": False, "kv_tier": "none", "concurrency": 1, "turns": args.turns,
-            "words_per_user_turn": args.words_per_turn, "system_prompt_words": args.system_words,
-            "max_tokens_per_turn": args.max_tokens, "seed": args.seed, "kvyard_commit": _commit(),
+            "model": str(model),
+            "model_config": json.loads((model / "config.json").read_text()),
+            "dtype": "float32",
+            "device": "cpu",
+            "cpu": _cpu_name(),
+            "cores": _cores(),
+            "speculative_decoding": False,
+            "kv_tier": "none",
+            "concurrency": 1,
+            "turns": args.turns,
+            "words_per_user_turn": args.words_per_turn,
+            "system_prompt_words": args.system_words,
+            "max_tokens_per_turn": args.max_tokens,
+            "seed": args.seed,
+            "kvyard_commit": _commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         },
         "turns": per_turn,
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT on':>9} {'TTFT off':>9} {'ratio':>6}")
     for row in per_turn:
-        print(f"{row['turn']:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} {row['ttft_s'] * 1000:>7.0f}ms "
-              f"{row['ttft_off_s'] * 1000:>7.0f}ms {row['ttft_ratio_on_off']:>6.3f}")  # fmt: skip
+        print(
+            f"{row['turn']:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} {row['ttft_s'] * 1000:>7.0f}ms "
+            f"{row['ttft_off_s'] * 1000:>7.0f}ms {row['ttft_ratio_on_off']:>6.3f}"
+        )
     print(f"wrote {args.out}")
 
 

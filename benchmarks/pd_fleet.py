@@ -124,8 +124,13 @@ def unified_fleet(replicas: int, budgets: str) -> Fleet:
     """`8192`: every step up to 8,192 tokens; `2048/8192`: 2,048 while a request streams, else 8,192."""
     streaming, _, alone = budgets.partition("/")
     if alone:
-        return Fleet(f"unified cache_aware ({replicas}), {alone}-token steps when nothing streams", 0, None,
-                     int(streaming), int(alone))  # fmt: skip
+        return Fleet(
+            f"unified cache_aware ({replicas}), {alone}-token steps when nothing streams",
+            0,
+            None,
+            int(streaming),
+            int(alone),
+        )
     return Fleet(f"unified cache_aware ({replicas}), {streaming}-token steps", 0, None, int(streaming), 0)
 
 
@@ -142,15 +147,40 @@ def fleets(replicas: int, splits: list[int], modes: list[str], unified_step_toke
 def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     ports_file = log.with_suffix(".ports.json")
     ports_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--prefill-replicas",
-               str(fleet.prefill_replicas), "--port", "0", "--ports-file", str(ports_file), "--num-kv-blocks",
-               str(args.capacity_blocks), "--block-size", str(args.block_size), "--time-scale", str(args.time_scale),
-               "--stream-interval-s", str(args.stream_interval_s), "--transfer-latency-s", str(args.transfer_latency_s),
-               "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s), "--admin-key", ADMIN_KEY,
-               "--max-num-batched-tokens", str(fleet.step_tokens or args.max_num_batched_tokens),
-               "--prefill-only-step-tokens", str(args.prefill_only_step_tokens if fleet.prefill_only_tokens is None
-                                                 else fleet.prefill_only_tokens),
-               "--prefill-order", args.prefill_order]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "sim",
+        "--replicas",
+        str(args.replicas),
+        "--prefill-replicas",
+        str(fleet.prefill_replicas),
+        "--port",
+        "0",
+        "--ports-file",
+        str(ports_file),
+        "--num-kv-blocks",
+        str(args.capacity_blocks),
+        "--block-size",
+        str(args.block_size),
+        "--time-scale",
+        str(args.time_scale),
+        "--stream-interval-s",
+        str(args.stream_interval_s),
+        "--transfer-latency-s",
+        str(args.transfer_latency_s),
+        "--kv-transfer-timeout-s",
+        str(args.kv_transfer_timeout_s),
+        "--admin-key",
+        ADMIN_KEY,
+        "--max-num-batched-tokens",
+        str(fleet.step_tokens or args.max_num_batched_tokens),
+        "--prefill-only-step-tokens",
+        str(args.prefill_only_step_tokens if fleet.prefill_only_tokens is None else fleet.prefill_only_tokens),
+        "--prefill-order",
+        args.prefill_order,
+    ]
     if args.cost_preset != CPU_PRESET:
         command += ["--cost-preset", args.cost_preset]
     if args.kv_bytes_per_token is not None:
@@ -158,8 +188,12 @@ def start_sims(args: argparse.Namespace, fleet: Fleet, log: Path) -> tuple[subpr
     if args.transfer_gb_per_s is not None:
         command += ["--transfer-gb-per-s", str(args.transfer_gb_per_s)]
     if args.shared_store_blocks:
-        command += ["--shared-store-blocks", str(args.shared_store_blocks), "--shared-store-gb-per-s",
-                    str(args.shared_store_gb_per_s)]  # fmt: skip
+        command += [
+            "--shared-store-blocks",
+            str(args.shared_store_blocks),
+            "--shared-store-gb-per-s",
+            str(args.shared_store_gb_per_s),
+        ]
     return launch_sims(command, ports_file, log)
 
 
@@ -167,18 +201,38 @@ def transfer_gb_per_s(args: argparse.Namespace) -> float:
     """The link between replicas: PD pulls and, by default, the shared store use it."""
     if args.transfer_gb_per_s is not None:
         return float(args.transfer_gb_per_s)
-    return SimConfig().transfer_gb_per_s if args.cost_preset == CPU_PRESET else roofline_preset(
-        args.cost_preset).transfer_gb_per_s  # fmt: skip
+    return (
+        SimConfig().transfer_gb_per_s
+        if args.cost_preset == CPU_PRESET
+        else roofline_preset(args.cost_preset).transfer_gb_per_s
+    )
 
 
-def start_router(args: argparse.Namespace, fleet: Fleet, workers: list[str], log: Path) -> tuple[
-        subprocess.Popen[bytes], str]:  # fmt: skip
+def start_router(
+    args: argparse.Namespace, fleet: Fleet, workers: list[str], log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--policy", "cache_aware",
-               "--admin-key", ADMIN_KEY, "--replica-admin-key", ADMIN_KEY]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "route",
+        "--port",
+        str(port),
+        "--policy",
+        "cache_aware",
+        "--admin-key",
+        ADMIN_KEY,
+        "--replica-admin-key",
+        ADMIN_KEY,
+    ]
     if fleet.disaggregation is not None:
-        command += ["--disaggregation", fleet.disaggregation, "--pd-local-prefill-tokens",
-                    str(args.pd_local_prefill_tokens)]  # fmt: skip
+        command += [
+            "--disaggregation",
+            fleet.disaggregation,
+            "--pd-local-prefill-tokens",
+            str(args.pd_local_prefill_tokens),
+        ]
         if args.pd_decode_prefill_budget is not None:
             command += ["--pd-decode-prefill-budget", str(args.pd_decode_prefill_budget)]
     if args.router_log_level is not None:
@@ -222,8 +276,15 @@ def stop(processes: list[subprocess.Popen[bytes]]) -> None:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, user: str) -> Result:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, "user": user}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "user": user,
+    }
     started = time.perf_counter()
     result = Result()
     try:
@@ -334,16 +395,24 @@ def summarize(fleet: Fleet, results: list[Result], elapsed_wall: float, time_sca
     tpots = [t / time_scale for r in done if (t := r.tpot_s) is not None]
     elapsed = elapsed_wall / time_scale
     return {
-        "fleet": fleet.name, "prefill_replicas": fleet.prefill_replicas, "disaggregation": fleet.disaggregation,
-        "completed": len(done), "failed": len(results) - len(done),
+        "fleet": fleet.name,
+        "prefill_replicas": fleet.prefill_replicas,
+        "disaggregation": fleet.disaggregation,
+        "completed": len(done),
+        "failed": len(results) - len(done),
         "failed_statuses": sorted({r.status for r in results if not r.ok}),
-        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
-        "ttft_p99_s": percentile(ttfts, 0.99), "tpot_p50_s": percentile(tpots, 0.5),
-        "tpot_p90_s": percentile(tpots, 0.9), "tpot_p99_s": percentile(tpots, 0.99),
-        "requests_per_s": len(done) / elapsed, "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "tpot_p50_s": percentile(tpots, 0.5),
+        "tpot_p90_s": percentile(tpots, 0.9),
+        "tpot_p99_s": percentile(tpots, 0.99),
+        "requests_per_s": len(done) / elapsed,
+        "output_tokens_per_s": sum(r.output_tokens for r in done) / elapsed,
         "hit_ratio": sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_tokens for r in done)),
-        "elapsed_s": elapsed, "elapsed_wall_s": elapsed_wall,
-    }  # fmt: skip
+        "elapsed_s": elapsed,
+        "elapsed_wall_s": elapsed_wall,
+    }
 
 
 def sample(result: Result, time_scale: float) -> Sample:
@@ -371,12 +440,15 @@ def alone_prefill_seconds(cost: CostModel, prompt_tokens: int, budget: int) -> f
 
 def ttft_bounds(args: argparse.Namespace, requests: list[TraceRequest]) -> list[float]:
     cost, budget = cost_model(args), SimConfig().scheduler.max_num_batched_tokens
-    return [max(args.ttft_slo_min_s, args.ttft_slo_factor * alone_prefill_seconds(cost, r.input_length, budget))
-            for r in requests]  # fmt: skip
+    return [
+        max(args.ttft_slo_min_s, args.ttft_slo_factor * alone_prefill_seconds(cost, r.input_length, budget))
+        for r in requests
+    ]
 
 
-def with_attainment(run: dict[str, Any], rows: list[Sample], ttft_bounds: list[float], tpot_bound: float) -> dict[
-        str, Any]:  # fmt: skip
+def with_attainment(
+    run: dict[str, Any], rows: list[Sample], ttft_bounds: list[float], tpot_bound: float
+) -> dict[str, Any]:
     good = sum(meets(row, bound, tpot_bound) for row, bound in zip(rows, ttft_bounds, strict=True))
     return {**run, "slo_attainment": good / max(1, len(rows)), "slo_met_per_s": good / run["elapsed_s"]}
 
@@ -392,8 +464,9 @@ def goodput(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     return {"requests_per_s": points[-1][0], "bound": "at least (every load met the target)"}
 
 
-def run_fleet(fleet: Fleet, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
-              speedup: float, logs: Path) -> tuple[dict[str, Any], list[Sample]]:  # fmt: skip
+def run_fleet(
+    fleet: Fleet, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str], speedup: float, logs: Path
+) -> tuple[dict[str, Any], list[Sample]]:
     slug = fleet.name.split(" (")[0].replace(" ", "_").replace("+", "_")
     sims, workers = start_sims(args, fleet, logs / f"sim-{slug}.log")
     router, url = start_router(args, fleet, workers, logs / f"router-{slug}.log")
@@ -412,11 +485,13 @@ def run_fleet(fleet: Fleet, args: argparse.Namespace, requests: list[TraceReques
 
 
 def table_row(run: dict[str, Any]) -> str:
-    return (f"{run['fleet']:<24} load {run['offered_load']:.2f} ({run['offered_requests_per_s']:.2f} req/s)  "
-            f"TTFT p50 {run['ttft_p50_s']:6.2f} p99 {run['ttft_p99_s']:6.2f}  TPOT p50 {run['tpot_p50_s']:.4f} "
-            f"p99 {run['tpot_p99_s']:.4f}  SLO met {run['slo_attainment']:.0%}  "
-            f"{run['transfer_bytes_per_request'] / 1e6:.0f} MB/req  failed {run['failed']}  "
-            f"pulls fell back {sum(run['pull_fallbacks'].values()):g}  lag {max(run['sim_lag_wall_s'])} s")  # fmt: skip
+    return (
+        f"{run['fleet']:<24} load {run['offered_load']:.2f} ({run['offered_requests_per_s']:.2f} req/s)  "
+        f"TTFT p50 {run['ttft_p50_s']:6.2f} p99 {run['ttft_p99_s']:6.2f}  TPOT p50 {run['tpot_p50_s']:.4f} "
+        f"p99 {run['tpot_p99_s']:.4f}  SLO met {run['slo_attainment']:.0%}  "
+        f"{run['transfer_bytes_per_request'] / 1e6:.0f} MB/req  failed {run['failed']}  "
+        f"pulls fell back {sum(run['pull_fallbacks'].values()):g}  lag {max(run['sim_lag_wall_s'])} s"
+    )
 
 
 def plot(report: dict[str, Any], title: str, out: Path) -> None:
@@ -434,10 +509,14 @@ def plot(report: dict[str, Any], title: str, out: Path) -> None:
         for axis, key in ((axes[0][0], "slo_attainment"), (axes[0][1], "tpot_p90_s"), (axes[1][0], "ttft_p90_s")):
             axis.plot(rates, [r[key] for r in runs], style, marker="o", label=name)
     axes[0][0].axhline(target, color="red", linestyle=":", linewidth=1, label=f"{target:.0%} target")
-    axes[0][1].axhline(report["conditions"]["slo"]["tpot_s"], color="red", linestyle=":", linewidth=1,
-                       label="TPOT bound")  # fmt: skip
-    for axis, label in ((axes[0][0], "SLO attainment"), (axes[0][1], "TPOT p90 (simulated s, log)"),
-                        (axes[1][0], "TTFT p90 (simulated s, log)")):  # fmt: skip
+    axes[0][1].axhline(
+        report["conditions"]["slo"]["tpot_s"], color="red", linestyle=":", linewidth=1, label="TPOT bound"
+    )
+    for axis, label in (
+        (axes[0][0], "SLO attainment"),
+        (axes[0][1], "TPOT p90 (simulated s, log)"),
+        (axes[1][0], "TTFT p90 (simulated s, log)"),
+    ):
         axis.set_xlabel("offered requests per simulated s")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
@@ -460,91 +539,210 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (JSONL)")
     parser.add_argument("--requests", type=int, default=400, help="the first N requests of the trace (default: 400)")
-    parser.add_argument("--skip", type=int, default=0, help="start the slice after this many requests, arrivals "
-                        "counted from its first (default: 0)")  # fmt: skip
-    parser.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE['requests']} requests, loads "
-                        f"{SMOKE['loads']}, split {SMOKE['splits']}, results to pd_fleet_smoke.*")  # fmt: skip
-    parser.add_argument("--max-output", type=int, default=1024, help="cap on each request's output tokens "
-                        "(default: 1024; the trace's own lengths below it)")  # fmt: skip
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="start the slice after this many requests, arrivals counted from its first (default: 0)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"a quick run: {SMOKE['requests']} requests, loads "
+        f"{SMOKE['loads']}, split {SMOKE['splits']}, results to pd_fleet_smoke.*",
+    )
+    parser.add_argument(
+        "--max-output",
+        type=int,
+        default=1024,
+        help="cap on each request's output tokens (default: 1024; the trace's own lengths below it)",
+    )
     parser.add_argument("--replicas", type=int, default=8, help="simulated replicas of every fleet (default: 8)")
-    parser.add_argument("--splits", default="2,3,4", help="prefill replicas of the PD fleets, comma-separated "
-                        "(default: 2,3,4)")  # fmt: skip
-    parser.add_argument("--modes", default="conditional,always", help="router --disaggregation modes of the PD "
-                        "fleets (default: conditional,always)")  # fmt: skip
-    parser.add_argument("--loads", default="0.5,0.7,0.9,1.1", help="offered loads, each the fleet's estimated "
-                        "busy fraction, comma-separated (default: 0.5,0.7,0.9,1.1)")  # fmt: skip
-    parser.add_argument("--cost-preset", default="h100-llama3-8b", choices=[CPU_PRESET, *(p.name for p in
-                        ROOFLINE_PRESETS)], help="the sims' cost model: a roofline preset, or cpu (measured "
-                        "here) (default: h100-llama3-8b)")  # fmt: skip
-    parser.add_argument("--max-num-batched-tokens", type=int, default=sim.scheduler.max_num_batched_tokens,
-                        help="sim: every replica's token budget per step (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--prefill-only-step-tokens", type=int, default=PREFILL_STEP_TOKENS,
-                        help="sim: the PD replicas' token budget per step while none of their requests streams, as "
-                        "on a prefill replica (default: %(default)s; 0: --max-num-batched-tokens)")  # fmt: skip
-    parser.add_argument("--unified-step-tokens", default=f"{PREFILL_STEP_TOKENS},2048/{PREFILL_STEP_TOKENS}",
-                        help="also run unified fleets with these step budgets, comma-separated: N for every step, "
-                        "A/B for A while a request streams and B while none does, so that the best unified fleet is "
-                        "compared (default: %(default)s; '': none)")  # fmt: skip
-    parser.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT bound: this many times the "
-                        "prompt's prefill alone on an idle replica (default: 5)")  # fmt: skip
-    parser.add_argument("--ttft-slo-min-s", type=float, default=0.5, help="TTFT bound: at least this, simulated "
-                        "seconds (default: 0.5)")  # fmt: skip
-    parser.add_argument("--tpot-slo-s", type=float, default=0.1, help="TPOT bound, simulated seconds "
-                        "(default: 0.1)")  # fmt: skip
-    parser.add_argument("--tpot-slo-grid", default="0.025,0.05,0.1,0.2", help="goodput is also reported for "
-                        "each of these TPOT bounds, from the same runs (default: 0.025,0.05,0.1,0.2)")  # fmt: skip
-    parser.add_argument("--attainment", type=float, default=0.9, help="goodput: the SLO attainment a rate must "
-                        "keep (default: 0.9, DistServe's)")  # fmt: skip
-    parser.add_argument("--prefill-order", default="fcfs", choices=PREFILL_ORDERS, help="every replica's order of "
-                        "prompts (kvyard sim --prefill-order; default: %(default)s)")  # fmt: skip
-    parser.add_argument("--pd-local-prefill-tokens", type=int, default=512, help="router: conditional mode "
-                        "prefills on the decode replica when at most this many tokens are left to compute "
-                        "(default: 512, the router's own)")  # fmt: skip
-    parser.add_argument("--pd-decode-prefill-budget", type=int, default=None, help="router: conditional mode "
-                        "lets a decode replica that runs decodes prefill a prompt when the prefill pool would start "
-                        "it later, while the prefill queued on it stays within this many tokens (default: the "
-                        "router's own)")  # fmt: skip
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64; the trace's "
-                        "prefixes are shared in 512-token units, so larger blocks lose no hit and make 4x fewer "
-                        "blocks for the sims to move, index and evict than 16)")  # fmt: skip
-    parser.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per replica (default: "
-                        "524,288 tokens' worth, routing.py's 32,768 blocks of 16)")  # fmt: skip
-    parser.add_argument("--time-scale", type=float, default=0.5, help="sim: wall seconds per simulated second "
-                        "(default: 0.5)")  # fmt: skip
-    parser.add_argument("--stream-interval-s", type=float, default=0.02, help="sim: least wall time between "
-                        "two deliveries of a stream's tokens (default: 0.02; TPOT is measured first to last token, "
-                        "which batching does not change)")  # fmt: skip
-    parser.add_argument("--kv-bytes-per-token", type=int, default=None, help="sim: KV bytes per token of the "
-                        "modeled model (default: the cost preset's)")  # fmt: skip
-    parser.add_argument("--transfer-gb-per-s", type=float, default=None, help="sim: transfer bandwidth, GB/s "
-                        "(default: the cost preset's)")  # fmt: skip
-    parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
-                        "shared by every replica (prefill pool included), like kvyard serve's Redis tier; -1: the "
-                        "slice's working set (default: 0, none)")  # fmt: skip
-    parser.add_argument("--shared-store-gb-per-s", type=float, default=None, help="sim: the shared store's read "
-                        "bandwidth, GB/s (default: the transfer link's, as a store reached over the same RDMA "
-                        "network)")  # fmt: skip
-    parser.add_argument("--transfer-latency-s", type=float, default=sim.transfer_latency_s, help="sim: simulated "
-                        f"seconds per transfer on top of its bytes (default: {sim.transfer_latency_s:g})")  # fmt: skip
-    parser.add_argument("--kv-transfer-timeout-s", type=float, default=PULL_DEADLINE_S, help="sim: longest a "
-                        "decode replica waits for a pull, remote prefill included, in simulated seconds; then it "
-                        f"computes the rest itself (default: {PULL_DEADLINE_S:g}, so that fallbacks do not stand "
-                        "in for disaggregation)")  # fmt: skip
-    parser.add_argument("--drain-s", type=float, default=120.0, help="wall seconds a run may take after its "
-                        "last arrival; then what is unfinished is cut and counts as failed (default: 120)")  # fmt: skip
-    parser.add_argument("--only", action="append", default=[], help="run only fleets whose name contains this "
-                        "(repeatable)")  # fmt: skip
-    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvyard-pd_fleet-logs",
-                        help="where the sims' and routers' logs go (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--router-log-level", default=None, help="the router's --log-level (debug: one line per "
-                        "PD decision in its log under --logs)")  # fmt: skip
+    parser.add_argument(
+        "--splits", default="2,3,4", help="prefill replicas of the PD fleets, comma-separated (default: 2,3,4)"
+    )
+    parser.add_argument(
+        "--modes",
+        default="conditional,always",
+        help="router --disaggregation modes of the PD fleets (default: conditional,always)",
+    )
+    parser.add_argument(
+        "--loads",
+        default="0.5,0.7,0.9,1.1",
+        help="offered loads, each the fleet's estimated busy fraction, comma-separated (default: 0.5,0.7,0.9,1.1)",
+    )
+    parser.add_argument(
+        "--cost-preset",
+        default="h100-llama3-8b",
+        choices=[CPU_PRESET, *(p.name for p in ROOFLINE_PRESETS)],
+        help="the sims' cost model: a roofline preset, or cpu (measured here) (default: h100-llama3-8b)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=sim.scheduler.max_num_batched_tokens,
+        help="sim: every replica's token budget per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-only-step-tokens",
+        type=int,
+        default=PREFILL_STEP_TOKENS,
+        help="sim: the PD replicas' token budget per step while none of their requests streams, as "
+        "on a prefill replica (default: %(default)s; 0: --max-num-batched-tokens)",
+    )
+    parser.add_argument(
+        "--unified-step-tokens",
+        default=f"{PREFILL_STEP_TOKENS},2048/{PREFILL_STEP_TOKENS}",
+        help="also run unified fleets with these step budgets, comma-separated: N for every step, "
+        "A/B for A while a request streams and B while none does, so that the best unified fleet is "
+        "compared (default: %(default)s; '': none)",
+    )
+    parser.add_argument(
+        "--ttft-slo-factor",
+        type=float,
+        default=5.0,
+        help="TTFT bound: this many times the prompt's prefill alone on an idle replica (default: 5)",
+    )
+    parser.add_argument(
+        "--ttft-slo-min-s", type=float, default=0.5, help="TTFT bound: at least this, simulated seconds (default: 0.5)"
+    )
+    parser.add_argument("--tpot-slo-s", type=float, default=0.1, help="TPOT bound, simulated seconds (default: 0.1)")
+    parser.add_argument(
+        "--tpot-slo-grid",
+        default="0.025,0.05,0.1,0.2",
+        help="goodput is also reported for each of these TPOT bounds, from the same runs (default: 0.025,0.05,0.1,0.2)",
+    )
+    parser.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="goodput: the SLO attainment a rate must keep (default: 0.9, DistServe's)",
+    )
+    parser.add_argument(
+        "--prefill-order",
+        default="fcfs",
+        choices=PREFILL_ORDERS,
+        help="every replica's order of prompts (kvyard sim --prefill-order; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pd-local-prefill-tokens",
+        type=int,
+        default=512,
+        help="router: conditional mode "
+        "prefills on the decode replica when at most this many tokens are left to compute "
+        "(default: 512, the router's own)",
+    )
+    parser.add_argument(
+        "--pd-decode-prefill-budget",
+        type=int,
+        default=None,
+        help="router: conditional mode "
+        "lets a decode replica that runs decodes prefill a prompt when the prefill pool would start "
+        "it later, while the prefill queued on it stays within this many tokens (default: the "
+        "router's own)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=64,
+        help="tokens per KV block (default: 64; the trace's "
+        "prefixes are shared in 512-token units, so larger blocks lose no hit and make 4x fewer "
+        "blocks for the sims to move, index and evict than 16)",
+    )
+    parser.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica (default: 524,288 tokens' worth, routing.py's 32,768 blocks of 16)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=0.5, help="sim: wall seconds per simulated second (default: 0.5)"
+    )
+    parser.add_argument(
+        "--stream-interval-s",
+        type=float,
+        default=0.02,
+        help="sim: least wall time between "
+        "two deliveries of a stream's tokens (default: 0.02; TPOT is measured first to last token, "
+        "which batching does not change)",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="sim: KV bytes per token of the modeled model (default: the cost preset's)",
+    )
+    parser.add_argument(
+        "--transfer-gb-per-s",
+        type=float,
+        default=None,
+        help="sim: transfer bandwidth, GB/s (default: the cost preset's)",
+    )
+    parser.add_argument(
+        "--shared-store-blocks",
+        type=int,
+        default=0,
+        help="sim: a KV store of this many blocks "
+        "shared by every replica (prefill pool included), like kvyard serve's Redis tier; -1: the "
+        "slice's working set (default: 0, none)",
+    )
+    parser.add_argument(
+        "--shared-store-gb-per-s",
+        type=float,
+        default=None,
+        help="sim: the shared store's read "
+        "bandwidth, GB/s (default: the transfer link's, as a store reached over the same RDMA "
+        "network)",
+    )
+    parser.add_argument(
+        "--transfer-latency-s",
+        type=float,
+        default=sim.transfer_latency_s,
+        help=f"sim: simulated seconds per transfer on top of its bytes (default: {sim.transfer_latency_s:g})",
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=PULL_DEADLINE_S,
+        help="sim: longest a "
+        "decode replica waits for a pull, remote prefill included, in simulated seconds; then it "
+        f"computes the rest itself (default: {PULL_DEADLINE_S:g}, so that fallbacks do not stand "
+        "in for disaggregation)",
+    )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=120.0,
+        help="wall seconds a run may take after its "
+        "last arrival; then what is unfinished is cut and counts as failed (default: 120)",
+    )
+    parser.add_argument(
+        "--only", action="append", default=[], help="run only fleets whose name contains this (repeatable)"
+    )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "kvyard-pd_fleet-logs",
+        help="where the sims' and routers' logs go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router-log-level",
+        default=None,
+        help="the router's --log-level (debug: one line per PD decision in its log under --logs)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the conditions only")
-    parser.add_argument("--out", type=Path, default=None, help="result JSON; the PNG goes beside it "
-                        "(default: benchmarks/results/pd_fleet.json, or pd_fleet_smoke.json with --smoke)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON; the PNG goes beside it "
+        "(default: benchmarks/results/pd_fleet.json, or pd_fleet_smoke.json with --smoke)",
+    )
     args = parser.parse_args()
     if args.smoke:
-        args.requests, args.drain_s, args.loads, args.splits = (SMOKE[k] for k in ("requests", "drain_s", "loads",
-                                                                                    "splits"))  # fmt: skip
+        args.requests, args.drain_s, args.loads, args.splits = (
+            SMOKE[k] for k in ("requests", "drain_s", "loads", "splits")
+        )
     args.out = args.out or RESULTS / ("pd_fleet_smoke.json" if args.smoke else "pd_fleet.json")
     args.capacity_blocks = args.capacity_blocks or CAPACITY_TOKENS // args.block_size
     return args
@@ -569,36 +767,52 @@ def conditions(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[s
     sim = SimConfig()
     preset = None if args.cost_preset == CPU_PRESET else roofline_preset(args.cost_preset)
     return {
-        "trace": str(args.trace.name), "requests": len(requests), "trace_slice": slice_name(args, requests),
-        "trace_span_s": span, "replicas": args.replicas, "capacity_blocks_per_replica": args.capacity_blocks,
-        "block_size": args.block_size, "max_output": args.max_output,
+        "trace": str(args.trace.name),
+        "requests": len(requests),
+        "trace_slice": slice_name(args, requests),
+        "trace_span_s": span,
+        "replicas": args.replicas,
+        "capacity_blocks_per_replica": args.capacity_blocks,
+        "block_size": args.block_size,
+        "max_output": args.max_output,
         "mean_input_tokens": sum(r.input_length for r in requests) / len(requests),
         "mean_output_tokens": sum(r.output_length for r in requests) / len(requests),
-        "time_scale": args.time_scale, "stream_interval_s": args.stream_interval_s, "sim_catch_up_s": sim.catch_up_s,
+        "time_scale": args.time_scale,
+        "stream_interval_s": args.stream_interval_s,
+        "sim_catch_up_s": sim.catch_up_s,
         "times": "simulated seconds (wall / time_scale); rates per simulated second",
         "cost_preset": args.cost_preset,
-        "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores" if preset is None else
-        f"roofline model, not a serving engine measured: {preset.model.name} on {preset.device.name} "
-        f"({asdict(preset.device)})", "cost_model": asdict(cost_model(args)),
+        "cost_model_source": "measured: kvyard engine, llama bench preset, fp32, 2 CPU cores"
+        if preset is None
+        else f"roofline model, not a serving engine measured: {preset.model.name} on {preset.device.name} "
+        f"({asdict(preset.device)})",
+        "cost_model": asdict(cost_model(args)),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefill_only_step_tokens": args.prefill_only_step_tokens or args.max_num_batched_tokens,
         "prefill_order": args.prefill_order,
-        "kv_bytes_per_token": args.kv_bytes_per_token or (preset.model.kv_bytes_per_token if preset else
-                                                          sim.kv_bytes_per_token),
+        "kv_bytes_per_token": args.kv_bytes_per_token
+        or (preset.model.kv_bytes_per_token if preset else sim.kv_bytes_per_token),
         "transfer_gb_per_s": transfer_gb_per_s(args),
         "transfer_link": preset.transfer_note if preset else "10 Gb/s Ethernet",
-        "transfer_latency_s": args.transfer_latency_s, "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
+        "transfer_latency_s": args.transfer_latency_s,
+        "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
         "transfer_model": "streamed while prefill runs: after the last block, max(latency + the last chunk's "
         "bytes / bandwidth, latency + all bytes / bandwidth - the time the pull was open)",
         "pd_local_prefill_tokens": args.pd_local_prefill_tokens,
         "pd_decode_prefill_budget": args.pd_decode_prefill_budget or RouterConfig().pd_decode_prefill_budget,
         "drain_s": args.drain_s,
-        "ideal_hit_ratio_subset": ideal_hit_ratio(requests), "decode_work_share_estimate":
-        decode_share(requests, cost_model(args)), "router_policy": "cache_aware", "cpus": os.cpu_count(),
-        "slo": {"ttft": f"max({args.ttft_slo_min_s:g} s, {args.ttft_slo_factor:g} x the prompt's prefill alone "
-                f"on an idle replica)", "tpot_s": args.tpot_slo_s, "attainment_target": args.attainment},
+        "ideal_hit_ratio_subset": ideal_hit_ratio(requests),
+        "decode_work_share_estimate": decode_share(requests, cost_model(args)),
+        "router_policy": "cache_aware",
+        "cpus": os.cpu_count(),
+        "slo": {
+            "ttft": f"max({args.ttft_slo_min_s:g} s, {args.ttft_slo_factor:g} x the prompt's prefill alone "
+            f"on an idle replica)",
+            "tpot_s": args.tpot_slo_s,
+            "attainment_target": args.attainment,
+        },
         "provenance": provenance.of_run(),
-    }  # fmt: skip
+    }
 
 
 DECODE_BATCH_ESTIMATE = 16  # decodes sharing a step, for the load estimate only
@@ -607,11 +821,14 @@ DECODE_BATCH_ESTIMATE = 16  # decodes sharing a step, for the load estimate only
 def work_seconds(requests: list[TraceRequest], cost: CostModel) -> tuple[float, float]:
     """(prefill, decode) simulated busy seconds the trace asks of the fleet: prefills with the ideal hit ratio
     (routing.service_seconds) and decode tokens each with their context read and a share of a step."""
-    prefill = service_seconds(requests, ideal_hit_ratio(requests), cost) - sum(r.output_length for r in requests
-                                                                               ) * cost.decode_seq_s  # fmt: skip
+    prefill = (
+        service_seconds(requests, ideal_hit_ratio(requests), cost)
+        - sum(r.output_length for r in requests) * cost.decode_seq_s
+    )
     per_step = cost.step_base_s / DECODE_BATCH_ESTIMATE + cost.decode_seq_s
-    decode = sum(r.output_length * (per_step + cost.decode_context_s * (r.input_length + r.output_length / 2))
-                 for r in requests)  # fmt: skip
+    decode = sum(
+        r.output_length * (per_step + cost.decode_context_s * (r.input_length + r.output_length / 2)) for r in requests
+    )
     return prefill, decode
 
 
@@ -629,12 +846,15 @@ def best_of(fleets: dict[str, Any], found: dict[str, dict[str, Any]]) -> dict[st
         kind = fleets[name]["disaggregation"] or "unified"
         if kind not in best or result["requests_per_s"] > best[kind][1]["requests_per_s"]:
             best[kind] = (name, result)
-    summary: dict[str, Any] = {kind: {"fleet": name, "goodput": result["requests_per_s"], "bound": result["bound"]}
-                               for kind, (name, result) in best.items()}  # fmt: skip
+    summary: dict[str, Any] = {
+        kind: {"fleet": name, "goodput": result["requests_per_s"], "bound": result["bound"]}
+        for kind, (name, result) in best.items()
+    }
     for other in ("unified", "always"):
         if "conditional" in best and other in best and best[other][1]["requests_per_s"] > 0:
-            summary[f"conditional_over_{other}"] = (best["conditional"][1]["requests_per_s"]
-                                                    / best[other][1]["requests_per_s"])  # fmt: skip
+            summary[f"conditional_over_{other}"] = (
+                best["conditional"][1]["requests_per_s"] / best[other][1]["requests_per_s"]
+            )
     return summary
 
 
@@ -658,8 +878,11 @@ def main() -> int:
         return 0
     splits = [int(s) for s in args.splits.split(",") if s.strip()]
     unified_steps = [s.strip() for s in args.unified_step_tokens.split(",") if s.strip()]
-    selected = [f for f in fleets(args.replicas, splits, args.modes.split(","), unified_steps)
-                if not args.only or any(pattern in f.name for pattern in args.only)]  # fmt: skip
+    selected = [
+        f
+        for f in fleets(args.replicas, splits, args.modes.split(","), unified_steps)
+        if not args.only or any(pattern in f.name for pattern in args.only)
+    ]
     args.logs.mkdir(parents=True, exist_ok=True)
     bounds = ttft_bounds(args, requests)
     report["fleets"] = {}
@@ -668,28 +891,47 @@ def main() -> int:
         for load in (float(x) for x in args.loads.split(",")):
             speedup = load * args.replicas * span / (work * args.time_scale)
             run, rows = run_fleet(fleet, args, requests, prompts, speedup, args.logs)
-            run.update(offered_load=load, offered_requests_per_s=len(requests) / (work / (load * args.replicas)),
-                       arrival_speedup=speedup, per_request_ttft_tpot_s=rows)  # fmt: skip
+            run.update(
+                offered_load=load,
+                offered_requests_per_s=len(requests) / (work / (load * args.replicas)),
+                arrival_speedup=speedup,
+                per_request_ttft_tpot_s=rows,
+            )
             runs.append(with_attainment(run, rows, bounds, args.tpot_slo_s))
             print(table_row(runs[-1]), flush=True)
-        report["fleets"][fleet.name] = {"prefill_replicas": fleet.prefill_replicas,
-                                        "disaggregation": fleet.disaggregation, "runs": runs,
-                                        "goodput": goodput(runs, args.attainment)}  # fmt: skip
+        report["fleets"][fleet.name] = {
+            "prefill_replicas": fleet.prefill_replicas,
+            "disaggregation": fleet.disaggregation,
+            "runs": runs,
+            "goodput": goodput(runs, args.attainment),
+        }
     report["goodput_requests_per_s"] = {name: f["goodput"]["requests_per_s"] for name, f in report["fleets"].items()}
-    by_bound = {bound: {name: goodput([with_attainment(r, r["per_request_ttft_tpot_s"], bounds, float(bound))
-                                       for r in f["runs"]], args.attainment)
-                        for name, f in report["fleets"].items()}
-                for bound in args.tpot_slo_grid.split(",")}  # fmt: skip
-    report["goodput_by_tpot_slo"] = {bound: {name: g["requests_per_s"] for name, g in found.items()}
-                                     for bound, found in by_bound.items()}  # fmt: skip
+    by_bound = {
+        bound: {
+            name: goodput(
+                [with_attainment(r, r["per_request_ttft_tpot_s"], bounds, float(bound)) for r in f["runs"]],
+                args.attainment,
+            )
+            for name, f in report["fleets"].items()
+        }
+        for bound in args.tpot_slo_grid.split(",")
+    }
+    report["goodput_by_tpot_slo"] = {
+        bound: {name: g["requests_per_s"] for name, g in found.items()} for bound, found in by_bound.items()
+    }
     report["best_by_tpot_slo"] = {bound: best_of(report["fleets"], found) for bound, found in by_bound.items()}
     args.out.write_text(json.dumps(report, indent=1))
-    title = (f"Mooncake conversation trace, {slice_name(args, requests)}, {args.replicas} simulated replicas, "
-             f"cost model {args.cost_preset}; SLO: TTFT <= {report['conditions']['slo']['ttft']}, TPOT <= "
-             f"{args.tpot_slo_s:g} s")  # fmt: skip
+    title = (
+        f"Mooncake conversation trace, {slice_name(args, requests)}, {args.replicas} simulated replicas, "
+        f"cost model {args.cost_preset}; SLO: TTFT <= {report['conditions']['slo']['ttft']}, TPOT <= "
+        f"{args.tpot_slo_s:g} s"
+    )
     plot(report, title, args.out.with_suffix(".png"))
-    print(json.dumps(report["goodput_by_tpot_slo"], indent=1), json.dumps(report["best_by_tpot_slo"], indent=1),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps(report["goodput_by_tpot_slo"], indent=1),
+        json.dumps(report["best_by_tpot_slo"], indent=1),
+        flush=True,
+    )
     return 0
 
 

@@ -78,8 +78,20 @@ def spawn(command: list[str], cores: str, threads: int, log: Path) -> subprocess
 
 
 def serve(model: Path, port: int, cores: str, threads: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "kvyard", "serve", str(model), "--port", str(port), "--kv-tier", "none",
-               "--admin-key", ADMIN_KEY, *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--kv-tier",
+        "none",
+        "--admin-key",
+        ADMIN_KEY,
+        *extra,
+    ]
     return spawn(command, cores, threads, log)
 
 
@@ -101,8 +113,9 @@ def start_fleet(kind: str, model: Path, logs: Path, base_port: int) -> Fleet:
     router = [sys.executable, "-m", "kvyard", "route", "--port", str(base_port), "--replica-admin-key", ADMIN_KEY]
     if kind.startswith("unified"):
         budget = kind.removeprefix("unified-")
-        fleet.processes.append(serve(model, base_port + 1, "0,1", 2, logs / f"{kind}.log",
-                                     "--max-num-batched-tokens", budget))  # fmt: skip
+        fleet.processes.append(
+            serve(model, base_port + 1, "0,1", 2, logs / f"{kind}.log", "--max-num-batched-tokens", budget)
+        )
         router += ["--replica", f"http://127.0.0.1:{base_port + 1}"]
     else:
         fleet.processes.append(serve(model, base_port + 1, "0", 1, logs / f"{kind}-prefill.log", "--role", "prefill"))
@@ -185,11 +198,19 @@ def run_workload(url: str, args: argparse.Namespace, lengths: list[int]) -> dict
         thread.join()
     elapsed = time.monotonic() - start
     itl = sorted(seen.itl_s)
-    itl_ms = {"p50": _ms(_pct(itl, 50)), "p99": _ms(_pct(itl, 99)), "p99.9": _ms(_pct(itl, 99.9)),
-              "max": _ms(itl[-1] if itl else 0),
-              "mean": _ms(statistics.fmean(itl) if itl else 0), "count": len(itl)}  # fmt: skip
-    ttft = {"p50": round(_pct(sorted(seen.ttft_s), 50), 3), "max": round(max(seen.ttft_s, default=0), 3),
-            "count": len(seen.ttft_s)}  # fmt: skip
+    itl_ms = {
+        "p50": _ms(_pct(itl, 50)),
+        "p99": _ms(_pct(itl, 99)),
+        "p99.9": _ms(_pct(itl, 99.9)),
+        "max": _ms(itl[-1] if itl else 0),
+        "mean": _ms(statistics.fmean(itl) if itl else 0),
+        "count": len(itl),
+    }
+    ttft = {
+        "p50": round(_pct(sorted(seen.ttft_s), 50), 3),
+        "max": round(max(seen.ttft_s, default=0), 3),
+        "count": len(seen.ttft_s),
+    }
     return {
         "itl_ms": itl_ms,
         "long_ttft_s": ttft,
@@ -200,8 +221,12 @@ def run_workload(url: str, args: argparse.Namespace, lengths: list[int]) -> dict
 
 def prometheus_samples(url: str, prefix: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {name: float(value) for line in text.splitlines() if line.startswith(prefix)
-            for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line.startswith(prefix)
+        for name, value in [line.rsplit(" ", 1)]
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -238,8 +263,11 @@ def main() -> int:
     parser.add_argument("--min-prompt", type=int, default=2048, help="shortest long prompt (default: 2048)")
     parser.add_argument("--max-prompt", type=int, default=7936, help="longest long prompt (default: 7936)")
     parser.add_argument("--long-tokens", type=int, default=16, help="output tokens of each long prompt (default: 16)")
-    parser.add_argument("--unified-budgets", default="2048,512", help="step token budgets (--max-num-batched-tokens)"
-                        " of the unified runs, comma-separated (default: 2048,512)")  # fmt: skip
+    parser.add_argument(
+        "--unified-budgets",
+        default="2048,512",
+        help="step token budgets (--max-num-batched-tokens) of the unified runs, comma-separated (default: 2048,512)",
+    )
     parser.add_argument("--port", type=int, default=18400, help="first port to use (default: 18400)")
     args = parser.parse_args()
     from kvyard.testing.create_model import DEFAULT_ARCH, DEFAULT_PRESET, ensure_default_model
@@ -271,12 +299,17 @@ def main() -> int:
         "hardware": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
         "unified": "1 replica, OMP_NUM_THREADS=2, taskset -c 0,1; unified-N: --max-num-batched-tokens N",
         "pd": "prefill replica taskset -c 0 + decode replica taskset -c 1, OMP_NUM_THREADS=1 each, "
-              "--max-num-batched-tokens 2048 (default); router --disaggregation conditional "
-              "(--pd-local-prefill-tokens 512)",
-        "prefix caching": "on (no repeated prompts: no hits)", "kv tier": "off", "speculative decoding": "off",
-        "streams": args.streams, "stream prompt tokens": 64, "long prompts": lengths,
-        "long prompt output tokens": args.long_tokens, "interval_s": args.interval_s,
-    }  # fmt: skip
+        "--max-num-batched-tokens 2048 (default); router --disaggregation conditional "
+        "(--pd-local-prefill-tokens 512)",
+        "prefix caching": "on (no repeated prompts: no hits)",
+        "kv tier": "off",
+        "speculative decoding": "off",
+        "streams": args.streams,
+        "stream prompt tokens": 64,
+        "long prompts": lengths,
+        "long prompt output tokens": args.long_tokens,
+        "interval_s": args.interval_s,
+    }
     report = {
         "benchmark": "pd_replicas",
         "conditions": conditions,

@@ -142,9 +142,13 @@ def run_round(case: Case) -> None:
 
 def summarize(case: Case) -> dict:
     flops = 4 * case.query_len * case.context_len * NUM_HEADS * HEAD_DIM
-    row: dict = {"query_len": case.query_len, "context_len": case.context_len,
-                 "cached_prefix": case.context_len > case.query_len, "reps": len(case.timings["sdpa"].wall_s),
-                 "max_abs_diff": case.max_abs_diff}  # fmt: skip
+    row: dict = {
+        "query_len": case.query_len,
+        "context_len": case.context_len,
+        "cached_prefix": case.context_len > case.query_len,
+        "reps": len(case.timings["sdpa"].wall_s),
+        "max_abs_diff": case.max_abs_diff,
+    }
     for name, timing in case.timings.items():
         wall = statistics.median(timing.wall_s)
         row[name] = {
@@ -191,27 +195,41 @@ def main() -> None:
         for case in cases:
             run_round(case)
     rows = [summarize(case) for case in cases]
-    print(f"{'query':>6} {'context':>8} {'SDPA ms':>8} {'kernel ms':>10} {'SDPA GF':>8} {'kernel GF':>10} "
-          f"{'speedup':>8} {'paired':>7} {'others':>7}")  # fmt: skip
+    print(
+        f"{'query':>6} {'context':>8} {'SDPA ms':>8} {'kernel ms':>10} {'SDPA GF':>8} {'kernel GF':>10} "
+        f"{'speedup':>8} {'paired':>7} {'others':>7}"
+    )
     for row in rows:
         sdpa, kernel = row["sdpa"], row["kernel"]
-        print(f"{row['query_len']:>6} {row['context_len']:>8} {sdpa['wall_ms_median']:>8.2f} "
-              f"{kernel['wall_ms_median']:>10.2f} {sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} "
-              f"{row['speedup_median_wall']:>7.2f}x {row['speedup_median_paired']:>6.2f}x "
-              f"{row['other_processes_cpu_share']:>6.0%}")  # fmt: skip
+        print(
+            f"{row['query_len']:>6} {row['context_len']:>8} {sdpa['wall_ms_median']:>8.2f} "
+            f"{kernel['wall_ms_median']:>10.2f} {sdpa['gflops']:>8.1f} {kernel['gflops']:>10.1f} "
+            f"{row['speedup_median_wall']:>7.2f}x {row['speedup_median_paired']:>6.2f}x "
+            f"{row['other_processes_cpu_share']:>6.0%}"
+        )
     report = {
         "benchmark": "prefill_attention_micro",
         "conditions": {
-            "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
-            "dtype": "float32", "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "kvyard_commit": _commit(),
-            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rounds": args.rounds,
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "float32",
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "kvyard_commit": _commit(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "rounds": args.rounds,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "timing": "paths interleaved per repetition (order alternating), every case once per round; "
-                      "medians over all rounds; GFLOPS = 4*query_len*context_len*heads*head_dim / median wall",
+            "medians over all rounds; GFLOPS = 4*query_len*context_len*heads*head_dim / median wall",
         },
         "cases": rows,
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -76,16 +76,41 @@ def ensure_schemathesis() -> Path:
 
 def run_schemathesis(st: Path, url: str, max_examples: int, report_dir: Path) -> dict[str, Any]:
     report = report_dir / f"st-{url.rsplit(':', 1)[1]}.json"
-    command = [str(st), "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--max-examples",
-               str(max_examples), "--report", "ndjson", "--report-ndjson-path", str(report), "--seed", "1",
-               "--workers", "2", "--request-timeout", "60", "--phases", "examples,coverage,fuzzing"]  # fmt: skip
+    command = [
+        str(st),
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        str(max_examples),
+        "--report",
+        "ndjson",
+        "--report-ndjson-path",
+        str(report),
+        "--seed",
+        "1",
+        "--workers",
+        "2",
+        "--request-timeout",
+        "60",
+        "--phases",
+        "examples,coverage,fuzzing",
+    ]
     started = time.monotonic()
     completed = subprocess.run(command, capture_output=True, text=True)
     lines = completed.stdout.strip().splitlines()
-    tail = [line for line in lines if line.strip() and ("passed" in line or "fail" in line or "Error" in line
-                                                        or "error" in line)][-8:]  # fmt: skip
-    return {"exit_code": completed.returncode, "seconds": round(time.monotonic() - started, 1),
-            **_ndjson_counts(report), "summary": tail}  # fmt: skip
+    tail = [
+        line
+        for line in lines
+        if line.strip() and ("passed" in line or "fail" in line or "Error" in line or "error" in line)
+    ][-8:]
+    return {
+        "exit_code": completed.returncode,
+        "seconds": round(time.monotonic() - started, 1),
+        **_ndjson_counts(report),
+        "summary": tail,
+    }
 
 
 def _ndjson_counts(report: Path) -> dict[str, int]:
@@ -118,16 +143,21 @@ def send_hostile(url: str) -> dict[str, Any]:
     statuses, dropped = [], 0
     for path, body in HOSTILE:
         try:
-            with httpx.stream("POST", f"{url}{path}", content=body, headers={"content-type": "application/json"},
-                              timeout=60) as response:  # fmt: skip
+            with httpx.stream(
+                "POST", f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=60
+            ) as response:
                 text = b"".join(response.iter_bytes())
                 if response.status_code == 200 and b"[DONE]" not in text and b'"error"' not in text:
                     dropped += response.headers.get("content-type", "").startswith("text/event-stream")
                 statuses.append(response.status_code)
         except httpx.TransportError:
             dropped += 1
-    return {"sent": len(HOSTILE), "server_errors": sum(s >= 500 for s in statuses), "dropped": dropped,
-            "statuses": sorted(set(statuses))}  # fmt: skip
+    return {
+        "sent": len(HOSTILE),
+        "server_errors": sum(s >= 500 for s in statuses),
+        "dropped": dropped,
+        "statuses": sorted(set(statuses)),
+    }
 
 
 def greedy_text(url: str) -> str:
@@ -142,8 +172,9 @@ async def health_under_load(url: str, body: bytes, seconds: float) -> dict[str, 
     async def sender(client: httpx.AsyncClient) -> None:
         while time.monotonic() < stop:
             try:
-                response = await client.post(f"{url}/tokenize", content=body,
-                                             headers={"content-type": "application/json"})  # fmt: skip
+                response = await client.post(
+                    f"{url}/tokenize", content=body, headers={"content-type": "application/json"}
+                )
                 answers[response.status_code] = answers.get(response.status_code, 0) + 1
             except httpx.TransportError:
                 answers[-1] = answers.get(-1, 0) + 1
@@ -158,9 +189,13 @@ async def health_under_load(url: str, body: bytes, seconds: float) -> dict[str, 
     async with httpx.AsyncClient(timeout=120) as big, httpx.AsyncClient(timeout=10) as small:
         await asyncio.gather(prober(small), *(sender(big) for _ in range(4)))
     ordered = sorted(latencies)
-    return {"probes": len(ordered), "health_p50_ms": 1e3 * statistics.median(ordered),
-            "health_p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))], "health_max_ms": 1e3 * ordered[-1],
-            "big_body_answers": answers}  # fmt: skip
+    return {
+        "probes": len(ordered),
+        "health_p50_ms": 1e3 * statistics.median(ordered),
+        "health_p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
+        "health_max_ms": 1e3 * ordered[-1],
+        "big_body_answers": answers,
+    }
 
 
 async def rate_limited(url: str, per_s: float, seconds: float, configured_per_min: float) -> dict[str, Any]:
@@ -177,9 +212,14 @@ async def rate_limited(url: str, per_s: float, seconds: float, configured_per_mi
         elapsed = time.monotonic() - started
     burst = configured_per_min / 60 * 10
     allowed = burst + configured_per_min / 60 * elapsed
-    return {"offered_per_s": per_s, "seconds": round(elapsed, 2), "answers": counts,
-            "configured_per_min": configured_per_min, "burst": burst,
-            "accepted_over_allowed": counts.get(200, 0) / allowed}  # fmt: skip
+    return {
+        "offered_per_s": per_s,
+        "seconds": round(elapsed, 2),
+        "answers": counts,
+        "configured_per_min": configured_per_min,
+        "burst": burst,
+        "accepted_over_allowed": counts.get(200, 0) / allowed,
+    }
 
 
 def main() -> None:
@@ -189,9 +229,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/robustness.json")
     args = parser.parse_args()
     st = ensure_schemathesis()
-    result: dict[str, Any] = {"conditions": {"model": "tiny random-weight llama (kvyard.testing)", "dtype": "float32",
-                                             "device": "cpu (2 cores)", "max_body_mb": 4,
-                                             "schemathesis_max_examples": args.max_examples}}  # fmt: skip
+    result: dict[str, Any] = {
+        "conditions": {
+            "model": "tiny random-weight llama (kvyard.testing)",
+            "dtype": "float32",
+            "device": "cpu (2 cores)",
+            "max_body_mb": 4,
+            "schemathesis_max_examples": args.max_examples,
+        }
+    }
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         model = create_model("llama", "tiny", work / "llama")

@@ -44,9 +44,26 @@ def start_sims(total: int, processes: int, scratch: Path) -> tuple[list[subproce
         if count == 0:
             continue
         ports = scratch / f"ports-{number}.json"
-        command = [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", str(count), "--ports-file",
-                   str(ports), "--admin-key", ADMIN_KEY, "--time-scale", "0.01", "--num-kv-blocks", "2048",
-                   "--log-level", "error"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "kvyard",
+            "sim",
+            "--port",
+            "0",
+            "--replicas",
+            str(count),
+            "--ports-file",
+            str(ports),
+            "--admin-key",
+            ADMIN_KEY,
+            "--time-scale",
+            "0.01",
+            "--num-kv-blocks",
+            "2048",
+            "--log-level",
+            "error",
+        ]
         sims.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         files.append(ports)
     urls: list[str] = []
@@ -73,8 +90,10 @@ async def counts_by_reason(session: aiohttp.ClientSession, router: str) -> dict[
     async with session.get(f"{router}/metrics") as response:
         lines = (await response.text()).splitlines()
     counts: dict[str, float] = {}
-    for prefix, name in (("kvyard_router_index_resyncs_total{", "resyncs"),
-                         ("kvyard_router_ejections_total{", "ejections")):  # fmt: skip
+    for prefix, name in (
+        ("kvyard_router_index_resyncs_total{", "resyncs"),
+        ("kvyard_router_ejections_total{", "ejections"),
+    ):
         for line in lines:
             if line.startswith(prefix):
                 reason = line.split('reason="')[1].split('"')[0]
@@ -100,8 +119,12 @@ async def decision_times(session: aiohttp.ClientSession, router: str) -> dict[st
     def quantile(q: float) -> float:
         return next(bound for bound, seen in buckets if seen >= q * count) * 1e6
 
-    return {"decisions": count, "decision_us_mean": round(total / max(count, 1) * 1e6, 1),
-            "decision_us_p50_at_most": quantile(0.5), "decision_us_p99_at_most": quantile(0.99)}  # fmt: skip
+    return {
+        "decisions": count,
+        "decision_us_mean": round(total / max(count, 1) * 1e6, 1),
+        "decision_us_p50_at_most": quantile(0.5),
+        "decision_us_p99_at_most": quantile(0.99),
+    }
 
 
 async def drive(args: argparse.Namespace, router: str, router_pid: int, num_replicas: int) -> dict[str, Any]:
@@ -139,24 +162,47 @@ async def drive(args: argparse.Namespace, router: str, router_pid: int, num_repl
         load_cpu = cpu_seconds(router_pid) - load_cpu
         decisions = await decision_times(session, router)
         counts_after = await counts_by_reason(session, router)
-        during_load = {key: count - counts_before.get(key, 0.0) for key, count in counts_after.items()
-                       if count > counts_before.get(key, 0.0)}  # fmt: skip
-    return {"replicas": num_replicas, "replicas_with_kv_events": synced, "seconds_until_all_healthy": round(ready_s, 1),
-            "router_idle_cpu_per_s": round(idle_rate, 3),
-            "router_idle_cpu_ms_per_replica_per_s": round(idle_rate / num_replicas * 1e3, 3),
-            "requests": args.requests, "failed": failures, "requests_per_s": round(args.requests / wall, 1),
-            "router_cpu_ms_per_request": round((load_cpu - idle_rate * wall) / args.requests * 1e3, 3),
-            "router_cpu_ms_per_request_with_idle": round(load_cpu / args.requests * 1e3, 3), **decisions,
-            "resyncs_and_ejections_during_load": during_load}  # fmt: skip
+        during_load = {
+            key: count - counts_before.get(key, 0.0)
+            for key, count in counts_after.items()
+            if count > counts_before.get(key, 0.0)
+        }
+    return {
+        "replicas": num_replicas,
+        "replicas_with_kv_events": synced,
+        "seconds_until_all_healthy": round(ready_s, 1),
+        "router_idle_cpu_per_s": round(idle_rate, 3),
+        "router_idle_cpu_ms_per_replica_per_s": round(idle_rate / num_replicas * 1e3, 3),
+        "requests": args.requests,
+        "failed": failures,
+        "requests_per_s": round(args.requests / wall, 1),
+        "router_cpu_ms_per_request": round((load_cpu - idle_rate * wall) / args.requests * 1e3, 3),
+        "router_cpu_ms_per_request_with_idle": round(load_cpu / args.requests * 1e3, 3),
+        **decisions,
+        "resyncs_and_ejections_during_load": during_load,
+    }
 
 
 def measure(num_replicas: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         sims, urls = start_sims(num_replicas, min(args.sim_processes, num_replicas), Path(scratch))
         port = 18400 + num_replicas % 1000
-        router = subprocess.Popen([sys.executable, "-m", "kvyard", "route", "--port", str(port), "--replica-admin-key",
-                                   ADMIN_KEY, "--admin-key", ROUTER_ADMIN_KEY], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)  # fmt: skip
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvyard",
+                "route",
+                "--port",
+                str(port),
+                "--replica-admin-key",
+                ADMIN_KEY,
+                "--admin-key",
+                ROUTER_ADMIN_KEY,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(add_replicas(url, urls))
@@ -197,10 +243,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "router_fleet_live.json")
     args = parser.parse_args()
     rows = [measure(int(size), args) for size in args.replicas.split(",")]
-    conditions = {"machine": f"{os.cpu_count()} CPUs (shared VM; router, sims and client share them)",
-                  "sim_processes": args.sim_processes, "requests": args.requests, "concurrency": args.concurrency,
-                  "sessions": args.sessions, "prompt": "256 tokens + 32 per turn", "max_tokens": 4,
-                  "health_interval_s": 0.5, "time_scale": 0.01}  # fmt: skip
+    conditions = {
+        "machine": f"{os.cpu_count()} CPUs (shared VM; router, sims and client share them)",
+        "sim_processes": args.sim_processes,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "sessions": args.sessions,
+        "prompt": "256 tokens + 32 per turn",
+        "max_tokens": 4,
+        "health_interval_s": 0.5,
+        "time_scale": 0.01,
+    }
     report = {"benchmark": "router_fleet_live", "conditions": conditions, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -66,16 +66,23 @@ class Fleet:
 
     def __init__(self, num_replicas: int, args: argparse.Namespace, rng: random.Random) -> None:
         self.holders = KeyHolders()
-        self.replicas = [Replica(f"http://10.0.{i // 250}.{i % 250}:8000", index=CacheIndex(holders=self.holders),
-                                 namespace=NAMESPACE) for i in range(num_replicas)]  # fmt: skip
+        self.replicas = [
+            Replica(
+                f"http://10.0.{i // 250}.{i % 250}:8000", index=CacheIndex(holders=self.holders), namespace=NAMESPACE
+            )
+            for i in range(num_replicas)
+        ]
         for replica in self.replicas:
             replica.index.owner = replica
             replica.index.reset([], 0)
-            replica.load = LoadReport(num_waiting=rng.randrange(4), num_running=rng.randrange(16),
-                                      prefill_s_per_token=1e-4)  # fmt: skip
+            replica.load = LoadReport(
+                num_waiting=rng.randrange(4), num_running=rng.randrange(16), prefill_s_per_token=1e-4
+            )
         self.root = NAMESPACE.root_key()
-        self.system_tokens = [[rng.randrange(3, 30000) for _ in range(args.system_blocks * BLOCK_SIZE)]
-                              for _ in range(args.system_prompts)]  # fmt: skip
+        self.system_tokens = [
+            [rng.randrange(3, 30000) for _ in range(args.system_blocks * BLOCK_SIZE)]
+            for _ in range(args.system_prompts)
+        ]
         self.system_keys = [chain(self.root, tokens) for tokens in self.system_tokens]
         self.sessions: list[tuple[int, int, list[int]]] = []  # (replica, system prompt, history tokens): probes
         self.ingest_seconds = 0.0
@@ -99,8 +106,9 @@ class Fleet:
             keys = history_keys if system in held_system[at] else [*self.system_keys[system], *history_keys]
             held_system[at].add(system)
             seqs[at] += 1
-            line = b"data: " + orjson.dumps({"seq": seqs[at], "type": "stored", "medium": "device",
-                                             "block_keys": [key.hex() for key in keys]})  # fmt: skip
+            line = b"data: " + orjson.dumps(
+                {"seq": seqs[at], "type": "stored", "medium": "device", "block_keys": [key.hex() for key in keys]}
+            )
             started = time.perf_counter()
             event = parse_event_line(line)
             assert event is not None

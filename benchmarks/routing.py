@@ -57,9 +57,11 @@ MODEL = "kvyard-sim"
 MAX_BATCH_TOKENS = 2048  # the sim's default token budget per step
 ADMIN_KEY = "routing-benchmark-admin"  # the sims' admin plane (KV events), which kvyard's router follows
 SOURCES = ("device", "local", "shared")
-PARITY_METRICS = {"predicted": "kvyard_router_predicted_cached_tokens_by_source_total",
-                  "reported": "kvyard_router_reported_cached_tokens_by_source_total",
-                  "abs_error": "kvyard_router_cached_tokens_abs_error_total"}  # fmt: skip
+PARITY_METRICS = {
+    "predicted": "kvyard_router_predicted_cached_tokens_by_source_total",
+    "reported": "kvyard_router_reported_cached_tokens_by_source_total",
+    "abs_error": "kvyard_router_cached_tokens_abs_error_total",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,10 +222,26 @@ def free_port() -> int:
 def start_sims(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     ports_file = log.with_suffix(".ports.json")
     ports_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "kvyard", "sim", "--replicas", str(args.replicas), "--port", "0",
-               "--ports-file", str(ports_file), "--num-kv-blocks", str(args.capacity_blocks),
-               "--time-scale", str(args.time_scale), "--stream-interval-s", "0.005",
-               "--admin-key", ADMIN_KEY]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "sim",
+        "--replicas",
+        str(args.replicas),
+        "--port",
+        "0",
+        "--ports-file",
+        str(ports_file),
+        "--num-kv-blocks",
+        str(args.capacity_blocks),
+        "--time-scale",
+        str(args.time_scale),
+        "--stream-interval-s",
+        "0.005",
+        "--admin-key",
+        ADMIN_KEY,
+    ]
     if args.host_tier_blocks:
         command += ["--host-tier-blocks", str(args.host_tier_blocks)]
     if args.shared_store_blocks:
@@ -245,20 +263,67 @@ def launch_sims(command: list[str], ports_file: Path, log: Path) -> tuple[subpro
 
 
 def targets(selected: list[str]) -> list[Target]:
-    kvyard = [sys.executable, "-m", "kvyard", "route", "--port", "{port}", "--replica-admin-key", ADMIN_KEY,
-              "{replica-args}"]  # fmt: skip
-    sglang = [str(PEERS / "sglang-router/bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-              "--port", "{port}", "--worker-urls", "{workers}"]  # fmt: skip
-    smg = [str(PEERS / "smg/bin/smg"), "launch", "--host", "127.0.0.1", "--port", "{port}",
-           "--disable-tokenizer-autoload", "--worker-urls", "{workers}"]  # fmt: skip
-    vllm = [str(PEERS / "vllm-router/bin/vllm-router"), "--host", "127.0.0.1", "--port", "{port}",
-            "--worker-urls", "{workers}"]  # fmt: skip
-    every = [Target(f"kvyard {p}", [*kvyard, "--policy", p])
-             for p in ("cache_aware", "least_load", "session", "round_robin")]  # fmt: skip
-    every += [Target(f"kvyard cache_aware sw{w}", [*kvyard, "--policy", "cache_aware", "--session-recompute-weight",
-                     w], by_default=False) for w in ("10", "1000")]  # fmt: skip
-    every += [Target(f"kvyard cache_aware cw{w}", [*kvyard, "--policy", "cache_aware", "--conversation-weight", w],
-                     by_default=False) for w in ("0", "3")]  # fmt: skip
+    kvyard = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "route",
+        "--port",
+        "{port}",
+        "--replica-admin-key",
+        ADMIN_KEY,
+        "{replica-args}",
+    ]
+    sglang = [
+        str(PEERS / "sglang-router/bin/python"),
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--worker-urls",
+        "{workers}",
+    ]
+    smg = [
+        str(PEERS / "smg/bin/smg"),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--disable-tokenizer-autoload",
+        "--worker-urls",
+        "{workers}",
+    ]
+    vllm = [
+        str(PEERS / "vllm-router/bin/vllm-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--worker-urls",
+        "{workers}",
+    ]
+    every = [
+        Target(f"kvyard {p}", [*kvyard, "--policy", p]) for p in ("cache_aware", "least_load", "session", "round_robin")
+    ]
+    every += [
+        Target(
+            f"kvyard cache_aware sw{w}",
+            [*kvyard, "--policy", "cache_aware", "--session-recompute-weight", w],
+            by_default=False,
+        )
+        for w in ("10", "1000")
+    ]
+    every += [
+        Target(
+            f"kvyard cache_aware cw{w}",
+            [*kvyard, "--policy", "cache_aware", "--conversation-weight", w],
+            by_default=False,
+        )
+        for w in ("0", "3")
+    ]
     every += [
         Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
         Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),
@@ -306,8 +371,15 @@ async def wait_ready(url: str, timeout: float, process: subprocess.Popen[bytes] 
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, user: str) -> Result:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, "user": user}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "user": user,
+    }
     started = time.perf_counter()
     result = Result(ok=False)
     try:
@@ -433,10 +505,17 @@ def write_per_request(path: Path, results: list[Result], floors: list[float]) ->
     floor, and where its cached tokens came from."""
     with path.open("w") as out:
         for index, (result, floor) in enumerate(zip(results, floors, strict=True)):
-            record = {"index": index, "ok": result.ok, "sent_s": round(result.sent_s, 3),
-                      "ttft_s": round(result.ttft_s, 4), "floor_s": round(floor, 4),
-                      "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
-                      "cached_by_source": result.cached_by_source, "replica": result.replica}  # fmt: skip
+            record = {
+                "index": index,
+                "ok": result.ok,
+                "sent_s": round(result.sent_s, 3),
+                "ttft_s": round(result.ttft_s, 4),
+                "floor_s": round(floor, 4),
+                "prompt_tokens": result.prompt_tokens,
+                "cached_tokens": result.cached_tokens,
+                "cached_by_source": result.cached_by_source,
+                "replica": result.replica,
+            }
             out.write(json.dumps(record) + "\n")
 
 
@@ -453,12 +532,22 @@ async def router_parity(url: str) -> dict[str, Any]:
                 sums.setdefault(source, {}).setdefault(kind, 0.0)
                 sums[source][kind] += float(line.rsplit(" ", 1)[1])
     reported_total = sum(values.get("reported", 0.0) for values in sums.values()) or 1.0
-    return {source: {kind: round(value / reported_total, 4) for kind, value in values.items()}
-            for source, values in sorted(sums.items())}  # fmt: skip
+    return {
+        source: {kind: round(value / reported_total, 4) for kind, value in values.items()}
+        for source, values in sorted(sums.items())
+    }
 
 
-def run_target(target: Target, args: argparse.Namespace, requests: list[TraceRequest], prompts: list[str],
-               speedup: float, logs: Path, floors: list[float], round_number: int) -> dict[str, Any]:  # fmt: skip
+def run_target(
+    target: Target,
+    args: argparse.Namespace,
+    requests: list[TraceRequest],
+    prompts: list[str],
+    speedup: float,
+    logs: Path,
+    floors: list[float],
+    round_number: int,
+) -> dict[str, Any]:
     slug = target.name.replace(" ", "_")
     sims, workers = start_sims(args, logs / f"sim-{slug}.log")
     port = free_port()
@@ -532,8 +621,11 @@ def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, 
         cpu_before = cpu_seconds(router.pid)
         elapsed = asyncio.run(hammer(url, args.overhead_requests, 8))
         cpu = cpu_seconds(router.pid) - cpu_before
-        result = {"router": target.name, "cpu_us_per_request": cpu / args.overhead_requests * 1e6,
-                  "requests_per_s": args.overhead_requests / elapsed}  # fmt: skip
+        result = {
+            "router": target.name,
+            "cpu_us_per_request": cpu / args.overhead_requests * 1e6,
+            "requests_per_s": args.overhead_requests / elapsed,
+        }
         print(json.dumps(result), flush=True)
         return result
     finally:
@@ -548,9 +640,15 @@ def overhead(target: Target, args: argparse.Namespace, logs: Path) -> dict[str, 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with the reason on a value the run cannot use (a zero count would silently replay the whole trace)."""
-    positive = {"--requests": args.requests, "--max-output": args.max_output, "--replicas": args.replicas,
-                "--capacity-blocks": args.capacity_blocks, "--time-scale": args.time_scale,
-                "--utilisation": args.utilisation, "--repeats": args.repeats}  # fmt: skip
+    positive = {
+        "--requests": args.requests,
+        "--max-output": args.max_output,
+        "--replicas": args.replicas,
+        "--capacity-blocks": args.capacity_blocks,
+        "--time-scale": args.time_scale,
+        "--utilisation": args.utilisation,
+        "--repeats": args.repeats,
+    }
     for flag, value in positive.items():
         if value <= 0:
             parser.error(f"{flag} must be > 0, got {value}")
@@ -572,14 +670,27 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--capacity-blocks", type=int, default=32768, help="per replica, 16-token blocks")
     parser.add_argument("--time-scale", type=float, default=0.01, help="sim: wall seconds per simulated second")
-    parser.add_argument("--host-tier-blocks", type=int, default=0, help="sim: a host-memory KV tier of this many "
-                        "blocks per replica (0: none)")  # fmt: skip
-    parser.add_argument("--shared-store-blocks", type=int, default=0, help="sim: a KV store of this many blocks "
-                        "shared by all replicas; -1: the working set's size; 0: none")  # fmt: skip
+    parser.add_argument(
+        "--host-tier-blocks",
+        type=int,
+        default=0,
+        help="sim: a host-memory KV tier of this many blocks per replica (0: none)",
+    )
+    parser.add_argument(
+        "--shared-store-blocks",
+        type=int,
+        default=0,
+        help="sim: a KV store of this many blocks shared by all replicas; -1: the working set's size; 0: none",
+    )
     parser.add_argument("--utilisation", type=float, default=0.8, help="target offered load of the fleet")
-    parser.add_argument("--utilisation-window-s", type=float, default=0.0, help="apply --utilisation to the busiest "
-                        "window of this many trace seconds instead of the whole replay (0: the whole replay); "
-                        "long replays have busy stretches that overload a fleet sized for their average")  # fmt: skip
+    parser.add_argument(
+        "--utilisation-window-s",
+        type=float,
+        default=0.0,
+        help="apply --utilisation to the busiest "
+        "window of this many trace seconds instead of the whole replay (0: the whole replay); "
+        "long replays have busy stretches that overload a fleet sized for their average",
+    )
     parser.add_argument(
         "--only", action="append", default=[], help="run only routers whose name contains this (is it, with a final $)"
     )
@@ -610,20 +721,30 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     floors = ttft_floors(requests, args.time_scale)
     conditions = {
-        "requests": len(requests), "trace_span_s": trace_span, "arrival_speedup": speedup,
-        "replay_span_wall_s": trace_span / speedup, "replicas": args.replicas,
-        "capacity_blocks_per_replica": args.capacity_blocks, "block_size": 16,
-        "working_set_blocks": len(blocks) * TRACE_BLOCK // 16, "time_scale": args.time_scale,
-        "max_output": args.max_output, "offered_utilisation_estimate": args.utilisation,
+        "requests": len(requests),
+        "trace_span_s": trace_span,
+        "arrival_speedup": speedup,
+        "replay_span_wall_s": trace_span / speedup,
+        "replicas": args.replicas,
+        "capacity_blocks_per_replica": args.capacity_blocks,
+        "block_size": 16,
+        "working_set_blocks": len(blocks) * TRACE_BLOCK // 16,
+        "time_scale": args.time_scale,
+        "max_output": args.max_output,
+        "offered_utilisation_estimate": args.utilisation,
         "utilisation_window_s": args.utilisation_window_s or "whole replay",
         "mean_utilisation_estimate": args.utilisation * work / trace_span / work_rate,
-        "ideal_hit_ratio_subset": ideal, "trace": args.trace.name,
-        "unlimited_cache_hit_ratio": unlimited, "pooled_lru_hit_ratio": pooled, "rounds": args.repeats,
-        "cpus": os.cpu_count(), "host_tier_blocks_per_replica": args.host_tier_blocks,
+        "ideal_hit_ratio_subset": ideal,
+        "trace": args.trace.name,
+        "unlimited_cache_hit_ratio": unlimited,
+        "pooled_lru_hit_ratio": pooled,
+        "rounds": args.repeats,
+        "cpus": os.cpu_count(),
+        "host_tier_blocks_per_replica": args.host_tier_blocks,
         "shared_store_blocks": args.shared_store_blocks,
         "ttft_floor_s": {"p50": percentile(floors, 0.5), "p99": percentile(floors, 0.99)},
         "provenance": provenance.of_run(),
-    }  # fmt: skip
+    }
     print(json.dumps(conditions), flush=True)
     if args.dry_run:
         return 0
@@ -635,8 +756,13 @@ def main() -> int:
             results.append({**run, "round": round_number})
     overheads = []
     if not args.skip_overhead:
-        measured = ("kvyard cache_aware", "kvyard round_robin", "sglang-router cache_aware", "smg cache_aware",
-                    "vllm-router cache_aware")  # fmt: skip
+        measured = (
+            "kvyard cache_aware",
+            "kvyard round_robin",
+            "sglang-router cache_aware",
+            "smg cache_aware",
+            "vllm-router cache_aware",
+        )
         overheads = [overhead(t, args, logs) for t in targets(args.only) if t.name in measured]
     report = {"conditions": conditions, "summary": across_rounds(results), "routing": results, "overhead": overheads}
     args.out.write_text(json.dumps(report, indent=2))

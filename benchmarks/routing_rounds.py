@@ -26,8 +26,7 @@ from typing import Any
 
 from routing import SOURCES, percentile, spread
 
-METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p50_s", "ttft_excess_p99_s", "failed",
-           "sim_lag_s_max")  # fmt: skip
+METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_excess_p50_s", "ttft_excess_p99_s", "failed", "sim_lag_s_max")
 # Conditions that describe the machine or the invocation, not the experiment: they may differ between rounds.
 FREE_CONDITIONS = frozenset({"rounds", "provenance"})
 # Per-request lines keep TTFTs to 0.1 ms; a recomputed number may differ from the reported one by that rounding.
@@ -113,8 +112,10 @@ def common_conditions(loaded: list[tuple[dict[str, Any], Round]]) -> dict[str, A
     for conditions, one in loaded[1:]:
         for key in sorted((first_conditions.keys() | conditions.keys()) - FREE_CONDITIONS):
             if first_conditions.get(key) != conditions.get(key):
-                raise RunError(f"{one.path}: condition {key!r} is {conditions.get(key)!r}, but "
-                               f"{first_round.path} has {first_conditions.get(key)!r}")  # fmt: skip
+                raise RunError(
+                    f"{one.path}: condition {key!r} is {conditions.get(key)!r}, but "
+                    f"{first_round.path} has {first_conditions.get(key)!r}"
+                )
     return {key: value for key, value in first_conditions.items() if key not in FREE_CONDITIONS}
 
 
@@ -142,8 +143,11 @@ def bars(summary: dict[str, dict[str, Any]], subject: str, unlimited: float) -> 
         raise RunError(f"no run of the subject router {subject!r} among: {', '.join(summary)}")
     peers = {router: row for router, row in summary.items() if router != subject}
     mine = summary[subject]
-    result: dict[str, Any] = {"subject": subject, "rounds": {router: row["rounds"] for router, row in summary.items()},
-                              "hit_ratio_over_unlimited": mine["hit_ratio"]["mean"] / unlimited}  # fmt: skip
+    result: dict[str, Any] = {
+        "subject": subject,
+        "rounds": {router: row["rounds"] for router, row in summary.items()},
+        "hit_ratio_over_unlimited": mine["hit_ratio"]["mean"] / unlimited,
+    }
     if peers:
         best_p99 = min(peers, key=lambda router: peers[router]["ttft_p99_s"]["mean"])
         best_p50 = min(peers, key=lambda router: peers[router]["ttft_p50_s"]["mean"])
@@ -163,13 +167,17 @@ def table(summary: dict[str, dict[str, Any]], unlimited: float) -> str:
         values = row[metric]
         return f"{values['mean']:.{digits}f} ({values['min']:.{digits}f}–{values['max']:.{digits}f})"
 
-    lines = ["| router | rounds | hit ratio (÷ unlimited) | TTFT p50 (s) | TTFT p99 (s) | p99 of TTFT − floor (s) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| router | rounds | hit ratio (÷ unlimited) | TTFT p50 (s) | TTFT p99 (s) | p99 of TTFT − floor (s) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for router, row in summary.items():
         ratio = row["hit_ratio"]["mean"] / unlimited
-        lines.append(f"| {router} | {row['rounds']} | {cell(row, 'hit_ratio', 4)} ({ratio:.2f}×) | "
-                     f"{cell(row, 'ttft_p50_s', 3)} | {cell(row, 'ttft_p99_s', 2)} | "
-                     f"{cell(row, 'ttft_excess_p99_s', 2)} |")  # fmt: skip
+        lines.append(
+            f"| {router} | {row['rounds']} | {cell(row, 'hit_ratio', 4)} ({ratio:.2f}×) | "
+            f"{cell(row, 'ttft_p50_s', 3)} | {cell(row, 'ttft_p99_s', 2)} | "
+            f"{cell(row, 'ttft_excess_p99_s', 2)} |"
+        )
     return "\n".join(lines)
 
 
@@ -186,8 +194,12 @@ def main() -> int:
         conditions = common_conditions(loaded)
         summary = summarize([one for _, one in loaded])
         unlimited = float(conditions["unlimited_cache_hit_ratio"])
-        report = {"conditions": conditions, "summary": summary, "bars": bars(summary, args.subject, unlimited),
-                  "runs": [run_row(one) for _, one in loaded]}  # fmt: skip
+        report = {
+            "conditions": conditions,
+            "summary": summary,
+            "bars": bars(summary, args.subject, unlimited),
+            "runs": [run_row(one) for _, one in loaded],
+        }
     except RunError as error:
         print(f"routing_rounds.py: {error}", file=sys.stderr)
         return 2

@@ -24,8 +24,13 @@ from trace_shapes import every_shape, statistics, write
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
-ROUTERS = ("kvyard cache_aware$", "sglang-router cache_aware", "smg cache_aware", "vllm-router cache_aware",
-           "vllm-router round_robin")  # fmt: skip
+ROUTERS = (
+    "kvyard cache_aware$",
+    "sglang-router cache_aware",
+    "smg cache_aware",
+    "vllm-router cache_aware",
+    "vllm-router round_robin",
+)
 KVYARD = "kvyard cache_aware"
 DEFAULT_TIME_SCALE = 0.01  # routing.py's
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_ratio")
@@ -34,9 +39,21 @@ METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_ratio")
 def run_shape(name: str, trace: Path, utilisation: float, args: argparse.Namespace) -> dict[str, Any]:
     out = args.out.parent / "routing-shapes-logs" / name / "routing.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(REPO / "benchmarks" / "routing.py"), "--trace", str(trace),
-               "--requests", str(args.requests), "--max-output", str(args.max_output),
-               "--utilisation", str(utilisation), "--skip-overhead", "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "routing.py"),
+        "--trace",
+        str(trace),
+        "--requests",
+        str(args.requests),
+        "--max-output",
+        str(args.max_output),
+        "--utilisation",
+        str(utilisation),
+        "--skip-overhead",
+        "--out",
+        str(out),
+    ]
     # The sim's time scale that stretches this shape's replay to --replay-s of wall time: a shape of short prompts
     # replayed at the default scale would send hundreds of requests a second, and measure the HTTP stack instead.
     dry = subprocess.run([*command, "--dry-run"], check=True, capture_output=True, text=True)
@@ -52,8 +69,9 @@ def run_shape(name: str, trace: Path, utilisation: float, args: argparse.Namespa
 
 def table(name: str, report: dict[str, Any]) -> dict[str, Any]:
     """Per router: the mean of each metric over its rounds; kvyard's ratio to the best other router's."""
-    rows = {row["router"]: {metric: row[metric]["mean"] for metric in METRICS if metric in row}
-            for row in report["summary"]}  # fmt: skip
+    rows = {
+        row["router"]: {metric: row[metric]["mean"] for metric in METRICS if metric in row} for row in report["summary"]
+    }
     peers = {router: row for router, row in rows.items() if router != KVYARD}
     shape: dict[str, Any] = {"shape": name, "routers": rows}
     if KVYARD in rows and peers:
@@ -123,8 +141,9 @@ def main() -> int:
             if name in done:
                 continue
             report = run_shape(name, trace, utilisation, args)
-            results.append({**table(name, report), "params": params, "conditions": report["conditions"],
-                            "runs": report["routing"]})  # fmt: skip
+            results.append(
+                {**table(name, report), "params": params, "conditions": report["conditions"], "runs": report["routing"]}
+            )
             args.out.write_text(json.dumps({"shapes": results}, indent=2))
     plot(results, args.out.with_suffix(".png"))
     for shape in results:

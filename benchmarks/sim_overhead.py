@@ -59,9 +59,14 @@ async def drive(args: argparse.Namespace, urls: list[str], pid: int) -> dict[str
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
             lag += sample_sum(text, "kvyard_sim_lag_seconds")
-    return {"wall_s": round(wall, 2), "requests_per_s": round(args.requests / wall, 1), "sim_cpu_s": round(cpu, 2),
-            "sim_cpu_ms_per_request": round(cpu / args.requests * 1e3, 2), "sse_chunks": chunks,
-            "replica_lag_s_total": round(lag, 2)}  # fmt: skip
+    return {
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(args.requests / wall, 1),
+        "sim_cpu_s": round(cpu, 2),
+        "sim_cpu_ms_per_request": round(cpu / args.requests * 1e3, 2),
+        "sse_chunks": chunks,
+        "replica_lag_s_total": round(lag, 2),
+    }
 
 
 def main() -> None:
@@ -79,10 +84,28 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         ports = Path(scratch) / "ports.json"
-        command = [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", str(args.replicas),
-                   "--ports-file", str(ports), "--time-scale", str(args.time_scale), "--stream-interval-s",
-                   str(args.stream_interval_ms / 1000), "--tick-s", str(args.tick_ms / 1000), "--block-size",
-                   str(args.block_size), "--num-kv-blocks", "100000"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "kvyard",
+            "sim",
+            "--port",
+            "0",
+            "--replicas",
+            str(args.replicas),
+            "--ports-file",
+            str(ports),
+            "--time-scale",
+            str(args.time_scale),
+            "--stream-interval-s",
+            str(args.stream_interval_ms / 1000),
+            "--tick-s",
+            str(args.tick_ms / 1000),
+            "--block-size",
+            str(args.block_size),
+            "--num-kv-blocks",
+            "100000",
+        ]
         sim = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         try:
             while not ports.exists():
@@ -94,8 +117,18 @@ def main() -> None:
         finally:
             sim.terminate()
             sim.wait()
-    names = ("replicas", "requests", "concurrency", "prompt_len", "max_tokens", "stream", "time_scale",
-             "stream_interval_ms", "tick_ms", "block_size")  # fmt: skip
+    names = (
+        "replicas",
+        "requests",
+        "concurrency",
+        "prompt_len",
+        "max_tokens",
+        "stream",
+        "time_scale",
+        "stream_interval_ms",
+        "tick_ms",
+        "block_size",
+    )
     conditions = {name: getattr(args, name) for name in names}
     load = os.getloadavg()[0]
     print(json.dumps({"conditions": {**conditions, "cores": os.cpu_count(), "load_average_1m": load}, **result}))

@@ -102,21 +102,29 @@ def main() -> int:
                 proposed = stats.spec_proposed_tokens - stats_before.spec_proposed_tokens
                 accepted = stats.spec_accepted_tokens - stats_before.spec_accepted_tokens
                 row = {
-                    "batch_size": batch_size, "num_speculative_tokens": k, "acceptance_set": acceptance,
-                    "acceptance_measured": accepted / max(1, proposed), "exact": True,
+                    "batch_size": batch_size,
+                    "num_speculative_tokens": k,
+                    "acceptance_set": acceptance,
+                    "acceptance_measured": accepted / max(1, proposed),
+                    "exact": True,
                     "tokens_per_s": batch_size * args.output_tokens / seconds,
                     "plain_tokens_per_s": batch_size * args.output_tokens / ((before + after) / 2),
                     "speedup": ((before + after) / 2) / seconds,
-                }  # fmt: skip
+                }
                 print(json.dumps(row), flush=True)
                 results.append(row)
             speculative.close()
     conditions = {
-        "model": "kvyard bench preset (llama, 56M, random weights), fp32", "device": "cpu",
-        "cpus": os.cpu_count(), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+        "model": "kvyard bench preset (llama, 56M, random weights), fp32",
+        "device": "cpu",
+        "cpus": os.cpu_count(),
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
         "proposer": "oracle (known greedy continuation, each token wrong with probability 1 - r)",
-        "adaptive_k": not args.no_adaptive, "prefix_cache": "reset before every run", "provenance": run,
-    }  # fmt: skip
+        "adaptive_k": not args.no_adaptive,
+        "prefix_cache": "reset before every run",
+        "provenance": run,
+    }
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
     return 0
 

@@ -65,17 +65,27 @@ PROMPT_DESCRIPTIONS = {
     "repetitive": "an 8-token motif x 8, then 4 random tokens",
     "long": "1024 random tokens",
     "code-edit": "a held-out standard-library function of 300-1500 characters, a blank line, '# The same function, "
-                 "rewritten:' and its first line",
-}  # fmt: skip
+    "rewritten:' and its first line",
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = parser_with_work_dir(__doc__, "models, GGUF files and peers' outputs")
-    parser.add_argument("--model", choices=tuple(PROMPT_SETS), default="bench", help="bench: the random-weight bench "
-                        "model; large: a random-weight model too large for the CPU's cache (created on first use, "
-                        "1.6 GB); demo: the trained demo model, on code-edit prompts")  # fmt: skip
-    parser.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=list(DEFAULT_PROPOSERS),
-                        help="kvyard's, each measured against plain decoding")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        choices=tuple(PROMPT_SETS),
+        default="bench",
+        help="bench: the random-weight bench "
+        "model; large: a random-weight model too large for the CPU's cache (created on first use, "
+        "1.6 GB); demo: the trained demo model, on code-edit prompts",
+    )
+    parser.add_argument(
+        "--proposers",
+        nargs="+",
+        choices=PROPOSERS,
+        default=list(DEFAULT_PROPOSERS),
+        help="kvyard's, each measured against plain decoding",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K at most (adaptive)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts decoded together")
     parser.add_argument(
@@ -129,8 +139,13 @@ def code_edit_prompts(count: int, model_dir: Path, rng: random.Random) -> list[l
     from kvyard.testing.train_demo import definitions, held_out, stdlib_sources
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sources = [source for path in stdlib_sources() if held_out(path) for source, _ in definitions(path)
-               if source.startswith("def ") and 300 <= len(source) <= 1500]  # fmt: skip
+    sources = [
+        source
+        for path in stdlib_sources()
+        if held_out(path)
+        for source, _ in definitions(path)
+        if source.startswith("def ") and 300 <= len(source) <= 1500
+    ]
     chosen = rng.sample(sources, count)
     texts = [f"{source}\n\n# The same function, rewritten:\n{source.splitlines()[0]}\n" for source in chosen]
     return [list(tokenizer.encode(text)) for text in texts]
@@ -176,9 +191,11 @@ def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> 
     started = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - started
-    decode = [output.times.finished - output.times.first_token for output in outputs
-              if output.times is not None and output.times.finished is not None
-              and output.times.first_token is not None]  # fmt: skip
+    decode = [
+        output.times.finished - output.times.first_token
+        for output in outputs
+        if output.times is not None and output.times.finished is not None and output.times.first_token is not None
+    ]
     assert len(decode) == len(outputs), "every finished output carries its times"
     return Timed([output.token_ids for output in outputs], seconds, sum(decode) / len(decode))
 
@@ -217,14 +234,21 @@ def run_kvyard(args: argparse.Namespace, model: Path, draft_dir: Path) -> list[d
                 verifications = stats.spec_verifications - before.spec_verifications
                 output_tokens = args.repeats * batch_size * args.output_tokens
                 row = {
-                    "engine": "kvyard", "proposer": proposer, "prompts": kind, "batch_size": batch_size,
-                    "exact": True, "speedups": ratios, "speedup": sum(ratios) / len(ratios),
-                    "decode_speedups": decode_ratios, "decode_speedup": sum(decode_ratios) / len(decode_ratios),
-                    "tokens_per_s": output_tokens / spec_s, "plain_tokens_per_s": output_tokens / plain_s,
+                    "engine": "kvyard",
+                    "proposer": proposer,
+                    "prompts": kind,
+                    "batch_size": batch_size,
+                    "exact": True,
+                    "speedups": ratios,
+                    "speedup": sum(ratios) / len(ratios),
+                    "decode_speedups": decode_ratios,
+                    "decode_speedup": sum(decode_ratios) / len(decode_ratios),
+                    "tokens_per_s": output_tokens / spec_s,
+                    "plain_tokens_per_s": output_tokens / plain_s,
                     "acceptance_rate": accepted / proposed if proposed else None,
                     "mean_accepted_run": accepted / verifications if verifications else None,
                     "proposed_per_output_token": proposed / output_tokens,
-                }  # fmt: skip
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         speculative.close()
@@ -252,10 +276,19 @@ def run_vllm(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
     venv = PEERS / "vllm"
     if not (venv / "bin" / "python").exists():
         return [{"engine": "vLLM-CPU", "error": f"no vLLM peer at {venv} (bash benchmarks/setup_peers.sh vllm)"}]
-    env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}  # fmt: skip
-    command = [str(venv / "bin" / "python"), str(RUNNERS / "vllm_spec.py"), "--model", str(model_dir),
-               "--num-speculative-tokens", str(args.num_speculative_tokens)]  # fmt: skip
+    env = {
+        "LD_PRELOAD": str(venv / "lib" / "libiomp5.so"),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+    }
+    command = [
+        str(venv / "bin" / "python"),
+        str(RUNNERS / "vllm_spec.py"),
+        "--model",
+        str(model_dir),
+        "--num-speculative-tokens",
+        str(args.num_speculative_tokens),
+    ]
     return run_peer(args, model_dir, "vLLM-CPU fp32", "ngram", command, env)
 
 
@@ -268,8 +301,15 @@ def run_peer(
         prompts_file = args.work_dir / f"spec-prompts-{kind}.json"
         prompts_file.write_text(json.dumps(prompts(kind, 4, model_dir)))
         out = args.work_dir / f"{proposer.replace(' ', '-')}-{engine.split()[0]}-{kind}.json"
-        full_command = [*command, "--prompts", str(prompts_file), "--output-tokens", str(args.output_tokens),
-                        "--out", str(out)]  # fmt: skip
+        full_command = [
+            *command,
+            "--prompts",
+            str(prompts_file),
+            "--output-tokens",
+            str(args.output_tokens),
+            "--out",
+            str(out),
+        ]
         result = subprocess.run(full_command, capture_output=True, text=True, env={**os.environ, **env})
         if result.returncode != 0:
             rows.append({"engine": engine, "prompts": kind, "error": result.stderr[-500:]})
@@ -297,8 +337,9 @@ def main() -> int:
     run = provenance.of_run()
     model_dir = DEMO_MODEL_DIR if args.model == "demo" else cached_model(args.work_dir, preset=args.model)
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    draft_dir = truncated_draft(model_dir, args.work_dir / "models" / f"{model_dir.name}-draft{args.draft_layers}",
-                                args.draft_layers)  # fmt: skip
+    draft_dir = truncated_draft(
+        model_dir, args.work_dir / "models" / f"{model_dir.name}-draft{args.draft_layers}", args.draft_layers
+    )
     results = run_kvyard(args, model_dir, draft_dir)
     if not args.skip_llamacpp:
         results += run_llamacpp(args, model_dir)
@@ -307,13 +348,18 @@ def main() -> int:
     conditions = {
         "model": MODEL_DESCRIPTIONS[args.model],
         "draft": f"the model's first {args.draft_layers} of {num_layers} layers, with its embeddings, norm and head",
-        "device": "cpu", "cpus": os.cpu_count(), "output_tokens": args.output_tokens, "greedy": True,
-        "num_speculative_tokens": args.num_speculative_tokens, "adaptive_k": True,
+        "device": "cpu",
+        "cpus": os.cpu_count(),
+        "output_tokens": args.output_tokens,
+        "greedy": True,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "adaptive_k": True,
         "prompts": {kind: PROMPT_DESCRIPTIONS[kind] for kind in args.prompt_sets},
-        "prefix_cache": "reset before every run", "repeats": args.repeats,
+        "prefix_cache": "reset before every run",
+        "repeats": args.repeats,
         "speedup": "plain / speculative time of the whole generate call (prefill included)",
         "decode_speedup": "the same for each request's first token to its last, averaged over the batch",
-    }  # fmt: skip
+    }
     if not args.skip_llamacpp:
         conditions["llama_cpp"] = (
             "llama-cpp-python 0.3.36, f16 GGUF, LlamaPromptLookupDecoding, single stream, 4 prompts"

@@ -31,19 +31,25 @@ if TYPE_CHECKING:  # imported where used: PyTorch (1 s) only after --help has be
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "unbounded": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"},
-                                                              "minItems": 500}}, "required": ["values"]},
+    "unbounded": {
+        "type": "object",
+        "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 500}},
+        "required": ["values"],
+    },
     "person": {
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-            "email": {"type": "string", "maxLength": 40}, "member": {"type": "boolean"},
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "email": {"type": "string", "maxLength": 40},
+            "member": {"type": "boolean"},
             "role": {"enum": ["admin", "user", "guest"]},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
         },
-        "required": ["name", "age", "email", "member", "role", "tags"], "additionalProperties": False,
+        "required": ["name", "age", "email", "member", "role", "tags"],
+        "additionalProperties": False,
     },
-}  # fmt: skip
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,8 +80,12 @@ def run(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> tuple
 def params_for(count: int, max_tokens: int, structured: StructuredOutput | None) -> list[SamplingParams]:
     from kvyard import SamplingParams
 
-    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=structured is None,
-                           structured=structured) for seed in range(count)]  # fmt: skip
+    return [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=structured is None, structured=structured
+        )
+        for seed in range(count)
+    ]
 
 
 def main() -> int:
@@ -99,19 +109,29 @@ def main() -> int:
                 plain_rate = (plain_before[0] + plain_after[0]) / (plain_before[1] + plain_after[1])
                 valid = sum(1 for o in outputs if o.finish_reason == "stop" and _is_json(o.text))
                 row = {
-                    "batch_size": batch_size, "schema": name, "repeat": repeat,
-                    "constrained_tokens_per_s": tokens / seconds, "plain_tokens_per_s": plain_rate,
-                    "ratio": tokens / seconds / plain_rate, "mean_output_tokens": tokens / batch_size,
-                    "ended_with_valid_json": valid, "requests": batch_size,
-                }  # fmt: skip
+                    "batch_size": batch_size,
+                    "schema": name,
+                    "repeat": repeat,
+                    "constrained_tokens_per_s": tokens / seconds,
+                    "plain_tokens_per_s": plain_rate,
+                    "ratio": tokens / seconds / plain_rate,
+                    "mean_output_tokens": tokens / batch_size,
+                    "ended_with_valid_json": valid,
+                    "requests": batch_size,
+                }
                 print(json.dumps(row), flush=True)
                 results.append(row)
     conditions = {
-        "model": "kvyard bench preset (llama, 56M, random weights, vocab 32000), fp32", "device": "cpu",
-        "cpus": os.cpu_count(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.output_tokens,
-        "sampling": "temperature 1.0, seeded; unconstrained runs ignore EOS", "speculative": "off",
-        "grammar_engine": "llguidance", "prefix_cache": "reset before every run",
-    }  # fmt: skip
+        "model": "kvyard bench preset (llama, 56M, random weights, vocab 32000), fp32",
+        "device": "cpu",
+        "cpus": os.cpu_count(),
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.output_tokens,
+        "sampling": "temperature 1.0, seeded; unconstrained runs ignore EOS",
+        "speculative": "off",
+        "grammar_engine": "llguidance",
+        "prefix_cache": "reset before every run",
+    }
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -82,15 +82,21 @@ def package(model_dir: Path, work_dir: Path, scheme: str) -> Path:
 def kvyard_servers(model_dir: Path, work_dir: Path) -> list[Server]:
     kvyard = [str(REPO / ".venv" / "bin" / "kvyard"), "serve"]
     common = ["--host", "127.0.0.1", "--port", "{port}", "--kv-tier", "none"]
-    servers = [Server("kvyard fp32 checkpoint", [*kvyard, str(model_dir), *common], "/health"),
-               Server("kvyard --quantization int8", [*kvyard, str(model_dir), "--quantization", "int8", *common],
-                      "/health")]  # fmt: skip
+    servers = [
+        Server("kvyard fp32 checkpoint", [*kvyard, str(model_dir), *common], "/health"),
+        Server("kvyard --quantization int8", [*kvyard, str(model_dir), "--quantization", "int8", *common], "/health"),
+    ]
     for scheme in ("int8", "fp16", "bf16"):
-        servers.append(Server(f"kvyard {scheme} package", [*kvyard, str(package(model_dir, work_dir, scheme)),
-                                                           *common], "/health"))  # fmt: skip
-    servers.append(Server("kvyard int8 package --no-fast-start",
-                          [*kvyard, str(package(model_dir, work_dir, "int8")), *common, "--no-fast-start"],
-                          "/health"))  # fmt: skip
+        servers.append(
+            Server(f"kvyard {scheme} package", [*kvyard, str(package(model_dir, work_dir, scheme)), *common], "/health")
+        )
+    servers.append(
+        Server(
+            "kvyard int8 package --no-fast-start",
+            [*kvyard, str(package(model_dir, work_dir, "int8")), *common, "--no-fast-start"],
+            "/health",
+        )
+    )
     for server in servers:
         server.model = Path(server.command[2]).name
     return servers
@@ -103,9 +109,21 @@ def llamacpp_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
         server = Server(f"llama.cpp server {outtype}", [], "/v1/models")
         try:
             gguf = ensure_gguf(argparse.Namespace(work_dir=args.work_dir, peers_dir=PEERS_DIR), model_dir, outtype)
-            server.command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                              "--port", "{port}", "--n_threads", str(os.cpu_count() or 1),
-                              "--n_ctx", "8192"]  # fmt: skip
+            server.command = [
+                str(python),
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                "--n_threads",
+                str(os.cpu_count() or 1),
+                "--n_ctx",
+                "8192",
+            ]
         except (RuntimeError, OSError) as error:
             server.skip_reason = str(error)
         servers.append(server)
@@ -115,8 +133,21 @@ def llamacpp_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
 def vllm_server(model_dir: Path) -> Server:
     venv = PEERS_DIR / "vllm"
     env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2"}
-    command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192"]  # fmt: skip
+    command = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--max-model-len",
+        "8192",
+    ]
     return Server("vLLM-CPU fp32 checkpoint", command, "/health", env, model=str(model_dir))
 
 
@@ -130,12 +161,12 @@ def ready(url: str) -> bool:
 
 def first_completion(base_url: str, model: str | None, timeout: float) -> int:
     """Send one greedy completion; the number of tokens it answered with."""
-    body: dict[str, Any] = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 8,
-                            "temperature": 0}  # fmt: skip
+    body: dict[str, Any] = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 8, "temperature": 0}
     if model is not None:
         body["model"] = model
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         answer = json.loads(response.read())
     return int(answer["usage"]["completion_tokens"])
@@ -162,8 +193,9 @@ def start_once(server: Server, timeout: float, log: Path) -> dict[str, Any]:
     command = [part.replace("{port}", str(port)) for part in server.command]
     started = time.perf_counter()
     with log.open("ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **server.env},
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **server.env}, start_new_session=True
+        )
     try:
         while not ready(f"http://127.0.0.1:{port}{server.ready_path}"):
             if process.poll() is not None:
@@ -176,8 +208,12 @@ def start_once(server: Server, timeout: float, log: Path) -> dict[str, Any]:
             first_answer = first_completion(f"http://127.0.0.1:{port}", server.model, timeout)
         except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
             return {"error": f"the first completion failed: {error} (log: {log})"}
-        return {"seconds": seconds, "first_answer_seconds": time.perf_counter() - started,
-                "answer_tokens": first_answer, "resident_mb": resident_mb(process.pid)}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "first_answer_seconds": time.perf_counter() - started,
+            "answer_tokens": first_answer,
+            "resident_mb": resident_mb(process.pid),
+        }
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -191,9 +227,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = [run["seconds"] for run in runs]
     answers = [run["first_answer_seconds"] for run in runs]
     memory = [run["resident_mb"] for run in runs]
-    return {"seconds_median": statistics.median(seconds), "seconds_range": [min(seconds), max(seconds)],
-            "first_answer_seconds_median": statistics.median(answers),
-            "resident_mb_median": statistics.median(memory), "runs": runs}  # fmt: skip
+    return {
+        "seconds_median": statistics.median(seconds),
+        "seconds_range": [min(seconds), max(seconds)],
+        "first_answer_seconds_median": statistics.median(answers),
+        "resident_mb_median": statistics.median(memory),
+        "runs": runs,
+    }
 
 
 def main() -> int:
@@ -221,15 +261,22 @@ def main() -> int:
     for server in servers:
         done = runs[server.name]
         failed = next((run["error"] for run in done if "error" in run), None)
-        results[server.name] = ({"skipped": server.skip_reason} if server.skip_reason else
-                                {"error": failed, "runs": done} if failed else summarize(done))  # fmt: skip
+        results[server.name] = (
+            {"skipped": server.skip_reason}
+            if server.skip_reason
+            else {"error": failed, "runs": done}
+            if failed
+            else summarize(done)
+        )
     conditions = {
         "model": "kvyard bench preset (llama, 56M, random weights), checkpoint fp32 safetensors (224 MB)",
-        "cpus": os.cpu_count(), "repeats": args.repeats, "page_cache": "warm (every file read in an earlier turn)",
+        "cpus": os.cpu_count(),
+        "repeats": args.repeats,
+        "page_cache": "warm (every file read in an earlier turn)",
         "ready": "kvyard and vLLM: GET /health 200; llama.cpp server: GET /v1/models 200",
         "first_answer": "after ready, one greedy /v1/completions (a one-sentence text prompt, 8 tokens out) answered",
         "provenance": run_provenance,
-    }  # fmt: skip
+    }
     args.out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

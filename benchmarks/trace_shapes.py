@@ -66,8 +66,12 @@ class Request:
     hash_ids: tuple[int, ...]
 
     def record(self) -> dict[str, Any]:
-        return {"timestamp": self.timestamp_ms, "input_length": self.input_length,
-                "output_length": self.output_length, "hash_ids": list(self.hash_ids)}  # fmt: skip
+        return {
+            "timestamp": self.timestamp_ms,
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        }
 
 
 def generate(shape: Shape, count: int, seed: int = 0) -> list[Request]:
@@ -188,9 +192,15 @@ def statistics(requests: list[Request]) -> dict[str, float]:
     def at(q: float) -> int:
         return prompts[min(len(prompts) - 1, int(q * len(prompts)))]
 
-    return {"requests": len(requests), "prompt_p50": at(0.5), "prompt_p90": at(0.9), "prompt_p99": at(0.99),
-            "prompt_max": prompts[-1], "mean_output": sum(outputs) / len(outputs),
-            "unlimited_reuse": round(ideal_hit_ratio(requests), 4)}  # fmt: skip
+    return {
+        "requests": len(requests),
+        "prompt_p50": at(0.5),
+        "prompt_p90": at(0.9),
+        "prompt_p99": at(0.99),
+        "prompt_max": prompts[-1],
+        "mean_output": sum(outputs) / len(outputs),
+        "unlimited_reuse": round(ideal_hit_ratio(requests), 4),
+    }
 
 
 def write(path: Path, requests: list[Request]) -> None:
@@ -207,8 +217,7 @@ def every_shape(count: int, seed: int) -> dict[str, tuple[dict[str, Any], list[R
     # Nominal loads below the others': routing.py's work estimate counts decode tokens at the batched rate, which
     # understates these decode-heavy shapes (at 0.8 nominal, bench-multiturn's median TTFT was 48 s).
     shapes["bench-multiturn"] = ({"utilisation": 0.5, "mean_output": 200}, bench_multiturn(seed=seed)[:count])
-    shapes["bench-shared-prefix"] = ({"utilisation": 0.5, "mean_output": 128},
-                                     bench_shared_prefix(count, seed=seed))  # fmt: skip
+    shapes["bench-shared-prefix"] = ({"utilisation": 0.5, "mean_output": 128}, bench_shared_prefix(count, seed=seed))
     return shapes
 
 

@@ -86,8 +86,12 @@ class StreamProtocol(asyncio.Protocol):
         first = time.monotonic()
         self.transport.write(_HEADERS + _chunk(_TOKEN))
         self.stamps.by_prompt[hash(tuple(prompt))] = (read, first)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": tokens, "total_tokens": len(prompt) + tokens,
-                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": tokens,
+            "total_tokens": len(prompt) + tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         rest = [_chunk(_TOKEN) for _ in range(tokens - 1)]
         rest.append(_chunk(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"))
         rest.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
@@ -97,8 +101,10 @@ class StreamProtocol(asyncio.Protocol):
         assert self.transport is not None
         data = json.dumps(payload).encode()
         reason = {200: b"OK", 400: b"Bad Request"}.get(status, b"Not Found")
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                             % (status, reason, len(data), data))  # fmt: skip
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (status, reason, len(data), data)
+        )
 
 
 async def serve(port: int, strict: bool) -> None:

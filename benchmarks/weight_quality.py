@@ -46,8 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="random prompts scored at every position")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--gguf-types", default="q8_0,f16", help="llama.cpp conversions compared ('' none)")
-    parser.add_argument("--llamacpp-no-repack", action="store_true", help="llama.cpp without its weight repacking "
-                        "and AMX path (it crashed on an Intel Xeon VM with AMX)")  # fmt: skip
+    parser.add_argument(
+        "--llamacpp-no-repack",
+        action="store_true",
+        help="llama.cpp without its weight repacking and AMX path (it crashed on an Intel Xeon VM with AMX)",
+    )
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "weight_quality.json", help="JSON result file"
     )
@@ -132,9 +135,19 @@ def llamacpp_gguf(work_dir: Path, model_dir: Path, outtype: str) -> Path | str:
 
 def run_llamacpp_logits(gguf: Path, prompts_file: Path, out: Path, *options: str) -> np.ndarray | str:
     """runners/llamacpp_logits.py on `gguf` (with its `options`) in the llama.cpp venv: the logits, or why not."""
-    command = [str(PEERS / "llamacpp" / "bin" / "python"), str(RUNNERS / "llamacpp_logits.py"), "--gguf", str(gguf),
-               "--prompts", str(prompts_file), "--out", str(out), "--threads", str(os.cpu_count() or 1),
-               *options]  # fmt: skip
+    command = [
+        str(PEERS / "llamacpp" / "bin" / "python"),
+        str(RUNNERS / "llamacpp_logits.py"),
+        "--gguf",
+        str(gguf),
+        "--prompts",
+        str(prompts_file),
+        "--out",
+        str(out),
+        "--threads",
+        str(os.cpu_count() or 1),
+        *options,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return f"llama.cpp logits failed: {result.stderr[-500:]}"
@@ -183,8 +196,11 @@ def main() -> int:
     name = "kvyard int8 (group 32), decode kernel: int16 activations"
     results[name] = compare(reference, hf_logits(int16_activation_reference(model_dir), prompts))
     print(json.dumps({name: results[name]}), flush=True)
-    bf16_matmul_rows = (("int8", "kvyard int8 (group 32), bf16 matmul"), ("bf16", "kvyard bf16, bf16 matmul"),
-                        ("none", "kvyard fp32 weights, bf16 matmul"))  # fmt: skip
+    bf16_matmul_rows = (
+        ("int8", "kvyard int8 (group 32), bf16 matmul"),
+        ("bf16", "kvyard bf16, bf16 matmul"),
+        ("none", "kvyard fp32 weights, bf16 matmul"),
+    )
     for scheme, name in bf16_matmul_rows:
         results[name] = compare(reference, hf_logits(bf16_matmul_reference(model_dir, scheme), prompts))
         print(json.dumps({name: results[name]}), flush=True)

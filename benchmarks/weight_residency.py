@@ -160,19 +160,35 @@ def main() -> None:
     weight_bytes = sum(n * k for n, k in shapes) * 4
     cache_bytes = last_level_cache_bytes()
     num_copies = max(2, -(-2 * cache_bytes // weight_bytes) + 1)
-    print(f"{args.preset}: {weight_bytes / 1e6:.0f} MB of fp32 weights a step; last-level cache listed "
-          f"{cache_bytes / 2**20:.0f} MiB; {num_copies} copies for cold passes", flush=True)  # fmt: skip
+    print(
+        f"{args.preset}: {weight_bytes / 1e6:.0f} MB of fp32 weights a step; last-level cache listed "
+        f"{cache_bytes / 2**20:.0f} MiB; {num_copies} copies for cold passes",
+        flush=True,
+    )
     passes = WeightPasses.create(shapes, num_copies, (1, args.verify_rows))
     results = measure(passes, args.verify_rows, args.draft_passes, args.repeats)
     ratios = ratios_of(results, args.verify_rows)
     conditions = {
-        "preset": args.preset, "threads": passes.threads, "fp32_weight_bytes_per_pass": weight_bytes,
+        "preset": args.preset,
+        "threads": passes.threads,
+        "fp32_weight_bytes_per_pass": weight_bytes,
         "int8_weight_bytes_per_pass": sum(q.numel() + s.numel() * 4 for q, s in passes.int8),
-        "last_level_cache_bytes_listed": cache_bytes, "cold_copies": num_copies, "verify_rows": args.verify_rows,
-        "draft_passes": args.draft_passes, "repeats": args.repeats,
-    }  # fmt: skip
-    report = {"benchmark": "weight_residency", "time": utc_now(), "command": command_line(), "kvyard": git_state(),
-              "host": host(), "conditions": conditions, "median_ms": results, "ratios": ratios}  # fmt: skip
+        "last_level_cache_bytes_listed": cache_bytes,
+        "cold_copies": num_copies,
+        "verify_rows": args.verify_rows,
+        "draft_passes": args.draft_passes,
+        "repeats": args.repeats,
+    }
+    report = {
+        "benchmark": "weight_residency",
+        "time": utc_now(),
+        "command": command_line(),
+        "kvyard": git_state(),
+        "host": host(),
+        "conditions": conditions,
+        "median_ms": results,
+        "ratios": ratios,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for key, value in ratios.items():

@@ -44,16 +44,25 @@ def decode_body(body: dict[str, Any], transfer_id: str, source: str, token: str 
 
 
 def pd_request(
-    prefill_url: str, decode_url: str, body: dict[str, Any], path: str = "/v1/completions",
-    source: str | None = None, timeout: float = 120.0,
-) -> PDResult:  # fmt: skip
+    prefill_url: str,
+    decode_url: str,
+    body: dict[str, Any],
+    path: str = "/v1/completions",
+    source: str | None = None,
+    timeout: float = 120.0,
+) -> PDResult:
     """Both legs at once, as the router sends them (one fresh transfer token for both); `source` overrides the URL
     the decode replica pulls from."""
     transfer_id, token = uuid.uuid4().hex, uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
         prefill = pool.submit(_post, prefill_url + path, prefill_body(body, transfer_id, token), timeout)
-        decode = pool.submit(httpx.post, decode_url + path, headers=PD_HEADERS, timeout=timeout,
-                             json=decode_body(body, transfer_id, source or prefill_url, token))  # fmt: skip
+        decode = pool.submit(
+            httpx.post,
+            decode_url + path,
+            headers=PD_HEADERS,
+            timeout=timeout,
+            json=decode_body(body, transfer_id, source or prefill_url, token),
+        )
         return PDResult(prefill.result(), decode.result(), transfer_id)
 
 

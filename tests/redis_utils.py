@@ -23,9 +23,22 @@ class RedisTLS:
     password: str
 
     def server_args(self, port: int) -> tuple[str, ...]:
-        return ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert_file),
-                "--tls-key-file", str(self.key_file), "--tls-ca-cert-file", str(self.ca_file),
-                "--tls-auth-clients", "no", "--requirepass", self.password)  # fmt: skip
+        return (
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(self.cert_file),
+            "--tls-key-file",
+            str(self.key_file),
+            "--tls-ca-cert-file",
+            str(self.ca_file),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            self.password,
+        )
 
 
 @dataclass
@@ -51,8 +64,9 @@ class RedisProcess:
     def client(self) -> redis.Redis:
         if self.tls is None:
             return redis.Redis(host="127.0.0.1", port=self.port)
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.tls.password, ssl=True,
-                           ssl_ca_certs=str(self.tls.ca_file))  # fmt: skip
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.tls.password, ssl=True, ssl_ca_certs=str(self.tls.ca_file)
+        )
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -93,8 +107,19 @@ def _launch(
     binary: str, directory: Path, port: int, extra: tuple[str, ...], tls: RedisTLS | None
 ) -> RedisProcess | None:
     listen = ("--port", str(port)) if tls is None else tls.server_args(port)
-    command = [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(directory), *extra]  # fmt: skip
+    command = [
+        binary,
+        *listen,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(directory),
+        *extra,
+    ]
     with (directory / f"redis-{port}.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     server = RedisProcess(process, port, directory, tls)
@@ -118,8 +143,12 @@ def start_redis_cluster(directory: Path, num_nodes: int = 3) -> list[RedisProces
             node_dir.mkdir()
             nodes.append(start_redis(node_dir, extra=("--cluster-enabled", "yes"), max_port=CLUSTER_MAX_PORT))
         addresses = [f"127.0.0.1:{node.port}" for node in nodes]
-        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         deadline = time.monotonic() + 30
         while not all(_cluster_ready(node) for node in nodes):  # every node must see every slot served
             if time.monotonic() > deadline:

@@ -28,8 +28,20 @@ def start_router(
     cache index synced; with `wait_healthy` False, once its admin API answers."""
     port = free_port()
     log_path = log_dir / f"router-{port}.log"
-    command = [sys.executable, "-m", "kvyard", "route", "--port", str(port), "--health-interval-s", "0.2",
-               "--admin-key", TEST_ADMIN_KEY, "--replica-admin-key", TEST_ADMIN_KEY]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "route",
+        "--port",
+        str(port),
+        "--health-interval-s",
+        "0.2",
+        "--admin-key",
+        TEST_ADMIN_KEY,
+        "--replica-admin-key",
+        TEST_ADMIN_KEY,
+    ]
     for url in replicas:
         command += ["--replica", url]
     with log_path.open("wb") as log:
@@ -75,8 +87,9 @@ def _all_ready(router: ServerProcess, count: int, synced: bool) -> bool:
         listed = replicas_of(router)
     except httpx.TransportError:
         return False
-    return len(listed) == count and all(r["state"] == "healthy" and r["models"] and (r["resyncs"] or not synced)
-                                          for r in listed)  # fmt: skip
+    return len(listed) == count and all(
+        r["state"] == "healthy" and r["models"] and (r["resyncs"] or not synced) for r in listed
+    )
 
 
 def admin(router: ServerProcess, method: str, path: str, **options: Any) -> httpx.Response:

@@ -82,8 +82,9 @@ def start_server(
 def metric_value(metrics_text: str, name: str) -> float:
     """The value of sample `name` in Prometheus text format, summed over its label sets (a replica's carry only
     the name of the model it serves)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-              if line.startswith((name + " ", name + "{"))]  # fmt: skip
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith((name + " ", name + "{"))
+    ]
     if not values:
         raise KeyError(name)
     return sum(values)

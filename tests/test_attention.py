@@ -41,9 +41,11 @@ def test_mixed_step_matches_dense_attention(backend: AttentionBackend) -> None:
     for context_len in context_lens:
         tables.append([order.pop() for _ in range(-(-context_len // BLOCK_SIZE))])
         histories.append(
-            (torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator),
-             torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator))
-        )  # fmt: skip
+            (
+                torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator),
+                torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator),
+            )
+        )
     # Earlier tokens are already in the cache; this step's tokens arrive as k, v.
     meta_all = build_attention_metadata(
         backend, tables, context_lens, context_lens, BLOCK_SIZE, torch.float32, torch.device("cpu")

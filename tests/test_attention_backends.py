@@ -69,9 +69,12 @@ def _hugging_face_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list
     with torch.no_grad():
         for prompt in prompts:
             out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-            )  # fmt: skip
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
@@ -111,8 +114,11 @@ def test_the_choice_decides_every_native_path(model_dirs: dict[str, Path], nativ
 
 def test_native_refuses_a_bfloat16_model_and_auto_falls_back(model_dirs: dict[str, Path]) -> None:
     model = _model(model_dirs["llama"], torch.bfloat16)
-    with pytest.raises(AttentionBackendUnavailable, match=r"float32 activations only, and the model's dtype is "
-                       r"torch\.bfloat16"):  # fmt: skip
+    with pytest.raises(
+        AttentionBackendUnavailable,
+        match=r"float32 activations only, and the model's dtype is "
+        r"torch\.bfloat16",
+    ):
         _runner(model, "native", torch.bfloat16)
     runner = _runner(model, "auto", torch.bfloat16)
     assert runner.attention_backend.name == "torch"

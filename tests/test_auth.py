@@ -35,8 +35,9 @@ def bearer(key: str) -> dict[str, str]:
 
 def complete(url: str, key: str | None, **body: Any) -> httpx.Response:
     headers = bearer(key) if key else None
-    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "max_tokens": 2, **body}, headers=headers,
-                      timeout=30)  # fmt: skip
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": MODEL, "max_tokens": 2, **body}, headers=headers, timeout=30
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,12 @@ def test_a_replica_with_keys_refuses_callers_without_one(keyed: SimCluster) -> N
     for headers, code in ((None, "missing_api_key"), (bearer("sk-wrong"), "invalid_api_key")):
         response = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2]}, headers=headers)
         assert response.status_code == 401
-        assert response.json()["error"] == {"message": response.json()["error"]["message"], "code": code,
-                                            "type": "authentication_error", "param": None}  # fmt: skip
+        assert response.json()["error"] == {
+            "message": response.json()["error"]["message"],
+            "code": code,
+            "type": "authentication_error",
+            "param": None,
+        }
         assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}, headers=headers).status_code == 401
     assert complete(url, KEY_X, prompt=[1, 2]).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open to probes
@@ -82,8 +87,12 @@ def test_without_an_admin_key_the_admin_plane_is_off() -> None:
 def test_a_tenant_salt_splits_caches_and_cannot_be_overridden(keyed: SimCluster) -> None:
     url = keyed.urls[0]
     tokens = list(range(100, 140))
-    assert complete(url, KEY_X, prompt=tokens, cache_salt="shared").json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"] == 0  # fmt: skip
+    assert (
+        complete(url, KEY_X, prompt=tokens, cache_salt="shared").json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+        == 0
+    )
 
     def cached(key: str, salt: str | None) -> int:
         usage = complete(url, key, prompt=tokens, cache_salt=salt).json()["usage"]
@@ -101,8 +110,20 @@ def test_keys_file_is_read_again_on_sighup(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text("# one key per line\nsk-old\n")
     ports_file = tmp_path / "ports.json"
-    command = [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--ports-file", str(ports_file),
-               "--api-keys-file", str(keys_file), "--model-name", MODEL]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "sim",
+        "--port",
+        "0",
+        "--ports-file",
+        str(ports_file),
+        "--api-keys-file",
+        str(keys_file),
+        "--model-name",
+        MODEL,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: ports_file.exists() or process.poll() is not None, 60, "sim ports")
@@ -140,8 +161,15 @@ class RecordingReplica(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).seen.append({name.lower(): value for name, value in self.headers.items()})
-        self._send(200, {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                         "choices": [{"index": 0, "text": "upstream", "finish_reason": "length"}]})  # fmt: skip
+        self._send(
+            200,
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": MODEL,
+                "choices": [{"index": 0, "text": "upstream", "finish_reason": "length"}],
+            },
+        )
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         body = json.dumps(payload).encode()
@@ -186,8 +214,15 @@ def test_the_routers_replica_keys_reach_only_the_replicas_it_was_started_with(
 ) -> None:
     """An upstream added through the admin API gets the keys given with it, never the router's configured ones
     (an admin key in the wrong hands must not collect the fleet's replica credentials)."""
-    router = start_router(tmp_path, [recording_replica], "--policy", "round_robin", "--replica-api-key", "sk-fleet",
-                          replicas_publish_events=False)  # fmt: skip
+    router = start_router(
+        tmp_path,
+        [recording_replica],
+        "--policy",
+        "round_robin",
+        "--replica-api-key",
+        "sk-fleet",
+        replicas_publish_events=False,
+    )
     try:
         with stranger_upstream() as (bare, bare_seen), stranger_upstream() as (keyed_url, keyed_seen):
             for url, keys in ((bare, {}), (keyed_url, {"api_key": "sk-own", "admin_key": "sk-own-admin"})):
@@ -215,10 +250,12 @@ def test_the_router_hijack_fails_at_every_step_without_the_admin_key(keyed: SimC
     """Replays the attack: add a rogue upstream, drain the real ones, remove them: each step is refused."""
     router = start_router(tmp_path, keyed.urls, "--api-key", KEY_X, "--replica-api-key", KEY_Y)
     try:
-        steps = [("POST", "/admin/replicas", {"json": {"url": "http://127.0.0.1:9"}}),
-                 ("POST", "/admin/replicas/drain", {"json": {"url": keyed.urls[0]}}),
-                 ("DELETE", "/admin/replicas", {"params": {"url": keyed.urls[0]}}),
-                 ("GET", "/admin/replicas", {})]  # fmt: skip
+        steps = [
+            ("POST", "/admin/replicas", {"json": {"url": "http://127.0.0.1:9"}}),
+            ("POST", "/admin/replicas/drain", {"json": {"url": keyed.urls[0]}}),
+            ("DELETE", "/admin/replicas", {"params": {"url": keyed.urls[0]}}),
+            ("GET", "/admin/replicas", {}),
+        ]
         for method, path, options in steps:
             for headers in (None, bearer(KEY_X), bearer("sk-guess")):
                 response = httpx.request(method, f"{router.url}{path}", headers=headers, timeout=10, **options)
@@ -243,8 +280,17 @@ def test_a_router_without_an_admin_key_has_no_admin_plane(tmp_path: Path, record
 
 
 def test_a_clients_key_never_reaches_an_upstream(tmp_path: Path, recording_replica: str) -> None:
-    router = start_router(tmp_path, [recording_replica], "--policy", "round_robin", "--api-key", "sk-victim",
-                          "--replica-api-key", "sk-router", replicas_publish_events=False)  # fmt: skip
+    router = start_router(
+        tmp_path,
+        [recording_replica],
+        "--policy",
+        "round_robin",
+        "--api-key",
+        "sk-victim",
+        "--replica-api-key",
+        "sk-router",
+        replicas_publish_events=False,
+    )
     try:
         response = complete(router.url, "sk-victim", prompt="a secret prompt")
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "upstream"
@@ -259,8 +305,7 @@ def test_router_and_replica_agree_on_tenant_salts(keyed: SimCluster, tmp_path: P
     """The router splits caches by its clients' keys; its predicted hits equal what the replica reports."""
     options = sim_server_options(admin_key=TEST_ADMIN_KEY)
     with SimCluster([CONFIG], options) as sim:
-        router = start_router(tmp_path, sim.urls, "--api-key", KEY_X, "--api-key", KEY_Y,
-                              "--cache-salt-per-api-key")  # fmt: skip
+        router = start_router(tmp_path, sim.urls, "--api-key", KEY_X, "--api-key", KEY_Y, "--cache-salt-per-api-key")
         try:
             tokens = list(range(300, 340))
             for key, salt, expected in ((KEY_X, "s", 0), (KEY_X, "s", 36), (KEY_Y, "s", 0), (KEY_Y, "s", 36)):
@@ -289,7 +334,11 @@ def _metric_sum(text: str, name: str) -> float:
 
 
 def test_keys_and_passwords_stay_out_of_reprs() -> None:
-    shown = repr((AccessConfig(api_keys=["sk-one"], admin_key="sk-admin"),
-                  KVTierConfig(redis_url="rediss://:hunter2@127.0.0.1:6380/0"),
-                  RouterConfig(replica_api_key="sk-up", replica_admin_key="sk-up-admin")))  # fmt: skip
+    shown = repr(
+        (
+            AccessConfig(api_keys=["sk-one"], admin_key="sk-admin"),
+            KVTierConfig(redis_url="rediss://:hunter2@127.0.0.1:6380/0"),
+            RouterConfig(replica_api_key="sk-up", replica_admin_key="sk-up-admin"),
+        )
+    )
     assert not any(secret in shown for secret in ("sk-one", "sk-admin", "hunter2", "sk-up"))

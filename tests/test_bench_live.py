@@ -75,9 +75,24 @@ def check_against_server(result: dict[str, Any], before: dict[str, float], after
 
 def test_random_workload_matches_server_counts(server: ServerProcess, tmp_path: Path) -> None:
     before = counters(server.url)
-    result = bench(server.url, tmp_path / "r.json", "--workload", "random", "--num-requests", "12",
-                   "--concurrency", "4", "--input-len", "20:60", "--output-len", "2:5", "--slo", "ttft=60s",
-                   "--seed", "7")  # fmt: skip
+    result = bench(
+        server.url,
+        tmp_path / "r.json",
+        "--workload",
+        "random",
+        "--num-requests",
+        "12",
+        "--concurrency",
+        "4",
+        "--input-len",
+        "20:60",
+        "--output-len",
+        "2:5",
+        "--slo",
+        "ttft=60s",
+        "--seed",
+        "7",
+    )
     check_against_server(result, before, counters(server.url))
     s = result["summary"]
     assert s["requests"]["completed"] == 12
@@ -95,9 +110,26 @@ def test_random_workload_matches_server_counts(server: ServerProcess, tmp_path: 
 
 def test_shared_prefix_hits_the_ideal(server: ServerProcess, tmp_path: Path) -> None:
     before = counters(server.url)
-    result = bench(server.url, tmp_path / "s.json", "--workload", "shared-prefix", "--num-requests", "9",
-                   "--num-groups", "3", "--prefix-len", "64", "--input-len", "16", "--output-len", "2",
-                   "--concurrency", "1", "--seed", "11")  # fmt: skip
+    result = bench(
+        server.url,
+        tmp_path / "s.json",
+        "--workload",
+        "shared-prefix",
+        "--num-requests",
+        "9",
+        "--num-groups",
+        "3",
+        "--prefix-len",
+        "64",
+        "--input-len",
+        "16",
+        "--output-len",
+        "2",
+        "--concurrency",
+        "1",
+        "--seed",
+        "11",
+    )
     check_against_server(result, before, counters(server.url))
     cache = result["summary"]["prefix_cache"]
     # One at a time, later members of a group find the group's 64-token prefix cached (4 blocks of 16).
@@ -107,9 +139,32 @@ def test_shared_prefix_hits_the_ideal(server: ServerProcess, tmp_path: Path) -> 
 
 def test_multiturn_with_think_time_and_rewrites(server: ServerProcess, tmp_path: Path) -> None:
     before = counters(server.url)
-    result = bench(server.url, tmp_path / "m.json", "--workload", "multiturn", "--num-sessions", "3", "--turns",
-                   "4", "--system-len", "48", "--first-len", "32", "--turn-len", "8:24", "--output-len", "3",
-                   "--think-time", "0.02", "--rewrite-prob", "0.5", "--concurrency", "3", "--seed", "2")  # fmt: skip
+    result = bench(
+        server.url,
+        tmp_path / "m.json",
+        "--workload",
+        "multiturn",
+        "--num-sessions",
+        "3",
+        "--turns",
+        "4",
+        "--system-len",
+        "48",
+        "--first-len",
+        "32",
+        "--turn-len",
+        "8:24",
+        "--output-len",
+        "3",
+        "--think-time",
+        "0.02",
+        "--rewrite-prob",
+        "0.5",
+        "--concurrency",
+        "3",
+        "--seed",
+        "2",
+    )
     check_against_server(result, before, counters(server.url))
     records = result["requests"]
     assert len(records) == 12
@@ -127,9 +182,26 @@ def test_mooncake_first_200_requests_report_hit_ratio_next_to_ideal(server: Serv
     assert resolve_trace("mooncake").is_file()  # shipped with kvyard
     before = counters(server.url)
     # 512-token blocks become 16 tokens (the server's block size); 72 s of arrivals replay in 1.4 s.
-    result = bench(server.url, tmp_path / "t.json", "--workload", "trace", "--trace", "mooncake",
-                   "--num-requests", "200", "--length-scale", "0.03125", "--max-input-len", "512",
-                   "--output-scale", "0.01", "--max-output-len", "2", "--time-scale", "0.02")  # fmt: skip
+    result = bench(
+        server.url,
+        tmp_path / "t.json",
+        "--workload",
+        "trace",
+        "--trace",
+        "mooncake",
+        "--num-requests",
+        "200",
+        "--length-scale",
+        "0.03125",
+        "--max-input-len",
+        "512",
+        "--output-scale",
+        "0.01",
+        "--max-output-len",
+        "2",
+        "--time-scale",
+        "0.02",
+    )
     check_against_server(result, before, counters(server.url))
     s, info = result["summary"], result["workload"]["info"]
     assert s["requests"]["completed"] == 200
@@ -144,9 +216,28 @@ def test_mooncake_first_200_requests_report_hit_ratio_next_to_ideal(server: Serv
 def test_azure_trace_replays_without_prefix_information(server: ServerProcess, tmp_path: Path) -> None:
     trace = resolve_trace("azure")  # shipped with kvyard, given as a path (gzip-compressed)
     before = counters(server.url)
-    result = bench(server.url, tmp_path / "a.json", "--workload", "trace", "--trace", str(trace),
-                   "--num-requests", "15", "--length-scale", "0.02", "--output-scale", "0.1",
-                   "--max-output-len", "3", "--time-scale", "0.5", "--request-rate", "50", "--seed", "3")  # fmt: skip
+    result = bench(
+        server.url,
+        tmp_path / "a.json",
+        "--workload",
+        "trace",
+        "--trace",
+        str(trace),
+        "--num-requests",
+        "15",
+        "--length-scale",
+        "0.02",
+        "--output-scale",
+        "0.1",
+        "--max-output-len",
+        "3",
+        "--time-scale",
+        "0.5",
+        "--request-rate",
+        "50",
+        "--seed",
+        "3",
+    )
     check_against_server(result, before, counters(server.url))
     assert result["arrivals"]["mode"] == "poisson"  # --request-rate overrides the trace's timestamps
     assert "trace_ideal_block_hit_ratio" not in result["workload"]["info"]
@@ -170,8 +261,22 @@ def test_progress_shows_a_long_request_streaming_before_it_ends(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One request of 2,000 tokens: the bar says it streams, and how far it got, while it is the only request."""
-    code = run_cli(["--base-url", server.url, "--out", str(tmp_path / "long.json"), "--workload", "random",
-                    "--num-requests", "1", "--input-len", "16", "--output-len", "2000"])  # fmt: skip
+    code = run_cli(
+        [
+            "--base-url",
+            server.url,
+            "--out",
+            str(tmp_path / "long.json"),
+            "--workload",
+            "random",
+            "--num-requests",
+            "1",
+            "--input-len",
+            "16",
+            "--output-len",
+            "2000",
+        ]
+    )
     assert code == 0
     shown = capsys.readouterr().err
     under_way = re.findall(r"0/1 .*?in flight 1, streaming 1, (\d+) chunks out", shown)
@@ -185,8 +290,20 @@ def test_a_speculating_server_reports_its_acceptance(
     try:
         before = httpx.get(f"{process.url}/metrics", timeout=10).text
         capsys.readouterr()
-        result = bench(process.url, tmp_path / "spec.json", "--workload", "random", "--num-requests", "4",
-                       "--input-len", "24", "--output-len", "24", "--seed", "3")  # fmt: skip
+        result = bench(
+            process.url,
+            tmp_path / "spec.json",
+            "--workload",
+            "random",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "24",
+            "--output-len",
+            "24",
+            "--seed",
+            "3",
+        )
         printed = capsys.readouterr().out
         after = httpx.get(f"{process.url}/metrics", timeout=10).text
     finally:
@@ -213,8 +330,18 @@ def test_server_without_kvyard_extras(tmp_path: Path, strict: bool) -> None:
     process = subprocess.Popen([sys.executable, str(script), "--port", str(port), *(["--strict"] if strict else [])])
     try:
         _wait_ready(f"http://127.0.0.1:{port}")
-        result = bench(f"http://127.0.0.1:{port}", tmp_path / "plain.json", "--num-requests", "20",
-                       "--concurrency", "5", "--input-len", "8", "--output-len", "3")  # fmt: skip
+        result = bench(
+            f"http://127.0.0.1:{port}",
+            tmp_path / "plain.json",
+            "--num-requests",
+            "20",
+            "--concurrency",
+            "5",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+        )
     finally:
         process.terminate()
         process.wait()
@@ -269,8 +396,25 @@ def test_bad_requests_are_counted_as_errors_and_fail_the_run(
     """Token ids beyond the tiny model's vocabulary: every request gets the server's 400, recorded by type, and
     the run exits 1 with the server's reason on screen."""
     out = tmp_path / "bad.json"
-    code = run_cli(["--base-url", server.url, "--out", str(out), "--no-progress", "--num-requests", "3",
-                    "--input-len", "8", "--output-len", "2", "--vocab-size", "100000", "--seed", "1"])  # fmt: skip
+    code = run_cli(
+        [
+            "--base-url",
+            server.url,
+            "--out",
+            str(out),
+            "--no-progress",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+            "--vocab-size",
+            "100000",
+            "--seed",
+            "1",
+        ]
+    )
     assert code == 1
     error = capsys.readouterr().err
     assert "3 of 3 requests failed" in error and "3 x http_400" in error and "outside the vocabulary" in error

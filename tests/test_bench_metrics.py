@@ -42,8 +42,17 @@ from kvyard.testing.sim_cluster import SimCluster, sim_server_options
 
 
 def record(start: float, token_times: list[float], end: float, output: int, **fields: object) -> RequestRecord:
-    r = RequestRecord(index=0, session=0, turn=0, prompt_tokens=100, max_tokens=output, start=start, end=end,
-                      token_times=token_times, output_tokens=output)  # fmt: skip
+    r = RequestRecord(
+        index=0,
+        session=0,
+        turn=0,
+        prompt_tokens=100,
+        max_tokens=output,
+        start=start,
+        end=end,
+        token_times=token_times,
+        output_tokens=output,
+    )
     for name, value in fields.items():
         setattr(r, name, value)
     return r
@@ -182,8 +191,13 @@ def snapshot(url: str) -> dict[str, float]:
 def test_counts_are_read_off_a_replica_whose_metrics_name_its_model() -> None:
     """A simulated replica on loopback, one request at a time: a request it turns away (429) is not counted, the
     ones it served are, each counter summed over its labels, the model's name among them."""
-    config = SimConfig(model_name="bench-model", block_size=4, num_kv_blocks=256, time_scale=1.0,
-                       scheduler=SchedulerConfig(max_num_seqs=1))  # fmt: skip
+    config = SimConfig(
+        model_name="bench-model",
+        block_size=4,
+        num_kv_blocks=256,
+        time_scale=1.0,
+        scheduler=SchedulerConfig(max_num_seqs=1),
+    )
     with SimCluster([config], sim_server_options(max_queued_seqs=0)) as sim:
         url = sim.urls[0]
         before = snapshot(url)
@@ -194,8 +208,7 @@ def test_counts_are_read_off_a_replica_whose_metrics_name_its_model() -> None:
             turned_away = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
             assert turned_away.status_code == 429
             assert [line for line in lines if line][-1] == "data: [DONE]"
-        served = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(40, 52)), "max_tokens": 3},
-                            timeout=30)  # fmt: skip
+        served = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(40, 52)), "max_tokens": 3}, timeout=30)
         assert served.status_code == 200
         after = snapshot(url)
     rejected = "kvyard_requests_total{model_name=bench-model,outcome=rejected_overload}"
@@ -203,16 +216,26 @@ def test_counts_are_read_off_a_replica_whose_metrics_name_its_model() -> None:
     assert all("model_name=bench-model" in key for key in after if key.startswith("kvyard_"))
     counted = counted_by_server(before, after)
     assert {k: counted[k] for k in ("requests", "prompt_tokens", "generation_tokens", "cached_prompt_tokens")} == {
-        "requests": 2, "prompt_tokens": 20 + 12, "generation_tokens": 40 + 3, "cached_prompt_tokens": 0}  # fmt: skip
+        "requests": 2,
+        "prompt_tokens": 20 + 12,
+        "generation_tokens": 40 + 3,
+        "cached_prompt_tokens": 0,
+    }
 
 
 def test_counts_are_read_alike_without_the_model_label_and_summed_over_models() -> None:
     """A kvyard replica older than the label, then a server naming two models: totals over every model, less the
     requests turned away."""
-    before = {"kvyard_requests_total{outcome=length}": 4.0, "kvyard_requests_total{outcome=rejected_overload}": 1.0,
-              "kvyard_prompt_tokens_total": 40.0}  # fmt: skip
-    after = {"kvyard_requests_total{outcome=length}": 6.0, "kvyard_requests_total{outcome=rejected_overload}": 9.0,
-             "kvyard_prompt_tokens_total": 70.0}  # fmt: skip
+    before = {
+        "kvyard_requests_total{outcome=length}": 4.0,
+        "kvyard_requests_total{outcome=rejected_overload}": 1.0,
+        "kvyard_prompt_tokens_total": 40.0,
+    }
+    after = {
+        "kvyard_requests_total{outcome=length}": 6.0,
+        "kvyard_requests_total{outcome=rejected_overload}": 9.0,
+        "kvyard_prompt_tokens_total": 70.0,
+    }
     assert counted_by_server(before, after) == {"requests": 2, "prompt_tokens": 30}
     before = {"kvyard_requests_total{model_name=a,outcome=stop}": 1.0, "kvyard_prompt_tokens_total{model_name=a}": 10.0}
     after = {
@@ -292,8 +315,17 @@ def test_multiturn_resends_history_and_rewrites_the_middle() -> None:
 
 
 def test_multiturn_compacts_to_fit_the_context() -> None:
-    shape = MultiturnShape(1, 50, system_len=10, first_len=LengthRange(20, 20), turn_len=LengthRange(20, 20),
-                           output_len=LengthRange(5, 5), think_time=0.0, rewrite_prob=0.0, max_context=120)  # fmt: skip
+    shape = MultiturnShape(
+        1,
+        50,
+        system_len=10,
+        first_len=LengthRange(20, 20),
+        turn_len=LengthRange(20, 20),
+        output_len=LengthRange(5, 5),
+        think_time=0.0,
+        rewrite_prob=0.0,
+        max_context=120,
+    )
     session = MultiturnSession(0, shape, TokenSource(1000, 0), random.Random(0))
     previous = None
     for _ in range(50):
@@ -330,8 +362,10 @@ def test_trace_files_parse(tmp_path: Path) -> None:
     mooncake.write_text('{"timestamp": 1500, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]}\n')
     assert load_mooncake(mooncake) == [TraceRequest(1.5, 600, 5, (7, 8))]
     azure = tmp_path / "t.csv"
-    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,10\n"
-                     "2023-11-16 18:17:04.0319600,3180,8\n")  # fmt: skip
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,10\n"
+        "2023-11-16 18:17:04.0319600,3180,8\n"
+    )
     rows = load_azure(azure)
     assert [(r.input_length, r.output_length, r.hash_ids) for r in rows] == [(4808, 10, None), (3180, 8, None)]
     assert rows[1].timestamp == pytest.approx(0.052)

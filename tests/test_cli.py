@@ -38,18 +38,24 @@ def test_every_command_answers_help(command: str) -> None:
 
 def test_a_named_command_builds_its_parser_alone() -> None:
     """`kvyard serve` parses its options without importing the simulator or the benchmark client."""
-    code = ("import sys; from kvyard.cli import build_parser; parser = build_parser(['serve', 'm']); "
-            "print(sorted(parser._subparsers._group_actions[0].choices), "
-            "[m for m in ('kvyard.sim.config', 'kvyard.bench.client') if m in sys.modules])")  # fmt: skip
+    code = (
+        "import sys; from kvyard.cli import build_parser; parser = build_parser(['serve', 'm']); "
+        "print(sorted(parser._subparsers._group_actions[0].choices), "
+        "[m for m in ('kvyard.sim.config', 'kvyard.bench.client') if m in sys.modules])"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "['serve'] []", result.stderr
 
 
 @pytest.mark.parametrize(
     ("command", "configs"),
-    [("serve", [EngineConfig, ServerOptions]), ("generate", [SamplingParams, EngineConfig]),
-     ("sim", [SimConfig]), ("route", [RouterConfig])],
-)  # fmt: skip
+    [
+        ("serve", [EngineConfig, ServerOptions]),
+        ("generate", [SamplingParams, EngineConfig]),
+        ("sim", [SimConfig]),
+        ("route", [RouterConfig]),
+    ],
+)
 def test_each_setting_is_an_option_with_its_help_and_default(command: str, configs: list[type]) -> None:
     subparsers = build_parser()._subparsers
     assert subparsers is not None
@@ -80,14 +86,34 @@ def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
 
 
 def test_parsed_options_build_nested_configs() -> None:
-    arguments = ["serve", "model-dir", "--max-num-seqs", "3", "--no-prefix-caching", "--kv-tier", "memory",
-                 "--kv-memory-gb", "0.5", "--max-queued-seqs", "7", "--prefill-only-step-tokens", "8192",
-                 "--prefill-order", "shortest", "--scheduling-policy", "priority"]  # fmt: skip
+    arguments = [
+        "serve",
+        "model-dir",
+        "--max-num-seqs",
+        "3",
+        "--no-prefix-caching",
+        "--kv-tier",
+        "memory",
+        "--kv-memory-gb",
+        "0.5",
+        "--max-queued-seqs",
+        "7",
+        "--prefill-only-step-tokens",
+        "8192",
+        "--prefill-order",
+        "shortest",
+        "--scheduling-policy",
+        "priority",
+    ]
     args = build_parser().parse_args(arguments)
     engine = config_from_args(EngineConfig, args, model="model-dir")
-    assert engine.scheduler == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=3,
-                                               prefill_only_step_tokens=8192, prefill_order="shortest",
-                                               scheduling_policy="priority")  # fmt: skip
+    assert engine.scheduler == SchedulerConfig(
+        max_num_batched_tokens=2048,
+        max_num_seqs=3,
+        prefill_only_step_tokens=8192,
+        prefill_order="shortest",
+        scheduling_policy="priority",
+    )
     assert not engine.enable_prefix_caching
     assert engine.kv_tier == KVTierConfig(tiers=("memory",), memory_gb=0.5)
     assert config_from_args(ServerOptions, args).max_queued_seqs == 7
@@ -106,15 +132,17 @@ def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
-    [(["serve", "--kv-tier", "floppy"], "kv tiers must be a non-empty subset"),
-     (["serve", "--kv-tier", "redis"], "needs a URL"),
-     (["serve", "--max-queued-seqs", "-1"], "max_queued_seqs must be >= 0"),
-     (["sim", "--replicas", "0"], "--replicas must be at least 1"),
-     (["sim", "--time-scale", "0"], "time_scale must be positive"),
-     (["sim", "--catch-up-s", "-0.1"], "catch_up_s must be >= 0"),
-     (["route", "--max-attempts", "0"], "max_attempts"),
-     (["generate", "tiny", "--temperature", "-1", "--prompt", "x"], "temperature must be >= 0")],
-)  # fmt: skip
+    [
+        (["serve", "--kv-tier", "floppy"], "kv tiers must be a non-empty subset"),
+        (["serve", "--kv-tier", "redis"], "needs a URL"),
+        (["serve", "--max-queued-seqs", "-1"], "max_queued_seqs must be >= 0"),
+        (["sim", "--replicas", "0"], "--replicas must be at least 1"),
+        (["sim", "--time-scale", "0"], "time_scale must be positive"),
+        (["sim", "--catch-up-s", "-0.1"], "catch_up_s must be >= 0"),
+        (["route", "--max-attempts", "0"], "max_attempts"),
+        (["generate", "tiny", "--temperature", "-1", "--prompt", "x"], "temperature must be >= 0"),
+    ],
+)
 def test_bad_settings_exit_2_with_the_reason_before_any_model_loads(arguments: list[str], message: str) -> None:
     result = run_kvyard(*arguments)
     assert result.returncode == 2

@@ -30,8 +30,7 @@ def small_linear(vector_kernels: NativeKernels) -> SmallLinearKernel:
 # odd k (scalar path), both below and above the size where the kernel goes multi-threaded; rows: one, the AVX2
 # path's block of 3 and the AVX-512 path's of 6, and remainders of them.
 @pytest.mark.parametrize("rows", [1, 2, 7, 15])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1024, 512), (514, 256), (7, 5), (3000, 100),
-                                                           (64, 264)])  # fmt: skip
+@pytest.mark.parametrize(("out_features", "in_features"), [(1024, 512), (514, 256), (7, 5), (3000, 100), (64, 264)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_matches_torch(
     small_linear: SmallLinearKernel, rows: int, out_features: int, in_features: int, with_bias: bool
@@ -118,9 +117,14 @@ def _paged_attention_of(case: PrefillCase, backend: AttentionBackend) -> torch.T
     """The step through the public attention entry point; TorchSDPABackend is the reference."""
     query_len = case.q.shape[0]
     meta = build_attention_metadata(
-        backend, [case.block_table], [case.context_len], [query_len], case.block_size, torch.float32,
+        backend,
+        [case.block_table],
+        [case.context_len],
+        [query_len],
+        case.block_size,
+        torch.float32,
         torch.device("cpu"),
-    )  # fmt: skip
+    )
     scale = case.q.shape[-1] ** -0.5
     return paged_attention(case.q, case.new_k, case.new_v, case.cache.clone(), meta, scale)
 

@@ -42,8 +42,13 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([prompt], device=DEVICE),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
@@ -67,8 +72,9 @@ def test_fp32_greedy_equals_transformers_on_the_gpu(model_dir: Path) -> None:
 def test_speculative_greedy_output_is_unchanged_on_the_gpu(model_dir: Path, method: str) -> None:
     plain = LLM(str(model_dir), device=DEVICE, dtype="float32")
     prompts = _prompts(plain.engine.model_config.vocab_size)
-    speculative = LLM(str(model_dir), device=DEVICE, dtype="float32",
-                      speculative=SpeculativeConfig(method, 4, adaptive=False))  # fmt: skip
+    speculative = LLM(
+        str(model_dir), device=DEVICE, dtype="float32", speculative=SpeculativeConfig(method, 4, adaptive=False)
+    )
     assert _generate(speculative, prompts) == _generate(plain, prompts)
 
 

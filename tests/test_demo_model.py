@@ -23,9 +23,11 @@ def test_the_demo_model_is_small_and_says_how_it_was_made() -> None:
 def test_the_demo_model_writes_python_and_stops() -> None:
     with LLM(str(DEMO_MODEL_DIR)) as llm:
         chat = llm.engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": README_QUESTION}], tokenize=True, add_generation_prompt=True,
+            [{"role": "user", "content": README_QUESTION}],
+            tokenize=True,
+            add_generation_prompt=True,
             return_dict=False,
-        )  # fmt: skip
+        )
         answer = llm.generate([list(chat)], README_SAMPLING)[0]
     assert answer.finish_reason == "stop", answer.text  # its end-of-turn token, before max_tokens
     assert len(answer.token_ids) < README_SAMPLING.max_tokens

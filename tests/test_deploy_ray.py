@@ -42,13 +42,19 @@ class RayCluster:
     nodes: list[subprocess.Popen[bytes]]
 
     def deploy(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kvyard", "deploy", *args, "--address", self.address],
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "kvyard", "deploy", *args, "--address", self.address],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def kill_actor(self, name: str, namespace: str) -> None:
         """Kill a named actor's process as a crash would (Ray may restart it)."""
-        code = (f"import ray; ray.init(address={self.address!r}, logging_level=40, log_to_driver=False); "
-                f"ray.kill(ray.get_actor({name!r}, namespace={namespace!r}), no_restart=False)")  # fmt: skip
+        code = (
+            f"import ray; ray.init(address={self.address!r}, logging_level=40, log_to_driver=False); "
+            f"ray.kill(ray.get_actor({name!r}, namespace={namespace!r}), no_restart=False)"
+        )
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
     def status(self, name: str) -> dict[str, Any]:
@@ -63,15 +69,36 @@ def ray_cluster() -> Iterator[RayCluster]:
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     common = ["--block", "--disable-usage-stats"]
-    head = _start_node([RAY, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                        f"--temp-dir={temp_dir}", *common])  # fmt: skip
+    head = _start_node(
+        [
+            RAY,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            *common,
+        ]
+    )
     nodes = [head]
     try:
         _wait_for_nodes(port, 1)
         # One at a time, each on ports of its own: nodes on one machine would otherwise race for the same ones.
         for number, resources in enumerate(WORKER_RESOURCES, start=2):
-            nodes.append(_start_node([RAY, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2",
-                                      f"--resources={json.dumps(resources)}", *_own_ports(), *common]))  # fmt: skip
+            nodes.append(
+                _start_node(
+                    [
+                        RAY,
+                        "start",
+                        f"--address=127.0.0.1:{port}",
+                        "--num-cpus=2",
+                        f"--resources={json.dumps(resources)}",
+                        *_own_ports(),
+                        *common,
+                    ]
+                )
+            )
             _wait_for_nodes(port, number)
         yield RayCluster(f"127.0.0.1:{port}", nodes)
     finally:
@@ -85,8 +112,14 @@ def ray_cluster() -> Iterator[RayCluster]:
 
 
 def _own_ports() -> list[str]:
-    flags = ("--node-manager-port", "--object-manager-port", "--metrics-export-port", "--runtime-env-agent-port",
-             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port")  # fmt: skip
+    flags = (
+        "--node-manager-port",
+        "--object-manager-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+    )
     return [f"{flag}={free_port()}" for flag in flags]
 
 
@@ -95,8 +128,10 @@ def _start_node(argv: list[str]) -> subprocess.Popen[bytes]:
 
 
 def _wait_for_nodes(port: int, count: int, timeout_s: float = 120) -> None:
-    probe = (f"import ray; ray.init(address='127.0.0.1:{port}', logging_level=40, log_to_driver=False); "
-             "print('alive nodes:', sum(node['Alive'] for node in ray.nodes()))")  # fmt: skip
+    probe = (
+        f"import ray; ray.init(address='127.0.0.1:{port}', logging_level=40, log_to_driver=False); "
+        "print('alive nodes:', sum(node['Alive'] for node in ray.nodes()))"
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -108,18 +143,30 @@ def _wait_for_nodes(port: int, count: int, timeout_s: float = 120) -> None:
 
 
 def write_spec(
-    path: Path, name: str, model: Path, roles: dict[str, int], routers: int = 1,
-    external: list[dict[str, str]] | None = None, role_fields: dict[str, dict[str, Any]] | None = None,
+    path: Path,
+    name: str,
+    model: Path,
+    roles: dict[str, int],
+    routers: int = 1,
+    external: list[dict[str, str]] | None = None,
+    role_fields: dict[str, dict[str, Any]] | None = None,
     ray: dict[str, Any] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     spec: dict[str, Any] = {
         "name": name,
         "model": str(model),
-        "roles": {role: {"replicas": count, "num_cpus": 1, "resources": {"replica_slot": 1},
-                         **(role_fields or {}).get(role, {})} for role, count in roles.items()},
+        "roles": {
+            role: {
+                "replicas": count,
+                "num_cpus": 1,
+                "resources": {"replica_slot": 1},
+                **(role_fields or {}).get(role, {}),
+            }
+            for role, count in roles.items()
+        },
         "router": {"replicas": routers, "port": _free_port_pair(), "num_cpus": 0},
         "ready_timeout_s": 240,
-    }  # fmt: skip
+    }
     if external:
         spec["external_replicas"] = external
     if ray:
@@ -254,7 +301,8 @@ def test_a_fleet_serves_survives_a_killed_replica_scales_and_goes_down(
     restarted = ray_cluster.status("t-unified")
     assert restarted["desired"] == {"unified": 1, "prefill": 0, "decode": 0, "router": 1}, restarted["desired"]
     assert [(m["name"], m["actor_pid"]) for m in restarted["members"]] == [
-        (m["name"], m["actor_pid"]) for m in status["members"]]  # fmt: skip
+        (m["name"], m["actor_pid"]) for m in status["members"]
+    ]
     assert complete(router, "after the controller restarted").status_code == 200
 
     # Down: every process of the fleet is gone.
@@ -282,8 +330,14 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
     to it, with the KV-event endpoint the spec gives, and the controller never removes it."""
     outside = start_server(llama_dir, tmp_path)
     events = "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
-    spec = write_spec(tmp_path / "fleet.yaml", "t-ha", llama_dir, {"unified": 1}, routers=2,
-                      external=[{"url": outside.url, "events": events}])  # fmt: skip
+    spec = write_spec(
+        tmp_path / "fleet.yaml",
+        "t-ha",
+        llama_dir,
+        {"unified": 1},
+        routers=2,
+        external=[{"url": outside.url, "events": events}],
+    )
     deployed = ray_cluster.deploy(str(spec))
     assert deployed.returncode == 0, deployed.stderr
     try:
@@ -311,9 +365,14 @@ def test_two_routers_over_one_fleet_one_killed_under_load(
 def test_a_disaggregated_fleet(ray_cluster: RayCluster, llama_dir: Path, tmp_path: Path) -> None:
     """Also: a spec's `ray` ports are for a cluster kvyard deploy starts; this one runs already, and keeps its own."""
     first = _free_port_pair()  # a range of two free ports, for the decode replica on loopback
-    spec = write_spec(tmp_path / "fleet.yaml", "t-pd", llama_dir, {"prefill": 1, "decode": 1},
-                      role_fields={"decode": {"host": "127.0.0.1", "ports": f"{first}-{first + 1}"}},
-                      ray={"port": 6390, "worker_ports": "20000-20999"})  # fmt: skip
+    spec = write_spec(
+        tmp_path / "fleet.yaml",
+        "t-pd",
+        llama_dir,
+        {"prefill": 1, "decode": 1},
+        role_fields={"decode": {"host": "127.0.0.1", "ports": f"{first}-{first + 1}"}},
+        ray={"port": 6390, "worker_ports": "20000-20999"},
+    )
     deployed = ray_cluster.deploy(str(spec))
     assert deployed.returncode == 0, deployed.stderr
     assert "the spec's ray section (ray.port, ray.worker_ports) is ignored" in deployed.stderr, deployed.stderr
@@ -342,8 +401,15 @@ def test_the_head_kvyard_starts_listens_on_the_spec_ray_ports() -> None:
     and leaves alone the other Ray clusters of the machine (`ray stop` would stop them all)."""
     import ray
 
-    names = ("port", "node_manager_port", "object_manager_port", "metrics_export_port", "runtime_env_agent_port",
-             "dashboard_agent_listen_port", "dashboard_agent_grpc_port")  # fmt: skip
+    names = (
+        "port",
+        "node_manager_port",
+        "object_manager_port",
+        "metrics_export_port",
+        "runtime_env_agent_port",
+        "dashboard_agent_listen_port",
+        "dashboard_agent_grpc_port",
+    )
     ports = dict(zip(names, _distinct_free_ports(len(names)), strict=True))
     first = _free_port_range(8)
     address = ray.util.get_node_ip_address()  # the one Ray would take (a spec names one where a machine has several)
@@ -364,7 +430,10 @@ def test_the_head_kvyard_starts_listens_on_the_spec_ray_ports() -> None:
         node = json.loads(result.stdout.splitlines()[-1])
         assert node["NodeManagerAddress"] == address
         assert (node["NodeManagerPort"], node["ObjectManagerPort"], node["MetricsExportPort"]) == (
-            ports["node_manager_port"], ports["object_manager_port"], ports["metrics_export_port"])  # fmt: skip
+            ports["node_manager_port"],
+            ports["object_manager_port"],
+            ports["metrics_export_port"],
+        )
         assert set(listened) <= set(node["listening"]), (ports, node["listening"])
         assert any(first <= port <= first + 7 for port in node["listening"]), "the driver's worker port"
     finally:

@@ -50,8 +50,12 @@ def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_model("llama", "tiny", tmp_path_factory.mktemp("draft") / "llama", seed=1)
 
 
-SELF_CASES = [("llama", "self-int8", 0.5), ("qwen2", "self-int8", 0.5), ("qwen3", "self-int8", 0.5),
-              ("qwen3", "self-fp16", 0.9)]  # fmt: skip
+SELF_CASES = [
+    ("llama", "self-int8", 0.5),
+    ("qwen2", "self-int8", 0.5),
+    ("qwen3", "self-int8", 0.5),
+    ("qwen3", "self-fp16", 0.9),
+]
 
 
 @pytest.mark.parametrize(("arch", "method", "min_acceptance"), SELF_CASES)

@@ -62,8 +62,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_whole_and_streamed(server: Ser
     prompt = "The quick brown fox jumps over the lazy dog"
     body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2, "ignore_eos": True}
     whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-    offline = LLM(str(llama_dir)).generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
-                                                                    prompt_logprobs=2, logprobs=2))[0]  # fmt: skip
+    offline = LLM(str(llama_dir)).generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    )[0]
     assert whole["text"] == prompt + offline.text
     logprobs = whole["logprobs"]
     num_tokens = len(offline.prompt_token_ids) + 3

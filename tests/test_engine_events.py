@@ -38,9 +38,18 @@ NAMESPACE = KeyNamespace("demo", "vllm:/models/demo", "auto", BLOCK)
 
 
 def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **fields: Any) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-            **fields}  # fmt: skip
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        **fields,
+    }
 
 
 def removed(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
@@ -67,24 +76,47 @@ def engine_keys() -> EngineBlockKeys:
 
 def test_decodes_vllm_map_events_and_sglang_array_events() -> None:
     decoder = EventBatchDecoder()
-    batch = decoder.decode(frames(7, [stored([1, 2], list(range(8)), extra_keys=[["salt"], None]), removed([1]),
-                                      {"type": "AllBlocksCleared"}, {"type": "SomethingNewer", "x": 1}]))  # fmt: skip
+    batch = decoder.decode(
+        frames(
+            7,
+            [
+                stored([1, 2], list(range(8)), extra_keys=[["salt"], None]),
+                removed([1]),
+                {"type": "AllBlocksCleared"},
+                {"type": "SomethingNewer", "x": 1},
+            ],
+        )
+    )
     assert batch.seq == 7 and batch.rank == 0
     first, second, third = batch.events
     assert isinstance(first, StoredBlocks) and first.hashes == (1, 2) and first.parent is None
     assert first.cache_salt == "salt" and first.keyable == 2 and first.medium == "GPU"
     assert isinstance(second, RemovedBlocks) and second.hashes == (1,)
     assert isinstance(third, AllCleared)
-    sglang = decoder.decode(frames(0, [["BlockStored", [5], 4, [1, 2, 3, 4], BLOCK, None, "CPU_PINNED"],
-                                       ["BlockRemoved", [5], "CPU_PINNED"], ["AllBlocksCleared"]]))  # fmt: skip
+    sglang = decoder.decode(
+        frames(
+            0,
+            [
+                ["BlockStored", [5], 4, [1, 2, 3, 4], BLOCK, None, "CPU_PINNED"],
+                ["BlockRemoved", [5], "CPU_PINNED"],
+                ["AllBlocksCleared"],
+            ],
+        )
+    )
     stored_event = sglang.events[0]
     assert isinstance(stored_event, StoredBlocks) and stored_event.parent == 4 and stored_event.medium == "CPU_PINNED"
     assert isinstance(sglang.events[1], RemovedBlocks) and isinstance(sglang.events[2], AllCleared)
 
 
-@pytest.mark.parametrize("bad", [[b"", b"\x00" * 3, b"x"], [b"", (1).to_bytes(8, "big"), b"\xc1"],
-                                 [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"not": "a batch"})],
-                                 frames(1, [{"type": "BlockStored", "block_hashes": "nope"}])])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [b"", b"\x00" * 3, b"x"],
+        [b"", (1).to_bytes(8, "big"), b"\xc1"],
+        [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"not": "a batch"})],
+        frames(1, [{"type": "BlockStored", "block_hashes": "nope"}]),
+    ],
+)
 def test_refuses_what_is_not_a_batch(bad: list[bytes]) -> None:
     with pytest.raises(EventFormatError):
         EventBatchDecoder().decode(bad)
@@ -215,8 +247,13 @@ def follow(scenario: Scenario, replay: bool = True) -> None:
         replica = Replica("http://127.0.0.1:1")
         replica.kind = "vllm"
         resyncs: list[str] = []
-        sync = EngineEventSync(replica, publisher.endpoints, context, lambda _, reason: resyncs.append(reason),
-                               EngineBlockKeys(replica.index, NAMESPACE))  # fmt: skip
+        sync = EngineEventSync(
+            replica,
+            publisher.endpoints,
+            context,
+            lambda _, reason: resyncs.append(reason),
+            EngineBlockKeys(replica.index, NAMESPACE),
+        )
         task = asyncio.create_task(sync.run())
         try:
             await scenario(publisher, replica, resyncs)
@@ -253,8 +290,9 @@ def test_history_is_replayed_on_connect_and_live_batches_follow() -> None:
         assert held(replica) == KEYS[:2] and replica.namespace == NAMESPACE
         await until(lambda: replica.index.has_events, "live")
         for attempt in range(50):  # a PUB socket drops what it sends before the subscription reaches it
-            await publisher.send(1 + attempt, stored([3 + attempt], TOKENS[8 + 4 * attempt : 12 + 4 * attempt],
-                                                     parent=2 + attempt))  # fmt: skip
+            await publisher.send(
+                1 + attempt, stored([3 + attempt], TOKENS[8 + 4 * attempt : 12 + 4 * attempt], parent=2 + attempt)
+            )
             await asyncio.sleep(0.05)
             if len(held(replica)) > 2 + attempt:
                 break

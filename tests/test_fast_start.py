@@ -41,8 +41,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 def packages(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("packages")
     schemes = {"llama": ("int8", "fp16", "bf16"), "qwen2": ("int8",), "qwen3": ("int8",)}
-    converted = {(arch, scheme): root / f"{arch}-{scheme}" for arch, arch_schemes in schemes.items()
-                 for scheme in arch_schemes}  # fmt: skip
+    converted = {
+        (arch, scheme): root / f"{arch}-{scheme}" for arch, arch_schemes in schemes.items() for scheme in arch_schemes
+    }
     for (arch, scheme), out in converted.items():
         convert(model_dirs[arch], scheme, out)
     return {**converted, **{(arch, "none"): model_dirs[arch] for arch in schemes}}  # checkpoints as stored
@@ -56,9 +57,11 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(
-    engine: EngineCore, prompts: list[list[int]], takeover: tuple[int, LLMEngine] | None = None,
+    engine: EngineCore,
+    prompts: list[list[int]],
+    takeover: tuple[int, LLMEngine] | None = None,
     params: SamplingParams = GREEDY,
-) -> dict[str, list[int]]:  # fmt: skip
+) -> dict[str, list[int]]:
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{index}", prompt, params)
     tokens, step = {}, 0
@@ -72,17 +75,32 @@ def _run(
     return tokens
 
 
-@pytest.mark.parametrize(("arch", "scheme", "kv"), [("llama", "int8", "auto"), ("llama", "fp16", "int8"),
-                                                    ("llama", "bf16", "fp16"), ("qwen2", "int8", "auto"),
-                                                    ("qwen3", "int8", "int8"), ("llama", "none", "auto"),
-                                                    ("qwen2", "none", "int8"), ("qwen3", "none", "auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "scheme", "kv"),
+    [
+        ("llama", "int8", "auto"),
+        ("llama", "fp16", "int8"),
+        ("llama", "bf16", "fp16"),
+        ("qwen2", "int8", "auto"),
+        ("qwen3", "int8", "int8"),
+        ("llama", "none", "auto"),
+        ("qwen2", "none", "int8"),
+        ("qwen3", "none", "auto"),
+    ],
+)
 def test_the_native_engine_and_a_takeover_give_the_pytorch_engines_tokens(
     packages: dict[tuple[str, str], Path], arch: str, scheme: str, kv: str
 ) -> None:
     # fp32 layers take their few-rows kernels up to 16 rows (converted ones up to 64): steps of at most that many
     batched = 16 if scheme == "none" else 2048
-    config = EngineConfig.create(str(packages[arch, scheme]), kv_cache_dtype=kv, num_kv_blocks=64, max_num_seqs=4,
-                                 max_num_batched_tokens=batched, kv_tier=None)  # fmt: skip
+    config = EngineConfig.create(
+        str(packages[arch, scheme]),
+        kv_cache_dtype=kv,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=batched,
+        kv_tier=None,
+    )
     expected = _run(LLMEngine(config), _prompts())
     native = NativeStartEngine(config)
     assert _run(native, _prompts()) == expected
@@ -93,8 +111,9 @@ def test_the_native_engine_and_a_takeover_give_the_pytorch_engines_tokens(
 
 
 def test_bad_words_are_banned_alike_on_the_native_kernels_and_in_pytorch(model_dirs: dict[str, Path]) -> None:
-    config = EngineConfig.create(str(model_dirs["llama"]), num_kv_blocks=64, max_num_seqs=4,
-                                 max_num_batched_tokens=16, kv_tier=None)  # fmt: skip
+    config = EngineConfig.create(
+        str(model_dirs["llama"]), num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, kv_tier=None
+    )
     pytorch = LLMEngine(config)
     plain = _run(pytorch, _prompts())
     word, sequences = _bad_word_generated(pytorch.tokenizer, list(plain.values()), config)
@@ -139,8 +158,13 @@ def test_what_the_native_engine_cannot_run_waits_or_starts_without_it(
 ) -> None:
     assert runs_natively(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_tokens=2))
     assert runs_natively(SamplingParams(bad_words=["x"], skip_special_tokens=False, priority=1))
-    for params in (SamplingParams(seed=1), SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(logit_bias={3: 1.0}), SamplingParams(prompt_logprobs=1)):  # fmt: skip
+    for params in (
+        SamplingParams(seed=1),
+        SamplingParams(logprobs=2),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(logit_bias={3: 1.0}),
+        SamplingParams(prompt_logprobs=1),
+    ):
         assert not runs_natively(params)
     package = str(packages["llama", "int8"])
     assert fast_start_blocker(EngineConfig.create(package)) is None
@@ -181,8 +205,9 @@ def test_serve_answers_on_the_native_kernels_then_pytorch_takes_over(
     try:
         body = {"model": "p", "prompt": prompt, "max_tokens": 12, "temperature": 0}
         first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        seeded = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                            json={**body, "temperature": 0.8, "seed": 5, "logprobs": 1}).json()  # fmt: skip
+        seeded = httpx.post(
+            f"{server.url}/v1/completions", timeout=60, json={**body, "temperature": 0.8, "seed": 5, "logprobs": 1}
+        ).json()
         again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         log = server.log()
     finally:
@@ -199,8 +224,9 @@ def _text(answer: dict[str, Any]) -> str:
 
 
 def test_serve_help_names_the_fast_start_switch() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "serve", "--help"], capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "--no-fast-start" in result.stdout
 
 
@@ -281,8 +307,9 @@ def test_numpy_blocks_are_the_bytes_pytorch_reads_and_writes(kv_name: str) -> No
 
 def test_the_embedded_demo_stored_in_fp16_starts_on_the_native_kernels_with_the_same_tokens() -> None:
     """The demo (the README's first command) keeps its weights in fp16 for an fp32 model: both engines widen them."""
-    config = EngineConfig.create(str(DEMO_MODEL_DIR), num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
-                                 kv_tier=None)  # fmt: skip
+    config = EngineConfig.create(
+        str(DEMO_MODEL_DIR), num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, kv_tier=None
+    )
     assert fast_start_blocker(config) is None
     prompts = [list(range(40, 40 + n)) for n in (3, 11, 7)]
     assert _run(NativeStartEngine(config), prompts) == _run(LLMEngine(config), prompts)

@@ -26,8 +26,15 @@ CPU = torch.device("cpu")
 def _paged_model(model_dir: Path, scheme: str, kv_cache_dtype: str, num_seqs: int) -> PagedModel:
     model = load_model(model_dir, torch.float32, CPU, max_positions=256)
     quantize_model(model, scheme)
-    return PagedModel(model, BLOCKS_PER_SEQ * num_seqs, BLOCK_SIZE, torch.float32, CPU, attention_backend="native",
-                      kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    return PagedModel(
+        model,
+        BLOCKS_PER_SEQ * num_seqs,
+        BLOCK_SIZE,
+        torch.float32,
+        CPU,
+        attention_backend="native",
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 def _prefill(paged: PagedModel, prompt_lens: list[int]) -> None:
@@ -45,8 +52,9 @@ def _table(seq: int) -> list[int]:
 
 def _decode(paged: PagedModel, prompt_lens: list[int], seed: int) -> torch.Tensor:
     """One decode step: a new token for every sequence, at the position after its prompt."""
-    ids = torch.randint(0, paged.model.config.vocab_size, (len(prompt_lens),),
-                        generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
+    ids = torch.randint(
+        0, paged.model.config.vocab_size, (len(prompt_lens),), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     tables = [_table(seq) for seq in range(len(prompt_lens))]
     return paged.run(ids, list(prompt_lens), tables, [n + 1 for n in prompt_lens], [1] * len(prompt_lens))
 
@@ -55,8 +63,9 @@ def _mixed(paged: PagedModel, prompt_lens: list[int], seed: int) -> torch.Tensor
     """Two decodes, a 3-token chunk over the third sequence's cached prompt (as a speculative verification is),
     and a fourth sequence's whole 4-token prompt."""
     first, second, third = prompt_lens
-    ids = torch.randint(0, paged.model.config.vocab_size, (2 + 3 + 4,),
-                        generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
+    ids = torch.randint(
+        0, paged.model.config.vocab_size, (2 + 3 + 4,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     positions = [first, second, *range(third, third + 3), *range(4)]
     tables = [_table(seq) for seq in range(4)]
     return paged.run(ids, positions, tables, [first + 1, second + 1, third + 3, 4], [1, 1, 3, 4])
@@ -94,9 +103,12 @@ def _compare_one_step(
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("scheme", ["none", "int8", "fp16", "bf16"])
 def test_fused_layers_equal_the_modules_bit_for_bit(
-    model_dirs: dict[str, Path], native_kernels: NativeKernels, arch: str, scheme: str,
+    model_dirs: dict[str, Path],
+    native_kernels: NativeKernels,
+    arch: str,
+    scheme: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     prompt_lens = [5, 17, 30]
     paged = _paged_model(model_dirs[arch], scheme, "auto", len(prompt_lens))
     assert paged.model.fused_decode is not None
@@ -108,9 +120,13 @@ def test_fused_layers_equal_the_modules_bit_for_bit(
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("scheme", "kv_cache_dtype"), [("none", "auto"), ("int8", "int8")])
 def test_fused_layers_equal_the_modules_on_steps_with_chunks(
-    model_dirs: dict[str, Path], native_kernels: NativeKernels, arch: str, scheme: str, kv_cache_dtype: str,
+    model_dirs: dict[str, Path],
+    native_kernels: NativeKernels,
+    arch: str,
+    scheme: str,
+    kv_cache_dtype: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     # An int8 cache rounds what it stores, so there even the whole-prompt chunk reads its keys from the cache.
     prompt_lens = [6, 13, 21]
     paged = _paged_model(model_dirs[arch], scheme, kv_cache_dtype, 4)
@@ -120,9 +136,11 @@ def test_fused_layers_equal_the_modules_on_steps_with_chunks(
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16", "int8"])
 def test_fused_layers_write_every_kv_format_as_the_modules_do(
-    model_dirs: dict[str, Path], native_kernels: NativeKernels, kv_cache_dtype: str,
+    model_dirs: dict[str, Path],
+    native_kernels: NativeKernels,
+    kv_cache_dtype: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     prompt_lens = [9, 22]
     paged = _paged_model(model_dirs["qwen3"], "int8", kv_cache_dtype, len(prompt_lens))
     _prefill(paged, prompt_lens)

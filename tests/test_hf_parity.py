@@ -40,9 +40,14 @@ class Reference:
         if key not in self._cache:
             with torch.no_grad():
                 out = self.model.generate(
-                    torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                    eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                )  # fmt: skip
+                    torch.tensor([prompt]),
+                    max_new_tokens=NUM_NEW_TOKENS,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
             log_probs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
             self._cache[key] = (out.sequences[0, len(prompt) :].tolist(), log_probs)
         return self._cache[key]

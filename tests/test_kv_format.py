@@ -143,8 +143,9 @@ def test_decode_kernels_read_every_format_as_float64_would(
         keys, values = _dequantize64(cache[0, slots], head_dim), _dequantize64(cache[1, slots], head_dim)
         expected.append(_attention64(q[row : row + 1], keys, values, torch.tensor([context_len - 1]))[0])
     for kernels in (native_kernels, portable):
-        out = kernels.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size,
-                                   head_dim**-0.5)  # fmt: skip
+        out = kernels.paged_decode(
+            q, cache[0], cache[1], tables, lens, max_blocks * block_size, block_size, head_dim**-0.5
+        )
         torch.testing.assert_close(out, torch.stack(expected), rtol=1e-5, atol=2e-6)
 
 
@@ -161,8 +162,9 @@ def _prefill_through(backend: AttentionBackend, fmt: str, query_len: int, cached
     cache = _paged_cache(fmt, num_blocks * block_size, num_kv_heads, head_dim, cached)
     q = torch.randn(query_len, num_heads, head_dim, generator=generator)
     k, v = torch.randn(2, query_len, num_kv_heads, head_dim, generator=generator)
-    meta = build_attention_metadata(backend, [table], [context_len], [query_len], block_size, torch.float32, CPU,
-                                    keys_from_cache=True)  # fmt: skip
+    meta = build_attention_metadata(
+        backend, [table], [context_len], [query_len], block_size, torch.float32, CPU, keys_from_cache=True
+    )
     out = paged_attention(q, k, v, cache, meta, head_dim**-0.5)
     keys, values = _dequantize64(cache[0, slots], head_dim), _dequantize64(cache[1, slots], head_dim)
     return out, _attention64(q, keys, values, positions[cached:])
@@ -211,8 +213,9 @@ def _serve(llama_dir: Path, **options: object) -> list[tuple[list[int], list[flo
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_serves_close_to_fp32_on_both_backends(llama_dir: Path, fmt: str) -> None:
     reference = _serve(llama_dir)
-    by_backend = {backend: _serve(llama_dir, kv_cache_dtype=fmt, attention_backend=backend)
-                  for backend in ("native", "torch")}  # fmt: skip
+    by_backend = {
+        backend: _serve(llama_dir, kv_cache_dtype=fmt, attention_backend=backend) for backend in ("native", "torch")
+    }
     for (_, logprobs), (native_tokens, native_logprobs), (torch_tokens, torch_logprobs) in zip(
         reference, by_backend["native"], by_backend["torch"]
     ):
@@ -227,8 +230,10 @@ def test_each_format_serves_close_to_fp32_on_both_backends(llama_dir: Path, fmt:
 
 
 def test_a_smaller_format_holds_more_blocks_and_is_keyed_apart(llama_dir: Path) -> None:
-    engines = {fmt: LLM(str(llama_dir), kv_cache_dtype=fmt, kv_cache_memory_gb=0.01, max_num_seqs=1024).engine
-               for fmt in ("auto", "fp16", "int8")}  # fmt: skip
+    engines = {
+        fmt: LLM(str(llama_dir), kv_cache_dtype=fmt, kv_cache_memory_gb=0.01, max_num_seqs=1024).engine
+        for fmt in ("auto", "fp16", "int8")
+    }
     head_dim = engines["auto"].model_config.head_dim
     fp32_blocks = engines["auto"].num_kv_blocks
     assert engines["fp16"].num_kv_blocks / fp32_blocks == pytest.approx(2, rel=1e-3)

@@ -44,8 +44,21 @@ def openssl(*args: str) -> None:
 
 def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
     cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
-            "-keyout", str(key), "-out", str(cert))  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+    )
     return cert, key
 
 
@@ -55,8 +68,23 @@ def make_server_tls(directory: Path) -> RedisTLS:
     extensions = directory / "server.ext"
     extensions.write_text("subjectAltName=IP:127.0.0.1\n")
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(request))
-    openssl("x509", "-req", "-in", str(request), "-CA", str(ca_cert), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-days", "1", "-extfile", str(extensions), "-out", str(cert))  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(request),
+        "-CA",
+        str(ca_cert),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        str(extensions),
+        "-out",
+        str(cert),
+    )
     return RedisTLS(ca_cert, cert, key, PASSWORD)
 
 

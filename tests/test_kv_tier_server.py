@@ -284,8 +284,9 @@ def route_turn(router: ServerProcess, prompt: list[int], session: str = "chat-1"
 def router_has_events_of(router: ServerProcess, replica_url: str) -> None:
     from router_utils import replica_state, wait_for
 
-    last_seq = httpx.get(f"{replica_url}/kv/events", params={"stream": "false", "since": 0}, headers=ADMIN,
-                         timeout=10).json()["last_seq"]  # fmt: skip
+    last_seq = httpx.get(
+        f"{replica_url}/kv/events", params={"stream": "false", "since": 0}, headers=ADMIN, timeout=10
+    ).json()["last_seq"]
     wait_for(lambda: replica_state(router, replica_url)["index_seq"] >= last_seq, 30, "router has the events")
 
 
@@ -293,8 +294,10 @@ def router_errors(router: ServerProcess) -> dict[str, float]:
     from router_utils import labelled_metric
 
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-    return {source: labelled_metric(metrics, "kvyard_router_cached_tokens_abs_error_total", source=source)
-            for source in ("device", "local", "shared")}  # fmt: skip
+    return {
+        source: labelled_metric(metrics, "kvyard_router_cached_tokens_abs_error_total", source=source)
+        for source in ("device", "local", "shared")
+    }
 
 
 def test_a_drained_session_continues_on_the_other_replica_from_redis_as_the_router_predicted(
@@ -303,8 +306,10 @@ def test_a_drained_session_continues_on_the_other_replica_from_redis_as_the_rout
     """docs/contracts.md §7, with real replicas: the router follows what each one wrote to the shared store."""
     from router_utils import admin, labelled_metric, start_router
 
-    replicas = [start_server(llama_dir, tmp_path, "--kv-disk-dir", str(tmp_path / name), "--kv-redis-url",
-                             redis_server.url) for name in "ab"]  # fmt: skip
+    replicas = [
+        start_server(llama_dir, tmp_path, "--kv-disk-dir", str(tmp_path / name), "--kv-redis-url", redis_server.url)
+        for name in "ab"
+    ]
     router = start_router(tmp_path, [replica.url for replica in replicas], "--policy", "cache_aware")
     try:
         home, _, _ = route_turn(router, PROMPT)
@@ -336,8 +341,12 @@ def test_the_router_forgets_a_flushed_redis_and_counts_on_nothing_from_a_stalled
     from router_utils import admin, replica_state, start_router, wait_for
 
     stallable = start_redis(tmp_path, extra=("--enable-debug-command", "yes"))
-    replicas = [start_server(llama_dir, tmp_path, "--kv-tier", "redis", "--kv-redis-url", stallable.url,
-                             "--kv-redis-timeout-s", "0.5") for _ in range(2)]  # fmt: skip
+    replicas = [
+        start_server(
+            llama_dir, tmp_path, "--kv-tier", "redis", "--kv-redis-url", stallable.url, "--kv-redis-timeout-s", "0.5"
+        )
+        for _ in range(2)
+    ]
     router = start_router(tmp_path, [replica.url for replica in replicas], "--policy", "cache_aware")
     try:
         home, _, _ = route_turn(router, PROMPT)
@@ -350,8 +359,11 @@ def test_the_router_forgets_a_flushed_redis_and_counts_on_nothing_from_a_stalled
 
         stallable.client().flushall()  # idle writers see the store's new id within a second
         for url in (home, other):
-            wait_for(lambda url=url: replica_state(router, url)["shared_store"] not in (None, store_before), 30,
-                     "the router sees the flushed store's new id")  # fmt: skip
+            wait_for(
+                lambda url=url: replica_state(router, url)["shared_store"] not in (None, store_before),
+                30,
+                "the router sees the flushed store's new id",
+            )
         admin(router, "POST", "/admin/replicas/drain", json={"url": home}).raise_for_status()
         next_turn = [*PROMPT, *make_prompt(7, 40)]
         served, cached, _ = route_turn(router, next_turn)
@@ -359,16 +371,20 @@ def test_the_router_forgets_a_flushed_redis_and_counts_on_nothing_from_a_stalled
         assert router_errors(router)["shared"] == 0
 
         other_server = next(replica for replica in replicas if replica.url == other)
-        wait_for_metric(other_server, "kvyard_kv_tier_written_blocks_total", "redis",
-                        (len(next_turn) - 1) // BLOCK_SIZE)  # fmt: skip
+        wait_for_metric(
+            other_server, "kvyard_kv_tier_written_blocks_total", "redis", (len(next_turn) - 1) // BLOCK_SIZE
+        )
         router_has_events_of(router, other)
         admin(router, "POST", "/admin/replicas", json={"url": home}).raise_for_status()  # back from draining
         admin(router, "POST", "/admin/replicas/drain", json={"url": other}).raise_for_status()
         staller = threading.Thread(target=lambda: stallable.client().execute_command("DEBUG", "SLEEP", "4"))
         staller.start()
         try:
-            wait_for(lambda: not replica_state(router, home)["load"]["shared_tier_available"], 10,
-                     "the replica reports its store unavailable")  # fmt: skip
+            wait_for(
+                lambda: not replica_state(router, home)["load"]["shared_tier_available"],
+                10,
+                "the replica reports its store unavailable",
+            )
             started = time.monotonic()
             served, cached, _ = route_turn(router, next_turn)  # its last blocks are only in the stalled store
             assert served == home and time.monotonic() - started < 3, "the request waited for the stalled store"

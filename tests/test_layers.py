@@ -29,8 +29,11 @@ ALLOWED: dict[str, set[str]] = {
 
 def part_of(path: Path) -> str:
     relative = path.relative_to(PACKAGE)
-    return relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 or relative.stem not in (
-        "__init__", "__main__") else ""  # fmt: skip
+    return (
+        relative.parts[0].removesuffix(".py")
+        if len(relative.parts) > 1 or relative.stem not in ("__init__", "__main__")
+        else ""
+    )
 
 
 def imported_parts(path: Path) -> set[str]:

@@ -22,8 +22,9 @@ from kvyard.testing.sim_cluster import SimCluster, sim_server_options
 
 MODEL = "sim-model"
 LIMITS = HttpServerConfig(max_body_mb=1.0, request_read_timeout_s=1.0, idle_timeout_s=1.5)
-CONFIG = SimConfig(model_name=MODEL, block_size=4, num_kv_blocks=512, time_scale=0.01,
-                   scheduler=SchedulerConfig(max_num_seqs=4))  # fmt: skip
+CONFIG = SimConfig(
+    model_name=MODEL, block_size=4, num_kv_blocks=512, time_scale=0.01, scheduler=SchedulerConfig(max_num_seqs=4)
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +116,48 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
 def test_kvyard_serve_with_tls_says_https_where_it_listens(llama_dir: Path, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
-    command = [sys.executable, "-m", "kvyard", "serve", str(llama_dir), "--port", "0", "--kv-tier", "memory",
-               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvyard",
+        "serve",
+        str(llama_dir),
+        "--port",
+        "0",
+        "--kv-tier",
+        "memory",
+        "--ssl-certfile",
+        str(cert),
+        "--ssl-keyfile",
+        str(key),
+    ]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as server:
         try:
             assert server.stdout is not None

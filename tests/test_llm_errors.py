@@ -47,9 +47,15 @@ def test_token_outside_vocabulary(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
-     ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"logprobs": 50}, "logprobs")],
-)  # fmt: skip
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
 def test_bad_sampling_params(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -108,10 +114,13 @@ def test_a_sliding_window_model_is_refused_past_its_window(llama_dir: Path, tmp_
 
 @pytest.mark.parametrize(
     ("fields", "named"),
-    [({"hidden_act": "gelu"}, "hidden_act='gelu'"), ({"mlp_bias": True}, "mlp_bias=true"),
-     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "rope type 'yarn'")],
-)  # fmt: skip
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "rope type 'yarn'"),
+    ],
+)
 def test_config_fields_that_change_the_math_are_refused(
     llama_dir: Path, tmp_path: Path, fields: dict[str, object], named: str
 ) -> None:

@@ -28,8 +28,10 @@ def test_materialize_allocates_every_tensor_and_keeps_shared_ones_shared() -> No
 
 def test_loading_a_model_does_not_import_sympy(llama_dir: Path) -> None:
     # nn.Module.to_empty on meta tensors imports sympy through torch's reference ops: 0.7 s of every start.
-    code = ("import sys, torch; from kvyard.models.loader import load_model; "
-            f"load_model({str(llama_dir)!r}, torch.float32, torch.device('cpu'), 64); "
-            "print('sympy' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys, torch; from kvyard.models.loader import load_model; "
+        f"load_model({str(llama_dir)!r}, torch.float32, torch.device('cpu'), 64); "
+        "print('sympy' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

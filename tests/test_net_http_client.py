@@ -38,8 +38,14 @@ async def serve(handle: Callable[[str, asyncio.StreamWriter], Awaitable[bool]]) 
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length")), 0)  # fmt: skip
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
                 if not await handle(head.split(b" ")[1].decode(), writer):
                     break

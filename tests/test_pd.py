@@ -53,8 +53,9 @@ def metrics(server: ServerProcess) -> dict[str, float]:
 
 def unified(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
     """The reference: the whole request on one replica, under a salt no other request uses (no cache hits)."""
-    response = httpx.post(f"{server.url}/v1/completions", json={**body, "cache_salt": f"ref-{random.random()}"},
-                          timeout=120)  # fmt: skip
+    response = httpx.post(
+        f"{server.url}/v1/completions", json={**body, "cache_salt": f"ref-{random.random()}"}, timeout=120
+    )
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
     return result
@@ -154,18 +155,22 @@ def test_a_corrupt_block_is_recomputed(pair: tuple[ServerProcess, ServerProcess]
 
 def test_kv_transfer_params_need_the_admin_key(pair: tuple[ServerProcess, ServerProcess]) -> None:
     prefill, decode = pair
-    body = body_of(make_prompt(8), kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x" * 16,
-                                                       "source": "http://127.0.0.1:9"})  # fmt: skip
+    body = body_of(
+        make_prompt(8),
+        kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x" * 16, "source": "http://127.0.0.1:9"},
+    )
     response = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 401
     assert "kv_transfer_params" in response.json()["error"]["message"]
-    for bad, field in (({"transfer_id": "x" * 16}, "kv_transfer_params"),
-                       ({"do_remote_prefill": True, "transfer_id": "x" * 16}, "kv_transfer_params"),
-                       ({"do_remote_decode": True, "transfer_id": "short"}, "kv_transfer_params.transfer_id"),
-                       ({"do_remote_prefill": True, "transfer_id": "x" * 16, "source": "file:///etc"},
-                        "kv_transfer_params.source")):  # fmt: skip
-        response = httpx.post(f"{decode.url}/v1/completions", json=body_of([5, 6], kv_transfer_params=bad),
-                              headers=PD_HEADERS, timeout=30)  # fmt: skip
+    for bad, field in (
+        ({"transfer_id": "x" * 16}, "kv_transfer_params"),
+        ({"do_remote_prefill": True, "transfer_id": "x" * 16}, "kv_transfer_params"),
+        ({"do_remote_decode": True, "transfer_id": "short"}, "kv_transfer_params.transfer_id"),
+        ({"do_remote_prefill": True, "transfer_id": "x" * 16, "source": "file:///etc"}, "kv_transfer_params.source"),
+    ):
+        response = httpx.post(
+            f"{decode.url}/v1/completions", json=body_of([5, 6], kv_transfer_params=bad), headers=PD_HEADERS, timeout=30
+        )
         assert response.status_code == 400, bad
         assert response.json()["error"]["param"] == field, response.text
     reading = httpx.get(f"{prefill.url}/kv/transfer", params={"id": "x" * 16}, timeout=30)
@@ -181,21 +186,39 @@ def test_a_transfers_blocks_go_to_its_token_and_the_pull_shows_nothing_else(
     replica streams the blocks to that token (or to the admin) and refuses any other."""
     prefill, decode = pair
     transfer_id, token = uuid.uuid4().hex, uuid.uuid4().hex
-    leg = httpx.post(f"{prefill.url}/v1/completions", json=prefill_body(body_of(make_prompt(11)), transfer_id, token),
-                     headers=PD_HEADERS, timeout=60)  # fmt: skip
+    leg = httpx.post(
+        f"{prefill.url}/v1/completions",
+        json=prefill_body(body_of(make_prompt(11)), transfer_id, token),
+        headers=PD_HEADERS,
+        timeout=60,
+    )
     assert leg.status_code == 200, leg.text
-    wrong = httpx.get(f"{prefill.url}/kv/transfer", params={"id": transfer_id},
-                      headers={TRANSFER_TOKEN_HEADER: uuid.uuid4().hex}, timeout=30)  # fmt: skip
+    wrong = httpx.get(
+        f"{prefill.url}/kv/transfer",
+        params={"id": transfer_id},
+        headers={TRANSFER_TOKEN_HEADER: uuid.uuid4().hex},
+        timeout=30,
+    )
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_transfer_token"
-    with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id},
-                      headers={TRANSFER_TOKEN_HEADER: token}, timeout=30) as right:  # fmt: skip
+    with httpx.stream(
+        "GET",
+        f"{prefill.url}/kv/transfer",
+        params={"id": transfer_id},
+        headers={TRANSFER_TOKEN_HEADER: token},
+        timeout=30,
+    ) as right:
         assert right.status_code == 200 and right.headers["content-type"] == "application/octet-stream"
-    released = httpx.post(f"{prefill.url}{RELEASE_PATH}", params={"id": transfer_id},
-                          headers={TRANSFER_TOKEN_HEADER: token}, timeout=30)  # fmt: skip
+    released = httpx.post(
+        f"{prefill.url}{RELEASE_PATH}", params={"id": transfer_id}, headers={TRANSFER_TOKEN_HEADER: token}, timeout=30
+    )
     assert released.status_code == 200
     with stranger_source() as (source, seen):
-        answer = httpx.post(f"{decode.url}/v1/completions", headers=PD_HEADERS, timeout=60,
-                            json=decode_body(body_of(make_prompt(12)), uuid.uuid4().hex, source, token))  # fmt: skip
+        answer = httpx.post(
+            f"{decode.url}/v1/completions",
+            headers=PD_HEADERS,
+            timeout=60,
+            json=decode_body(body_of(make_prompt(12)), uuid.uuid4().hex, source, token),
+        )
         assert answer.status_code == 200, answer.text  # nothing pulled: the prompt computed here
     assert seen and all(headers.get(TRANSFER_TOKEN_HEADER.lower()) == token for headers in seen), seen
     everything = " ".join(f"{name}: {value}" for headers in seen for name, value in headers.items()).lower()
@@ -272,8 +295,9 @@ def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path
         response = httpx.post(f"{prefill.url}/v1/completions", json=body, headers=PD_HEADERS, timeout=60)
         assert response.status_code == 200, response.text
         if fate == "release":
-            with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN,
-                              timeout=60) as stream:  # fmt: skip
+            with httpx.stream(
+                "GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN, timeout=60
+            ) as stream:
                 assert stream.status_code == 200
                 stream.read()
             released = httpx.post(f"{prefill.url}/kv/transfer/release", params={"id": transfer_id}, headers=ADMIN)
@@ -283,8 +307,9 @@ def test_no_lease_outlives_its_decode_side(model_dirs: dict[str, Path], tmp_path
             if released.status_code == 200:
                 released_ok.append(index)
         elif fate == "die_mid_pull":
-            with httpx.stream("GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN,
-                              timeout=60) as stream:  # fmt: skip
+            with httpx.stream(
+                "GET", f"{prefill.url}/kv/transfer", params={"id": transfer_id}, headers=ADMIN, timeout=60
+            ) as stream:
                 next(stream.iter_bytes())
 
     try:
@@ -312,10 +337,20 @@ def test_a_client_that_disconnects_leaks_nothing(pair: tuple[ServerProcess, Serv
     body = body_of(make_prompt(10, 600), max_tokens=200, stream=True)
     transfer_id = "disconnect-test-0001"
     with ThreadPoolExecutor(1) as pool:
-        leg = pool.submit(httpx.post, f"{prefill.url}/v1/completions", json=prefill_body(body, transfer_id),
-                          headers=PD_HEADERS, timeout=120)  # fmt: skip
-        with httpx.stream("POST", f"{decode.url}/v1/completions", json=decode_body(body, transfer_id, prefill.url),
-                          headers=PD_HEADERS, timeout=120) as response:  # fmt: skip
+        leg = pool.submit(
+            httpx.post,
+            f"{prefill.url}/v1/completions",
+            json=prefill_body(body, transfer_id),
+            headers=PD_HEADERS,
+            timeout=120,
+        )
+        with httpx.stream(
+            "POST",
+            f"{decode.url}/v1/completions",
+            json=decode_body(body, transfer_id, prefill.url),
+            headers=PD_HEADERS,
+            timeout=120,
+        ) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # the first token is out: the client goes away mid-stream
         assert leg.result().status_code == 200

@@ -48,9 +48,13 @@ def test_batched_processing_matches_the_per_row_reference() -> None:
     rng = random.Random(0)
     torch.manual_seed(0)
     logits = torch.randn(len(ROW_PARAMS), VOCAB) * 4
-    histories = [TokenHistory([rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))],
-                              [rng.randrange(VOCAB // 4) for _ in range(rng.randrange(1, 40))])
-                 for _ in ROW_PARAMS]  # fmt: skip
+    histories = [
+        TokenHistory(
+            [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))],
+            [rng.randrange(VOCAB // 4) for _ in range(rng.randrange(1, 40))],
+        )
+        for _ in ROW_PARAMS
+    ]
     expected = torch.stack([reference_processing(logits[i], p, histories[i]) for i, p in enumerate(ROW_PARAMS)])
     processed = logits.clone()
     apply_logit_processing(processed, ROW_PARAMS, histories)
@@ -125,15 +129,23 @@ def test_repetition_penalty_and_logit_bias_match_hugging_face(model_dirs: dict[s
     biased = prompts[0][0]  # a prompt token, pushed up: bias and repetition penalty both touch it
     for kwargs, hf_kwargs in [
         ({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5}),
-        ({"repetition_penalty": 1.3, "logit_bias": {biased: 2.5}},
-         {"repetition_penalty": 1.3, "sequence_bias": [[[biased], 2.5]]}),
-    ]:  # fmt: skip
+        (
+            {"repetition_penalty": 1.3, "logit_bias": {biased: 2.5}},
+            {"repetition_penalty": 1.3, "sequence_bias": [[[biased], 2.5]]},
+        ),
+    ]:
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
         outputs = LLM(str(model_dirs[arch])).generate(prompts, params)
         for prompt, output in zip(prompts, outputs):
             with torch.no_grad():
-                sequence = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0, **hf_kwargs)  # fmt: skip
+                sequence = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=20,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    **hf_kwargs,
+                )
             assert output.token_ids == sequence[0, len(prompt) :].tolist(), kwargs
 
 
@@ -141,8 +153,9 @@ def test_frequency_and_presence_penalties_stop_a_greedy_loop(llama_dir: Path) ->
     prompt = [5, 6, 7] * 10
     plain = LLM(str(llama_dir)).generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     penalised = LLM(str(llama_dir)).generate(
-        [prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, frequency_penalty=2.0,
-                                 presence_penalty=2.0))  # fmt: skip
+        [prompt],
+        SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+    )
     assert len(set(penalised[0].token_ids)) > len(set(plain[0].token_ids))
 
 
@@ -155,9 +168,19 @@ def test_penalised_requests_speculate_exactly(llama_dir: Path, temperature: floa
     output without speculation, greedy and seeded."""
     rng = random.Random(5)
     batch = [([rng.randrange(3, 300) for _ in range(5)] * 8)[: 20 + 3 * i] for i in range(6)]
-    params = [SamplingParams(max_tokens=20, temperature=temperature, seed=11 + i, ignore_eos=True,
-                             frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2,
-                             logit_bias={batch[i][0]: 1.5}) for i in range(len(batch))]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=temperature,
+            seed=11 + i,
+            ignore_eos=True,
+            frequency_penalty=0.7,
+            presence_penalty=0.3,
+            repetition_penalty=1.2,
+            logit_bias={batch[i][0]: 1.5},
+        )
+        for i in range(len(batch))
+    ]
     reference = [o.token_ids for o in LLM(str(llama_dir)).generate(batch, params)]  # type: ignore[arg-type]
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     with LLM(str(llama_dir), speculative=speculative) as llm:

@@ -22,19 +22,34 @@ from kvyard.models.tokenizer import GIL_FREE_ENCODE_CHARS, PlainTokenizer
 DEMO_DIR = Path(__file__).resolve().parents[1] / "kvyard" / "testing" / "kvyard-demo"
 
 TEXTS = (
-    "", " ", "hello world", "  two leading spaces", "trailing space ", "tabs\tand\nnew\r\nlines\n\n\n",
-    "naïve café – 東京 🚀", "e\u0301 composed by NFC where the tokenizer normalizes", "ﬁ ligature and ½",
-    "<|eot_id|> inside text <|im_end|><|im_start|>user", "<|begin_of_text|>", "def f(x):\n    return x ** 2  # sq\n",
-    "I'm sure they'll've done it; it's 3.14159 or 2,718.", "a" * 300, "\u200b zero width \ufeff bom",
-)  # fmt: skip
+    "",
+    " ",
+    "hello world",
+    "  two leading spaces",
+    "trailing space ",
+    "tabs\tand\nnew\r\nlines\n\n\n",
+    "naïve café – 東京 🚀",
+    "e\u0301 composed by NFC where the tokenizer normalizes",
+    "ﬁ ligature and ½",
+    "<|eot_id|> inside text <|im_end|><|im_start|>user",
+    "<|begin_of_text|>",
+    "def f(x):\n    return x ** 2  # sq\n",
+    "I'm sure they'll've done it; it's 3.14159 or 2,718.",
+    "a" * 300,
+    "\u200b zero width \ufeff bom",
+)
 
 CONVERSATIONS: tuple[list[dict[str, Any]], ...] = (
     [{"role": "user", "content": "Hi there!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4", "tool_calls": None}, {"role": "user", "content": "and 3+3?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "tool_calls": None},
+        {"role": "user", "content": "and 3+3?"},
+    ],
     [{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "part two"}]}],
     [{"role": "user", "content": "Unicode: 東京 🚀 <|eot_id|>"}, {"role": "assistant", "content": "Sure: "}],
-)  # fmt: skip
+)
 
 FEATURE_TEMPLATES = {
     "namespace_loopcontrols_tojson": (
@@ -136,8 +151,11 @@ def test_vocabulary_and_special_tokens_match(pair: tuple[PlainTokenizer, Any]) -
     assert plain.get_vocab() == hf.get_vocab()
     assert len(plain) == len(hf)
     assert plain.special_tokens_map == hf.special_tokens_map
-    assert (plain.bos_token_id, plain.eos_token_id, plain.pad_token_id) == (hf.bos_token_id, hf.eos_token_id,
-                                                                           hf.pad_token_id)  # fmt: skip
+    assert (plain.bos_token_id, plain.eos_token_id, plain.pad_token_id) == (
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+    )
     tokens = [*hf.all_special_tokens, "not-a-token-anywhere", "a"]
     assert plain.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens)
 
@@ -147,8 +165,10 @@ def test_model_chat_template_matches(pair: tuple[PlainTokenizer, Any], conversat
     plain, hf = pair
     for add_generation_prompt in (False, True):
         expected = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-        assert plain.apply_chat_template(conversation, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt) == expected  # fmt: skip
+        assert (
+            plain.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            == expected
+        )
         ids = plain.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         assert ids == hf.encode(expected, add_special_tokens=False)
     if conversation[-1]["role"] == "assistant":
@@ -167,8 +187,11 @@ def test_template_features_match(llama_dir: Path, name: str) -> None:
     reasoned = [{"role": "user", "content": "why?"}, {"role": "assistant", "content": "so", "reasoning": "I thought"}]
     conversations = [*CONVERSATIONS, reasoned]
     for conversation in conversations:
-        for kwargs in ({}, {"add_generation_prompt": True, "tools": tools, "documents": documents},
-                       {"enable_thinking": False}):  # fmt: skip
+        for kwargs in (
+            {},
+            {"add_generation_prompt": True, "tools": tools, "documents": documents},
+            {"enable_thinking": False},
+        ):
             expected = hf.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
             assert plain.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs) == expected
 
@@ -177,8 +200,10 @@ def test_template_errors_match(llama_dir: Path) -> None:
     plain = PlainTokenizer.load(llama_dir).tokenizer
     assert plain is not None
     hf = PreTrainedTokenizerFast.from_pretrained(llama_dir)
-    raising = "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('only users: ' ~ m.role) }}" \
-              "{% endif %}{% endfor %}"  # fmt: skip
+    raising = (
+        "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('only users: ' ~ m.role) }}"
+        "{% endif %}{% endfor %}"
+    )
     conversation = [{"role": "robot", "content": "beep"}]
     with pytest.raises(jinja2.TemplateError, match="only users: robot") as ours:
         plain.apply_chat_template(conversation, chat_template=raising, tokenize=False)
@@ -189,14 +214,17 @@ def test_template_errors_match(llama_dir: Path) -> None:
         plain.apply_chat_template([], tokenize=False)
 
 
-@pytest.mark.parametrize("template", [
-    "{{ messages[0].__class__.__mro__[1].__subclasses__() }}",
-    "{{ ''.__class__.__base__.__subclasses__() }}",
-    "{% set x = messages.append({'role': 'user'}) %}{{ x }}",
-    "{% set ns = namespace(_hidden=1) %}{{ ns }}",
-    "{% set ns = namespace(a=1) %}{% set ns.__dict__ = 2 %}{{ ns.a }}",
-    "{{ cycler.__init__.__globals__ }}",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages[0].__class__.__mro__[1].__subclasses__() }}",
+        "{{ ''.__class__.__base__.__subclasses__() }}",
+        "{% set x = messages.append({'role': 'user'}) %}{{ x }}",
+        "{% set ns = namespace(_hidden=1) %}{{ ns }}",
+        "{% set ns = namespace(a=1) %}{% set ns.__dict__ = 2 %}{{ ns.a }}",
+        "{{ cycler.__init__.__globals__ }}",
+    ],
+)
 def test_sandbox_refuses_escapes(llama_dir: Path, template: str) -> None:
     plain = PlainTokenizer.load(llama_dir).tokenizer
     assert plain is not None
@@ -206,14 +234,20 @@ def test_sandbox_refuses_escapes(llama_dir: Path, template: str) -> None:
 
 def test_named_templates_and_template_file(llama_dir: Path, tmp_path: Path) -> None:
     named = copy_tokenizer_dir(llama_dir, tmp_path / "named")
-    edit_config(named, chat_template=[{"name": "default", "template": "D{{ messages[0].content }}"},
-                                      {"name": "tool_use", "template": "T{{ (tools or []) | length }}"}])  # fmt: skip
+    edit_config(
+        named,
+        chat_template=[
+            {"name": "default", "template": "D{{ messages[0].content }}"},
+            {"name": "tool_use", "template": "T{{ (tools or []) | length }}"},
+        ],
+    )
     plain, hf = PlainTokenizer.load(named).tokenizer, PreTrainedTokenizerFast.from_pretrained(named)
     assert plain is not None
     conversation = [{"role": "user", "content": "hi"}]
     for kwargs in ({}, {"tools": [{"name": "f"}]}, {"chat_template": "tool_use"}):
         assert plain.apply_chat_template(conversation, tokenize=False, **kwargs) == hf.apply_chat_template(
-            conversation, tokenize=False, **kwargs)  # fmt: skip
+            conversation, tokenize=False, **kwargs
+        )
     file_first = copy_tokenizer_dir(llama_dir, tmp_path / "file")
     (file_first / "chat_template.jinja").write_text("from the file: {{ messages[0].content }}")
     plain, hf = PlainTokenizer.load(file_first).tokenizer, PreTrainedTokenizerFast.from_pretrained(file_first)
@@ -228,8 +262,14 @@ def test_directories_transformers_must_read(llama_dir: Path, tmp_path: Path) -> 
     assert "has its own code" in PlainTokenizer.load(own_class).reason
     extra_token = copy_tokenizer_dir(llama_dir, tmp_path / "extra_token")
     config = json.loads((extra_token / "tokenizer_config.json").read_text())
-    config["added_tokens_decoder"]["9999"] = {"content": "<|new|>", "lstrip": False, "normalized": False,
-                                              "rstrip": False, "single_word": False, "special": True}  # fmt: skip
+    config["added_tokens_decoder"]["9999"] = {
+        "content": "<|new|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     (extra_token / "tokenizer_config.json").write_text(json.dumps(config))
     assert "differs from tokenizer.json" in PlainTokenizer.load(extra_token).reason
     missing_special = copy_tokenizer_dir(llama_dir, tmp_path / "missing_special")

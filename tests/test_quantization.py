@@ -50,9 +50,10 @@ def test_quantized_weights_round_to_the_nearest_step_of_their_group() -> None:
 
 
 # rows: one, a block of 4 or 8 and remainders of it; out_features: whole tiles of 8 weight rows and a partial one
-@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 64, 128), (3, 130, 256), (32, 77, 512),
-                                                                   (7, 4, 32), (9, 19, 64), (17, 1000, 96),
-                                                                   (64, 33, 128), (2, 24, 1024)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 64, 128), (3, 130, 256), (32, 77, 512), (7, 4, 32), (9, 19, 64), (17, 1000, 96), (64, 33, 128), (2, 24, 1024)],
+)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_the_int8_kernel_matches_a_float64_reference(
@@ -192,8 +193,12 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
         layer.use_native_kernel(native_kernels.small_linear_half, onednn, True)
         weight16 = layer.weight16
         exact_weight = weight16.float()
-    first_rows = {"int8": BF16_MATMUL_FROM_ROWS["int8"], "int8 kept": BF16_MATMUL_FROM_ROWS["bf16"],
-                  "bf16": BF16_MATMUL_FROM_ROWS["bf16"], "none": Linear.max_small_rows + 1}  # fmt: skip
+    first_rows = {
+        "int8": BF16_MATMUL_FROM_ROWS["int8"],
+        "int8 kept": BF16_MATMUL_FROM_ROWS["bf16"],
+        "bf16": BF16_MATMUL_FROM_ROWS["bf16"],
+        "none": Linear.max_small_rows + 1,
+    }
     first = first_rows[scheme]
     few, many = torch.randn(first - 1, 256), torch.randn(first, 256)
     out = layer(many)
@@ -243,8 +248,9 @@ def _round_tripped_reference(model_dir: Path, scheme: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("arch", "scheme"), [("llama", "int8"), ("qwen3", "int8"), ("llama", "fp16"),
-                                              ("qwen2", "bf16")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "scheme"), [("llama", "int8"), ("qwen3", "int8"), ("llama", "fp16"), ("qwen2", "bf16")]
+)
 def test_a_converted_model_equals_hugging_face_on_the_round_tripped_weights(
     model_dirs: dict[str, Path], arch: str, scheme: str
 ) -> None:
@@ -258,8 +264,9 @@ def test_a_converted_model_equals_hugging_face_on_the_round_tripped_weights(
         outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
-            sequence = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+            sequence = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
             log_probs = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
         assert output.token_ids == sequence[0, len(prompt) :].tolist()
         assert output.prompt_logprobs is not None
@@ -269,8 +276,11 @@ def test_a_converted_model_equals_hugging_face_on_the_round_tripped_weights(
 
 
 def test_converted_weights_cache_their_kv_apart_and_an_unknown_scheme_is_refused(llama_dir: Path) -> None:
-    with (LLM(str(llama_dir)) as plain, LLM(str(llama_dir), quantization="int8") as int8,
-          LLM(str(llama_dir), quantization="fp16") as fp16):  # fmt: skip
+    with (
+        LLM(str(llama_dir)) as plain,
+        LLM(str(llama_dir), quantization="int8") as int8,
+        LLM(str(llama_dir), quantization="fp16") as fp16,
+    ):
         roots = {llm.engine.namespace.root_key() for llm in (plain, int8, fp16)}
         assert len(roots) == 3
         assert int8.engine.namespace.model_digest.endswith("+int8-g32")
@@ -298,8 +308,10 @@ def test_a_package_loads_the_tensors_converting_at_load_time_gives(
         convert(llama_dir, scheme, package_dir)
     prompt = [[5, 9, 14, 3, 77, 41, 2, 8, 100, 7]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with (LLM(str(llama_dir), quantization=scheme, served_model_name="m") as converted,
-          LLM(str(package_dir), served_model_name="m") as packaged):  # fmt: skip
+    with (
+        LLM(str(llama_dir), quantization=scheme, served_model_name="m") as converted,
+        LLM(str(package_dir), served_model_name="m") as packaged,
+    ):
         ours, theirs = converted.engine.runner.model.state_dict(), packaged.engine.runner.model.state_dict()
         assert set(ours) == set(theirs)
         for name, tensor in ours.items():
@@ -323,27 +335,40 @@ def _broken_copy(package_dir: Path, tmp_path: Path, how: str) -> Path:
     elif how == "missing-tensors":
         tensors.unlink()
     else:
-        info.update({"newer-version": {"format_version": 2}, "int4": {"weights": "int4"},
-                     "not-json": {}}[how])  # fmt: skip
+        info.update({"newer-version": {"format_version": 2}, "int4": {"weights": "int4"}, "not-json": {}}[how])
         info_path.write_text("{not json" if how == "not-json" else json.dumps(info))
     return broken
 
 
 @pytest.mark.parametrize(
     ("how", "message"),
-    [("flipped-byte", "SHA-256"), ("truncated", "corrupt or truncated"), ("missing-tensors", "is missing"),
-     ("newer-version", "format version 2"), ("int4", "'int4'"), ("not-json", "not a kvyard package")],
-)  # fmt: skip
+    [
+        ("flipped-byte", "SHA-256"),
+        ("truncated", "corrupt or truncated"),
+        ("missing-tensors", "is missing"),
+        ("newer-version", "format version 2"),
+        ("int4", "'int4'"),
+        ("not-json", "not a kvyard package"),
+    ],
+)
 def test_a_broken_package_is_refused_with_the_reason(package_dir: Path, tmp_path: Path, how: str, message: str) -> None:
     broken = _broken_copy(package_dir, tmp_path, how)
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(str(broken))
-    result = subprocess.run([sys.executable, "-m", "kvyard", "generate", str(broken), "--prompt", "x"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "generate", str(broken), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and message in result.stderr
 
 
 def test_convert_refuses_a_non_empty_output_directory(llama_dir: Path, package_dir: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "convert", str(llama_dir), "--out", str(package_dir)],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "convert", str(llama_dir), "--out", str(package_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "not empty" in result.stderr

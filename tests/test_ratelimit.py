@@ -68,8 +68,9 @@ def test_a_router_limits_tokens_per_key() -> None:
 
             def post(key: str, max_tokens: int) -> httpx.Response:
                 body = {"prompt": [1] * 40, "max_tokens": max_tokens}
-                return httpx.post(f"{router.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                                  timeout=30)  # fmt: skip
+                return httpx.post(
+                    f"{router.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+                )
 
             assert post("k1", 50).status_code == 200  # 90 of 100
             refused = post("k1", 20)

@@ -59,16 +59,28 @@ def test_an_unknown_parser_is_refused_naming_the_choices() -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start_server(llama_dir, tmp_path_factory.mktemp("reasoning"), "--served-model-name", "tiny-llama",
-                           "--reasoning-parser", "qwen3")  # fmt: skip
+    process = start_server(
+        llama_dir,
+        tmp_path_factory.mktemp("reasoning"),
+        "--served-model-name",
+        "tiny-llama",
+        "--reasoning-parser",
+        "qwen3",
+    )
     yield process
     process.stop()
 
 
 def chat(url: str, stream: bool) -> httpx.Response:
     """A greedy answer forced (by a regex) into a reasoning model's shape."""
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "think first"}], "max_tokens": 48,
-            "temperature": 0, "guided_regex": "<think>[a-z]{4,10}</think>[a-z]{2,6}", "stream": stream}  # fmt: skip
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "think first"}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "guided_regex": "<think>[a-z]{4,10}</think>[a-z]{2,6}",
+        "stream": stream,
+    }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
 
 
@@ -79,8 +91,7 @@ def test_the_server_puts_the_thinking_in_reasoning_content_whole_and_streamed(qw
     assert re.fullmatch(r"[a-z]{4,10}", message["reasoning_content"]), message
     assert re.fullmatch(r"[a-z]{2,6}", message["content"]), message
     streamed = chat(qwen3_server.url, stream=True)
-    deltas = [json.loads(line[6:])["choices"] for line in streamed.text.splitlines()
-              if line.startswith("data: {")]  # fmt: skip
+    deltas = [json.loads(line[6:])["choices"] for line in streamed.text.splitlines() if line.startswith("data: {")]
     pieces = [choice[0]["delta"] for choice in deltas if choice]
     assert "".join(d.get("reasoning_content") or "" for d in pieces) == message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in pieces) == message["content"]

@@ -162,8 +162,10 @@ def test_truncated_prompts_keep_their_last_tokens(server: ServerProcess) -> None
     chat = {"messages": MESSAGES[:1], "max_tokens": 12, "truncate_prompt_tokens": 6, **GREEDY}
     rendered = _tokenize(server, {"messages": MESSAGES[:1]})
     assert _ok(server, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == 6
-    assert _generated(server, "/v1/chat/completions", chat)[0] == _generated(
-        server, "/v1/completions", {"prompt": rendered[-6:], "max_tokens": 12, **GREEDY})[0]  # fmt: skip
+    assert (
+        _generated(server, "/v1/chat/completions", chat)[0]
+        == _generated(server, "/v1/completions", {"prompt": rendered[-6:], "max_tokens": 12, **GREEDY})[0]
+    )
 
 
 def test_truncation_to_the_context_and_bad_truncations(server: ServerProcess) -> None:
@@ -222,8 +224,9 @@ def test_prompt_logprobs_are_the_echoed_prompts_in_vllms_shape(server: ServerPro
     assert all(len(top) == 1 for top in both["logprobs"]["top_logprobs"][1 : len(prompt_ids)])
     assert all(3 <= len(entry) <= 4 for entry in both["prompt_logprobs"][1:])
 
-    chat = _ok(server, "/v1/chat/completions", {"messages": MESSAGES[:1], "max_tokens": 2, "prompt_logprobs": 0,
-                                                **GREEDY})  # fmt: skip
+    chat = _ok(
+        server, "/v1/chat/completions", {"messages": MESSAGES[:1], "max_tokens": 2, "prompt_logprobs": 0, **GREEDY}
+    )
     rendered = _tokenize(server, {"messages": MESSAGES[:1]})
     keys = [None if entry is None else list(entry) for entry in chat["prompt_logprobs"]]
     assert keys == [None, *[[str(token_id)] for token_id in rendered[1:]]]

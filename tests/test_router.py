@@ -40,15 +40,16 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def complete(router: ServerProcess, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "max_tokens": 4, **body},
-                      headers=headers, timeout=60)  # fmt: skip
+    return httpx.post(
+        f"{router.url}/v1/completions", json={"model": MODEL, "max_tokens": 4, **body}, headers=headers, timeout=60
+    )
 
 
 async def complete_many(router: ServerProcess, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=120) as client:
-        return await asyncio.gather(*(
-            client.post(f"{router.url}/v1/completions", json={"model": MODEL, **body}) for body in bodies
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(client.post(f"{router.url}/v1/completions", json={"model": MODEL, **body}) for body in bodies)
+        )
 
 
 def served_by(response: httpx.Response) -> str:
@@ -81,8 +82,9 @@ def test_bad_input_gets_openai_errors(cluster: SimCluster, log_dir: Path) -> Non
         ]
         for path, body, status, param in cases:
             content = body if isinstance(body, bytes) else None
-            response = httpx.post(f"{router.url}{path}", content=content, json=None if content else body, timeout=10,
-                                  headers=ADMIN)  # fmt: skip
+            response = httpx.post(
+                f"{router.url}{path}", content=content, json=None if content else body, timeout=10, headers=ADMIN
+            )
             assert response.status_code == status, (path, body, response.text)
             error = response.json()["error"]
             assert error["param"] == param and error["message"] and error["type"]
@@ -146,9 +148,27 @@ def test_the_routers_load_is_its_fleets_and_the_bench_finds_what_it_needs(cluste
         wait_for(lambda: httpx.get(f"{router.url}/load", timeout=10).json()["kv_blocks_total"] == total, 20, "loads")
         fleet = httpx.get(f"{router.url}/load", timeout=10).json()
         out = log_dir / "through-router.json"
-        command = [sys.executable, "-m", "kvyard", "bench", "--base-url", router.url, "--model", MODEL, "--workload",
-                   "random", "--num-requests", "4", "--input-len", "32", "--output-len", "4", "--no-progress",
-                   "--out", str(out)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "kvyard",
+            "bench",
+            "--base-url",
+            router.url,
+            "--model",
+            MODEL,
+            "--workload",
+            "random",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "32",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
         bench = subprocess.run(command, capture_output=True, text=True, timeout=120)
     finally:
         router.stop()
@@ -167,8 +187,9 @@ def test_session_affinity_holds_while_the_replica_is_healthy(cluster: SimCluster
         homes = {}
         for session in range(12):
             headers = {"x-session-id": f"s{session}"}
-            replicas = {served_by(complete(router, {"prompt": prompt(session * 10 + turn, 20)}, headers))
-                        for turn in range(3)}  # fmt: skip
+            replicas = {
+                served_by(complete(router, {"prompt": prompt(session * 10 + turn, 20)}, headers)) for turn in range(3)
+            }
             assert len(replicas) == 1, f"session {session} moved between {replicas}"
             homes[session] = replicas.pop()
         assert len(set(homes.values())) >= 2, "sessions should spread over replicas"
@@ -181,8 +202,10 @@ def test_session_affinity_holds_while_the_replica_is_healthy(cluster: SimCluster
         assert moved != drained
         others = [s for s, home in homes.items() if home != drained]
         for session in others:  # sessions of healthy replicas stay where they were
-            assert served_by(complete(router, {"prompt": prompt(2, 20)},
-                                      headers={"x-session-id": f"s{session}"})) == homes[session]  # fmt: skip
+            assert (
+                served_by(complete(router, {"prompt": prompt(2, 20)}, headers={"x-session-id": f"s{session}"}))
+                == homes[session]
+            )
         admin(router, "POST", "/admin/replicas", json={"url": drained}).raise_for_status()
         assert served_by(complete(router, {"prompt": prompt(3, 20)}, headers={"x-session-id": "s0"})) == drained
     finally:
@@ -287,8 +310,15 @@ def test_when_every_replica_fails_its_health_checks_the_router_still_serves_unle
 ) -> None:
     """Health checks that cannot finish in time (an overloaded fleet's) eject every replica. Below the panic
     threshold the router routes to ejected replicas too, and they serve; with panic off it answers 503."""
-    router = start_router(log_dir, cluster.urls[:2], "--health-timeout-s", "0.000001", "--panic-threshold",
-                          panic_threshold, wait_healthy=False)  # fmt: skip
+    router = start_router(
+        log_dir,
+        cluster.urls[:2],
+        "--health-timeout-s",
+        "0.000001",
+        "--panic-threshold",
+        panic_threshold,
+        wait_healthy=False,
+    )
     try:
         wait_for(lambda: all(r["state"] == "ejected" for r in replicas_of(router)), 20, "both replicas ejected")
         response = complete(router, {"prompt": prompt(3, 8)})
@@ -308,14 +338,20 @@ def test_when_every_replica_fails_its_health_checks_the_router_still_serves_unle
 
 @pytest.mark.parametrize(
     ("option", "value", "reason"),
-    [("--panic-threshold", "1.5", "--panic-threshold must be between 0 and 1"),
-     ("--shared-index-keys", "0", "--shared-index-keys must be at least 1"),
-     ("--backlog", "0", "backlog must be positive"),
-     ("--conversation-weight", "-1", "--conversation-weight must be 0 or more")],
-)  # fmt: skip
+    [
+        ("--panic-threshold", "1.5", "--panic-threshold must be between 0 and 1"),
+        ("--shared-index-keys", "0", "--shared-index-keys must be at least 1"),
+        ("--backlog", "0", "backlog must be positive"),
+        ("--conversation-weight", "-1", "--conversation-weight must be 0 or more"),
+    ],
+)
 def test_out_of_range_settings_are_refused_with_the_reason(option: str, value: str, reason: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1", option,
-                             value], capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "route", "--replica", "http://127.0.0.1:1", option, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and reason in result.stderr
 
 

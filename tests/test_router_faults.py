@@ -74,17 +74,24 @@ async def _stream(client: httpx.AsyncClient, url: str, index: int, watch: Stream
                     watch.saw(response.headers.get("x-kvyard-replica"), len(events))
     chunks = [json.loads(event) for event in events if event != "[DONE]"]
     choices = [c["choices"][0] for c in chunks if c.get("choices")]
-    return {"status": response.status_code, "replica": response.headers.get("x-kvyard-replica"),
-            "done": events[-1:] == ["[DONE]"], "errors": [c["error"] for c in chunks if "error" in c],
-            "text": "".join(_text(c) for c in choices), "finish": [c["finish_reason"] for c in choices][-1:],
-            "roles": sum("role" in c.get("delta", {}) for c in choices), "ids": {c["id"] for c in chunks if "id" in c},
-            "leaked_progress": comments > 0 or any("token_ids" in c for c in choices)}  # fmt: skip
+    return {
+        "status": response.status_code,
+        "replica": response.headers.get("x-kvyard-replica"),
+        "done": events[-1:] == ["[DONE]"],
+        "errors": [c["error"] for c in chunks if "error" in c],
+        "text": "".join(_text(c) for c in choices),
+        "finish": [c["finish_reason"] for c in choices][-1:],
+        "roles": sum("role" in c.get("delta", {}) for c in choices),
+        "ids": {c["id"] for c in chunks if "id" in c},
+        "leaked_progress": comments > 0 or any("token_ids" in c for c in choices),
+    }
 
 
 async def _references(url: str, count: int) -> list[str]:
     async with httpx.AsyncClient(timeout=120) as client:
-        responses = await asyncio.gather(*(client.post(f"{url}{path}", json=body)
-                                           for path, body in map(_request, range(count), [False] * count)))  # fmt: skip
+        responses = await asyncio.gather(
+            *(client.post(f"{url}{path}", json=body) for path, body in map(_request, range(count), [False] * count))
+        )
     return [_text(response.json()["choices"][0]) for response in responses]
 
 
@@ -136,8 +143,10 @@ def _chat(router: ServerProcess) -> httpx.Response:
 
 def _parity(router: ServerProcess) -> tuple[float, float]:
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-    return (labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_total"),
-            labelled_metric(metrics, "kvyard_router_reported_cached_tokens_total"))  # fmt: skip
+    return (
+        labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_total"),
+        labelled_metric(metrics, "kvyard_router_reported_cached_tokens_total"),
+    )
 
 
 def test_restarted_replica_loses_its_stale_index_entries(llama_dir: Path, tmp_path: Path) -> None:

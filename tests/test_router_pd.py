@@ -41,8 +41,12 @@ def text_of(result: dict[str, Any]) -> str:
 
 def samples(url: str, prefix: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {name: float(value) for line in text.splitlines() if line.startswith(prefix)
-            for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line.startswith(prefix)
+        for name, value in [line.rsplit(" ", 1)]
+    }
 
 
 def pulled_blocks(decode: ServerProcess) -> float:
@@ -77,8 +81,11 @@ def test_routed_pd_equals_unified_and_moves_the_kv(fleet: dict[str, ServerProces
     assert text_of(result) == text_of(complete(fleet["reference"].url, prompt))
     assert pulled_blocks(decode) - before == (300 - 1) // BLOCK_SIZE
     assert pd_paths(router).get("remote", 0) == paths_before.get("remote", 0) + 1
-    streamed = httpx.post(f"{router.url}/v1/completions", json={"prompt": make_prompt(2, 300), "max_tokens": 8,
-                          "temperature": 0, "ignore_eos": True, "stream": True}, timeout=120)  # fmt: skip
+    streamed = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"prompt": make_prompt(2, 300), "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True},
+        timeout=120,
+    )
     assert streamed.status_code == 200
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
@@ -104,11 +111,11 @@ def test_replicas_of_different_models_are_never_paired(llama_dir: Path, tmp_path
     other = create_model("llama", "tiny", tmp_path / "other", seed=7)  # same architecture, other weights
     prefill = start_server(other, tmp_path, "--kv-tier", "none", "--served-model-name", llama_dir.name)
     decode = start_server(llama_dir, tmp_path, "--kv-tier", "none")
-    router = start_router(tmp_path, [], "--prefill", prefill.url, "--decode", decode.url,
-                          "--disaggregation", "always")  # fmt: skip
+    router = start_router(tmp_path, [], "--prefill", prefill.url, "--decode", decode.url, "--disaggregation", "always")
     try:
-        response = httpx.post(f"{router.url}/v1/completions", json={"prompt": make_prompt(5, 100), "max_tokens": 4},
-                              timeout=60)  # fmt: skip
+        response = httpx.post(
+            f"{router.url}/v1/completions", json={"prompt": make_prompt(5, 100), "max_tokens": 4}, timeout=60
+        )
         assert response.status_code == 503
         error = response.json()["error"]
         assert error["code"] == "pd_model_mismatch"
@@ -132,7 +139,8 @@ def test_a_dead_prefill_replica_costs_only_time(llama_dir: Path, tmp_path: Path)
         assert legs == {'kvyard_router_pd_prefill_legs_total{outcome="connect"}': 1.0}, legs
         wait_for(lambda: replica_state(router, prefill.url)["state"] == "ejected", 20, "prefill replica ejected")
         assert text_of(complete(router.url, make_prompt(7, 200))) == text_of(
-            complete(decode.url, make_prompt(7, 200), cache_salt="reference"))  # fmt: skip
+            complete(decode.url, make_prompt(7, 200), cache_salt="reference")
+        )
     finally:
         for server in (router, prefill, decode):
             server.stop()

@@ -35,8 +35,9 @@ def test_the_holders_index_equals_the_replicas_indexes_through_random_changes() 
     for step in range(3000):
         at = rng.randrange(len(indexes))
         index, some = indexes[at], rng.sample(keys, rng.randrange(1, 6))
-        action = rng.choice(["stored", "removed", "local_stored", "local_removed", "routed", "expire", "reset",
-                             "clear", "forget"])  # fmt: skip
+        action = rng.choice(
+            ["stored", "removed", "local_stored", "local_removed", "routed", "expire", "reset", "clear", "forget"]
+        )
         if index.exact is None and action in ("stored", "removed", "local_stored", "local_removed", "clear"):
             action = "reset"
         seqs[at] += 1
@@ -87,8 +88,9 @@ def test_a_session_finds_its_replica_among_three_hundred() -> None:
     decision = policy.choose(RouteRequest("completion", {"model": "m"}, None, turn, None), replicas)
     assert decision.replica is holder
     assert decision.predicted_cached_tokens == len(wanted_history)
-    shortlist = policy._shortlist(RouteRequest("completion", {"model": "m"}, None, turn, None),
-                                  policy._fleet_view(replicas, 0.0), {}, None)  # fmt: skip
+    shortlist = policy._shortlist(
+        RouteRequest("completion", {"model": "m"}, None, turn, None), policy._fleet_view(replicas, 0.0), {}, None
+    )
     assert holder in shortlist
     assert len(shortlist) <= DEEPEST_HOLDERS + FIRST_BLOCK_HOLDERS + RANDOM_SAMPLE + 1
 

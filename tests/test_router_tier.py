@@ -26,8 +26,15 @@ BLOCK_SIZE = 4
 PROMPT_TOKENS = 41  # ten full blocks; the last token is always computed
 CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
 # Device caches of 16 blocks: two other prompts evict a prompt's every block from one.
-TIERED = SimConfig(model_name=MODEL, block_size=BLOCK_SIZE, num_kv_blocks=16, time_scale=0.01, kv_bytes_per_token=1000,
-                   host_tier_blocks=256, shared_store_blocks=256)  # fmt: skip
+TIERED = SimConfig(
+    model_name=MODEL,
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=16,
+    time_scale=0.01,
+    kv_bytes_per_token=1000,
+    host_tier_blocks=256,
+    shared_store_blocks=256,
+)
 
 
 def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
@@ -35,8 +42,12 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 
 def complete(router: ServerProcess, tokens: list[int], session: str) -> tuple[str, dict[str, int]]:
-    response = httpx.post(f"{router.url}/v1/completions", headers={"x-session-id": session}, timeout=60,
-                          json={"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+    response = httpx.post(
+        f"{router.url}/v1/completions",
+        headers={"x-session-id": session},
+        timeout=60,
+        json={"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": True},
+    )
     assert response.status_code == 200, response.text
     details: dict[str, Any] = response.json()["usage"]["prompt_tokens_details"]
     assert sum(details["cached_tokens_by_source"].values()) == details["cached_tokens"]
@@ -55,8 +66,11 @@ def settle(router: ServerProcess, replicas: list[SimEngine], urls: list[str]) ->
         log = replica.core.kv_event_log()
         assert log is not None
         last = log.last_seq
-        wait_for(lambda url=url, last=last: replica_state(router, url)["index_seq"] >= last, 10,
-                 f"router has the events of {url}")  # fmt: skip
+        wait_for(
+            lambda url=url, last=last: replica_state(router, url)["index_seq"] >= last,
+            10,
+            f"router has the events of {url}",
+        )
 
 
 def test_the_router_predicts_host_tier_and_shared_store_hits_and_a_drained_session_loads_its_history(
@@ -83,8 +97,9 @@ def test_the_router_predicts_host_tier_and_shared_store_hits_and_a_drained_sessi
             assert served == other and moved["shared"] == CACHEABLE
 
             for source in ("device", "local", "shared"):
-                predicted = router_metric(router, "kvyard_router_predicted_cached_tokens_by_source_total",
-                                          source=source)  # fmt: skip
+                predicted = router_metric(
+                    router, "kvyard_router_predicted_cached_tokens_by_source_total", source=source
+                )
                 reported = router_metric(router, "kvyard_router_reported_cached_tokens_by_source_total", source=source)
                 error = router_metric(router, "kvyard_router_cached_tokens_abs_error_total", source=source)
                 assert (predicted, error) == (reported, 0), source
@@ -121,8 +136,12 @@ def test_replicas_that_split_their_cache_by_caller_key_are_indexed_under_the_rou
         router = start_router(tmp_path, sim.urls, "--policy", "cache_aware", "--replica-api-key", router_key)
         try:
             holder = sim.urls[1]  # filled directly, as another router with the same key would: only events tell
-            direct = httpx.post(f"{holder}/v1/completions", headers={"authorization": f"Bearer {router_key}"},
-                                json={"model": MODEL, "prompt": prompt(4), "max_tokens": 1}, timeout=60)  # fmt: skip
+            direct = httpx.post(
+                f"{holder}/v1/completions",
+                headers={"authorization": f"Bearer {router_key}"},
+                json={"model": MODEL, "prompt": prompt(4), "max_tokens": 1},
+                timeout=60,
+            )
             assert direct.status_code == 200, direct.text
             settle(router, sim.replicas, sim.urls)
             served, cached = complete(router, prompt(4), "conversation")

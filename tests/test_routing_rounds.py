@@ -21,9 +21,20 @@ CONDITIONS = {"requests": 4, "time_scale": 0.03, "shared_store_blocks": 100, "un
 
 
 def lines_for(ttfts: list[float], cached: int) -> list[dict[str, Any]]:
-    return [{"index": i, "ok": True, "sent_s": float(i), "ttft_s": ttft, "floor_s": 0.1, "prompt_tokens": 100,
-             "cached_tokens": cached, "cached_by_source": {"device": cached, "local": 0, "shared": 0}, "replica": ""}
-            for i, ttft in enumerate(ttfts)]  # fmt: skip
+    return [
+        {
+            "index": i,
+            "ok": True,
+            "sent_s": float(i),
+            "ttft_s": ttft,
+            "floor_s": 0.1,
+            "prompt_tokens": 100,
+            "cached_tokens": cached,
+            "cached_by_source": {"device": cached, "local": 0, "shared": 0},
+            "replica": "",
+        }
+        for i, ttft in enumerate(ttfts)
+    ]
 
 
 def write_run(directory: Path, name: str, router: str, lines: list[dict[str, Any]], **overrides: Any) -> Path:
@@ -101,8 +112,15 @@ def test_committed_whole_trace_rounds_match_their_per_request_lines() -> None:
 
 
 def test_routing_conditions_carry_the_run_provenance(tmp_path: Path) -> None:
-    command = [sys.executable, str(BENCHMARKS / "routing.py"), "--requests", "20", "--dry-run",
-               "--out", str(tmp_path / "routing.json")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "routing.py"),
+        "--requests",
+        "20",
+        "--dry-run",
+        "--out",
+        str(tmp_path / "routing.json"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     provenance = json.loads(result.stdout.splitlines()[0])["provenance"]
     assert "--requests 20 --dry-run" in provenance["command"]

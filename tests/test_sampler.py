@@ -225,8 +225,16 @@ def test_sampling_params_normalises_and_classifies() -> None:
 
 
 def _request(params: SamplingParams, output: list[int], bad_words: list[tuple[int, ...]]) -> Request:
-    return Request("r", [1, 2, 3], params, b"r" * 16, 4, output_token_ids=output, stop_token_ids=frozenset({9}),
-                   bad_words_token_ids=bad_words)  # fmt: skip
+    return Request(
+        "r",
+        [1, 2, 3],
+        params,
+        b"r" * 16,
+        4,
+        output_token_ids=output,
+        stop_token_ids=frozenset({9}),
+        bad_words_token_ids=bad_words,
+    )
 
 
 def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest() -> None:
@@ -257,12 +265,30 @@ class WordEncoder:
 
 
 def test_bad_words_are_tokenized_with_and_without_a_leading_space_as_vllm_does() -> None:
-    encoder = WordEncoder({"cat": [10], " cat": [11], "dog": [12, 13], " dog": [14, 15], "owl": [16, 17],
-                           " owl": [18], "emu": [19], " emu": [19], "": [], " ": [20]})  # fmt: skip
+    encoder = WordEncoder(
+        {
+            "cat": [10],
+            " cat": [11],
+            "dog": [12, 13],
+            " dog": [14, 15],
+            "owl": [16, 17],
+            " owl": [18],
+            "emu": [19],
+            " emu": [19],
+            "": [],
+            " ": [20],
+        }
+    )
     # " owl" is one token where "owl" is two: not taken (vLLM keeps only a spaced form of as many tokens); nor is
     # a spaced form that starts with the bare form's token
-    assert bad_words_token_ids(["cat", " dog", "owl", "emu"], encoder, 100) == [(10,), (11,), (12, 13), (14, 15),
-                                                                                 (16, 17), (19,)]  # fmt: skip
+    assert bad_words_token_ids(["cat", " dog", "owl", "emu"], encoder, 100) == [
+        (10,),
+        (11,),
+        (12, 13),
+        (14, 15),
+        (16, 17),
+        (19,),
+    ]
     with pytest.raises(InputError, match="bad_words: bad word ' ' has no tokens") as error:
         bad_words_token_ids([" "], encoder, 100)
     assert error.value.param == "bad_words"

@@ -42,8 +42,13 @@ class Sim:
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.enable_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
-        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.prefill_only_step_tokens,
-                                 self.prefill_order, self.scheduling_policy)  # fmt: skip
+        config = SchedulerConfig(
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            self.prefill_only_step_tokens,
+            self.prefill_order,
+            self.scheduling_policy,
+        )
         self.scheduler = Scheduler(config, self.kv)
 
     def add(self, prompt: list[int], num_outputs: int, priority: int = 0) -> Request:
@@ -89,8 +94,11 @@ class Sim:
     def _check_output(self, out: SchedulerOutput, running_before: list[Request]) -> None:
         config = self.scheduler.config
         streams = any(r.streams for r in running_before)
-        budget = config.prefill_only_step_tokens if config.prefill_only_step_tokens and not streams else (
-            config.max_num_batched_tokens)  # fmt: skip
+        budget = (
+            config.prefill_only_step_tokens
+            if config.prefill_only_step_tokens and not streams
+            else (config.max_num_batched_tokens)
+        )
         assert out.num_batched_tokens <= budget
         assert len(out.scheduled) <= config.max_num_seqs
         assert self.scheduler.num_running <= config.max_num_seqs

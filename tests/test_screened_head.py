@@ -31,8 +31,9 @@ def _full_argmax(weight16: np.ndarray, is_bf16: bool, x: np.ndarray, functions: 
     """What a draft without screening computes: every logit by the 16-bit kernel, then the argmax kernel."""
     vocab, k = weight16.shape
     logits = np.empty((x.shape[0], vocab), dtype=np.float32)
-    functions["kvyard_small_linear_half"](x.ctypes.data, weight16.ctypes.data, None, logits.ctypes.data, x.shape[0],
-                                          vocab, k, int(is_bf16), 2)  # fmt: skip
+    functions["kvyard_small_linear_half"](
+        x.ctypes.data, weight16.ctypes.data, None, logits.ctypes.data, x.shape[0], vocab, k, int(is_bf16), 2
+    )
     tokens = np.empty(x.shape[0], dtype=np.int64)
     functions["kvyard_argmax_rows"](logits.ctypes.data, x.shape[0], vocab, tokens.ctypes.data)
     return tokens

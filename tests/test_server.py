@@ -63,15 +63,25 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
 
 def test_token_id_prompts_and_n_choices(client: openai.OpenAI) -> None:
     result = client.completions.create(
-        model="tiny-llama", prompt=[[5, 6, 7], [8, 9]], n=3, max_tokens=6, temperature=1.0, seed=11,
+        model="tiny-llama",
+        prompt=[[5, 6, 7], [8, 9]],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert sorted(c.index for c in result.choices) == list(range(6))
     assert result.usage is not None and result.usage.prompt_tokens == 5 and result.usage.completion_tokens == 36
     again = client.completions.create(
-        model="tiny-llama", prompt=[[5, 6, 7], [8, 9]], n=3, max_tokens=6, temperature=1.0, seed=11,
+        model="tiny-llama",
+        prompt=[[5, 6, 7], [8, 9]],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert [c.text for c in result.choices] == [c.text for c in again.choices]
 
 
@@ -93,8 +103,10 @@ def test_chat_second_turn_hits_prefix_cache(client: openai.OpenAI) -> None:
     ]
     first = client.chat.completions.create(model="tiny-llama", messages=history, max_tokens=8, temperature=0)
     assert first.choices[0].message.role == "assistant"
-    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                {"role": "user", "content": "And now in one sentence?"}]  # fmt: skip
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And now in one sentence?"},
+    ]
     second = client.chat.completions.create(model="tiny-llama", messages=history, max_tokens=8, temperature=0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 64
@@ -120,11 +132,17 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
-    continuous = list(client.chat.completions.create(
-        model="tiny-llama", messages=messages, max_completion_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
-        extra_body={"ignore_eos": True},
-    ))  # fmt: skip
+    continuous = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=messages,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"ignore_eos": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in continuous if c.choices and c.usage is not None]
     assert counts and counts == sorted(counts) and counts[-1] == 10
 
@@ -161,17 +179,34 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, llama_dir: Path) -> None:
     llm = LLM(str(llama_dir))
-    forced = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=5, temperature=0.7,
-                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    forced = client.completions.create(
+        model="tiny-llama",
+        prompt="hello",
+        max_tokens=5,
+        temperature=0.7,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
     expected = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={42: 100}))[0]
     assert expected.token_ids == [42] * 5 and forced.choices[0].text == expected.text
-    penalised = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.0,
-                               frequency_penalty=0.5, repetition_penalty=1.3)  # fmt: skip
+    penalised = SamplingParams(
+        max_tokens=12,
+        temperature=0,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+    )
     prompt = "to be or not to be, to be or not to be, to be"  # greedy repeats one token here, unpenalised
     result = client.completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, presence_penalty=1.0,
-        frequency_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
-    )  # fmt: skip
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )
     plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert result.choices[0].text == llm.generate([prompt], penalised)[0].text != plain[0].text
 
@@ -179,9 +214,13 @@ def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, llama
 def test_fifty_concurrent_streams_complete_with_correct_usage(server: ServerProcess) -> None:
     async def one(client: openai.AsyncOpenAI, index: int) -> tuple[int, int]:
         stream = await client.completions.create(
-            model="tiny-llama", prompt=f"request number {index}:", max_tokens=8 + index % 5, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model="tiny-llama",
+            prompt=f"request number {index}:",
+            max_tokens=8 + index % 5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage = None
         async for chunk in stream:
             usage = chunk.usage or usage
@@ -197,8 +236,7 @@ def test_fifty_concurrent_streams_complete_with_correct_usage(server: ServerProc
 
 
 def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
-    body = {"model": "tiny-llama", "prompt": "long story: " * 20, "max_tokens": 900, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {"model": "tiny-llama", "prompt": "long story: " * 20, "max_tokens": 900, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -244,13 +282,21 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "tools.0.function"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-     400, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
@@ -296,13 +342,22 @@ def test_models_health_load_tokenize(server: ServerProcess, client: openai.OpenA
 def test_metrics_exposes_latency_histograms(server: ServerProcess, client: openai.OpenAI) -> None:
     _assert_still_serving(client)
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("kvyard_time_to_first_token_seconds_count", "kvyard_inter_token_latency_seconds_count",
-                 "kvyard_e2e_request_latency_seconds_count", "kvyard_prefix_cache_hit_tokens_total",
-                 "kvyard_prefix_cache_queried_tokens_total", "kvyard_kv_blocks_total",
-                 "kvyard_num_preemptions_total"):  # fmt: skip
+    for name in (
+        "kvyard_time_to_first_token_seconds_count",
+        "kvyard_inter_token_latency_seconds_count",
+        "kvyard_e2e_request_latency_seconds_count",
+        "kvyard_prefix_cache_hit_tokens_total",
+        "kvyard_prefix_cache_queried_tokens_total",
+        "kvyard_kv_blocks_total",
+        "kvyard_num_preemptions_total",
+    ):
         assert metric_value(text, name) >= 0
-    for counter in ("kvyard_prefix_cache_hit_tokens", "kvyard_prefix_cache_queried_tokens", "kvyard_num_preemptions",
-                    "kvyard_spec_proposed_tokens"):  # fmt: skip
+    for counter in (
+        "kvyard_prefix_cache_hit_tokens",
+        "kvyard_prefix_cache_queried_tokens",
+        "kvyard_num_preemptions",
+        "kvyard_spec_proposed_tokens",
+    ):
         assert f"# TYPE {counter}_total counter" in text  # rate() works on them
     assert metric_value(text, "kvyard_time_to_first_token_seconds_count") > 0
     assert labelled_metric(text, "kvyard_requests_total", model_name="tiny-llama", outcome="length") > 0
@@ -315,8 +370,13 @@ def test_every_metric_names_the_served_model(server: ServerProcess, client: open
     (card,) = client.models.list().data
     names = model_names(httpx.get(f"{server.url}/metrics").text)
     assert card.id == "tiny-llama" and len(names) >= 30  # request, engine, KV tier and transfer metrics
-    assert {"kvyard_requests_total", "kvyard_kv_blocks_used", "kvyard_kv_tier_hits_total",
-            "kvyard_kv_transfer_leased_blocks", "kvyard_time_to_first_token_seconds_bucket"} <= set(names)  # fmt: skip
+    assert {
+        "kvyard_requests_total",
+        "kvyard_kv_blocks_used",
+        "kvyard_kv_tier_hits_total",
+        "kvyard_kv_transfer_leased_blocks",
+        "kvyard_time_to_first_token_seconds_bucket",
+    } <= set(names)
     assert {name: labels for name, labels in names.items() if labels != {card.id}} == {}
 
 
@@ -329,8 +389,15 @@ def test_every_client_that_goes_away_counts_as_an_abort(server: ServerProcess) -
 
     before = aborts()
     for number in range(12):
-        body = json.dumps({"model": "tiny-llama", "prompt": f"abandoned {number} " * 40, "max_tokens": 1500,
-                           "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+        body = json.dumps(
+            {
+                "model": "tiny-llama",
+                "prompt": f"abandoned {number} " * 40,
+                "max_tokens": 1500,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
         head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         with socket.create_connection(("127.0.0.1", server.port)) as connection:
             connection.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -391,8 +458,13 @@ def test_overload_answers_429_with_retry_after(llama_dir: Path, tmp_path: Path) 
 
 def test_sigterm_drains_in_flight_stream(llama_dir: Path, tmp_path: Path) -> None:
     server = start_server(llama_dir, tmp_path)
-    body = {"prompt": "drain " * 10, "max_tokens": 600, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": "drain " * 10,
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()

@@ -17,8 +17,9 @@ from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
 from kvyard.sim.roofline import LLAMA3_8B_BF16, roofline_preset
 
 BENCHMARK_JSON = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "offline_throughput.json"
-MODEL = CostModel(step_base_s=0.03, prefill_token_s=5e-4, attention_pair_s=2e-7, decode_seq_s=2e-3,
-                  decode_context_s=1e-7)  # fmt: skip
+MODEL = CostModel(
+    step_base_s=0.03, prefill_token_s=5e-4, attention_pair_s=2e-7, decode_seq_s=2e-3, decode_context_s=1e-7
+)
 
 
 def test_prefill_pairs_count_causal_attention() -> None:
@@ -55,8 +56,14 @@ def test_negative_constants_are_rejected() -> None:
 
 
 def test_attention_ratio_from_model_dimensions() -> None:
-    bench = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-             "head_dim": 64, "intermediate_size": 1408}  # fmt: skip
+    bench = {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1408,
+    }
     assert attention_ratio(bench) == pytest.approx(16384 / 47185920)
     assert attention_ratio(None) == attention_ratio(bench)
 
@@ -76,8 +83,13 @@ def _report_from(cost: CostModel) -> dict[str, Any]:
 
 def test_calibration_recovers_the_constants_that_produced_the_measurements() -> None:
     ratio = attention_ratio(None)
-    truth = CostModel(step_base_s=0.025, prefill_token_s=6e-4, attention_pair_s=6e-4 * ratio, decode_seq_s=3e-3,
-                      decode_context_s=6e-4 * ratio)  # fmt: skip
+    truth = CostModel(
+        step_base_s=0.025,
+        prefill_token_s=6e-4,
+        attention_pair_s=6e-4 * ratio,
+        decode_seq_s=3e-3,
+        decode_context_s=6e-4 * ratio,
+    )
     fitted = calibrate(_report_from(truth)).cost
     for name in ("step_base_s", "prefill_token_s", "attention_pair_s", "decode_seq_s", "decode_context_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
@@ -168,7 +180,10 @@ def test_sim_cost_preset_sets_cost_kv_bytes_and_bandwidth_unless_given() -> None
     preset = roofline_preset("h100-llama3-8b")
     config = sim_config(parser.parse_args(["--cost-preset", preset.name]))
     assert (config.cost, config.kv_bytes_per_token, config.transfer_gb_per_s) == (
-        preset.cost, 131072, preset.transfer_gb_per_s)  # fmt: skip
+        preset.cost,
+        131072,
+        preset.transfer_gb_per_s,
+    )
     given = sim_config(parser.parse_args(["--cost-preset", preset.name, "--transfer-gb-per-s", "3"]))
     assert (given.cost, given.transfer_gb_per_s) == (preset.cost, 3.0)
     default = sim_config(parser.parse_args([]))

@@ -17,8 +17,9 @@ from kvyard.sim.cost_runner import CostRunner, step_shape
 from kvyard.sim.tokens import output_seed, output_token
 from kvyard.sim.virtual_run import Arrival, run_virtual
 
-COST = CostModel(step_base_s=0.01, prefill_token_s=1e-3, attention_pair_s=1e-6, decode_seq_s=2e-3,
-                 decode_context_s=1e-6)  # fmt: skip
+COST = CostModel(
+    step_base_s=0.01, prefill_token_s=1e-3, attention_pair_s=1e-6, decode_seq_s=2e-3, decode_context_s=1e-6
+)
 
 
 class ShapeRecorder(CostRunner):
@@ -36,8 +37,13 @@ class ShapeRecorder(CostRunner):
 
 
 def make_engine(capacity: int = 64, budget: int = 2048, max_seqs: int = 256) -> tuple[EngineCore, ShapeRecorder]:
-    config = SimConfig(model_name="sim-test", block_size=4, num_kv_blocks=capacity, cost=COST,
-                       scheduler=SchedulerConfig(budget, max_seqs))  # fmt: skip
+    config = SimConfig(
+        model_name="sim-test",
+        block_size=4,
+        num_kv_blocks=capacity,
+        cost=COST,
+        scheduler=SchedulerConfig(budget, max_seqs),
+    )
     runner = ShapeRecorder(COST)
     core = EngineCore(config.core_config(), config.namespace, runner)
     return core, runner
@@ -80,11 +86,15 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks() -> None:
 
 def test_decodes_are_scheduled_before_new_prefills() -> None:
     core, runner = make_engine(budget=10)
-    run_virtual(core, runner, [Arrival(0.0, "old", list(range(8)), 5), Arrival(COST.prefill_seconds(8), "new",
-                                                                                list(range(50, 70)), 1)])  # fmt: skip
+    run_virtual(
+        core,
+        runner,
+        [Arrival(0.0, "old", list(range(8)), 5), Arrival(COST.prefill_seconds(8), "new", list(range(50, 70)), 1)],
+    )
     assert runner.batches[1] == [("old", 1), ("new", 9)]
-    assert runner.shapes[1] == StepShape(prefill_tokens=9, prefill_pairs=prefill_pairs(9, 0), decode_seqs=1,
-                                         decode_context_tokens=9)  # fmt: skip
+    assert runner.shapes[1] == StepShape(
+        prefill_tokens=9, prefill_pairs=prefill_pairs(9, 0), decode_seqs=1, decode_context_tokens=9
+    )
 
 
 def test_repeated_prefix_hits_full_blocks_and_leaves_the_last_token() -> None:

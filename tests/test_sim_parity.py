@@ -49,8 +49,12 @@ def sim_config_for(llama_dir: Path, *arguments: str) -> Any:
 
 def stored_keys(url: str) -> list[str]:
     page: dict[str, Any] = httpx.get(f"{url}/kv/events", headers=ADMIN, params={"since": 0, "stream": False}).json()
-    return [key for event in page["events"] if (event["type"], event["medium"]) == ("stored", "device")
-            for key in event["block_keys"]]  # fmt: skip
+    return [
+        key
+        for event in page["events"]
+        if (event["type"], event["medium"]) == ("stored", "device")
+        for key in event["block_keys"]
+    ]
 
 
 def test_sim_block_keys_equal_a_real_replicas(real_server: ServerProcess, llama_dir: Path) -> None:
@@ -136,25 +140,42 @@ def run_steps(core: EngineCore, arrivals: list[Arrival]) -> list[StepRecord]:
         removed = [key for e in events if e.kind == "removed" for key in e.block_keys]
         admitted = [r for r in core.scheduler.running if r.request_id not in seen]
         seen.update(r.request_id for r in admitted)
-        records.append(StepRecord(
-            batch=recorder.batches[-1] if len(recorder.batches) > num_batches else (),
-            preempted=core.stats().num_preemptions - preemptions,
-            cached_tokens=tuple((r.request_id, r.num_cached_tokens) for r in admitted),
-            stored=sum(len(e.block_keys) for e in events if e.kind == "stored"),
-            removed=len(removed),
-            removed_prompt_blocks=frozenset(key for key in removed if key in prompt_blocks),
-        ))  # fmt: skip
+        records.append(
+            StepRecord(
+                batch=recorder.batches[-1] if len(recorder.batches) > num_batches else (),
+                preempted=core.stats().num_preemptions - preemptions,
+                cached_tokens=tuple((r.request_id, r.num_cached_tokens) for r in admitted),
+                stored=sum(len(e.block_keys) for e in events if e.kind == "stored"),
+                removed=len(removed),
+                removed_prompt_blocks=frozenset(key for key in removed if key in prompt_blocks),
+            )
+        )
         step += 1
     return records
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sim_schedules_caches_and_evicts_step_by_step_like_the_engine(llama_dir: Path, seed: int) -> None:
-    config = EngineConfig.create(llama_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, record_kv_events=True,
-                                 max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS)  # fmt: skip
+    config = EngineConfig.create(
+        llama_dir,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_BLOCKS,
+        record_kv_events=True,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=MAX_SEQS,
+    )
     engine = LLMEngine(config)
-    sim = sim_config_for(llama_dir, "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_BLOCKS),
-                         "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_SEQS))  # fmt: skip
+    sim = sim_config_for(
+        llama_dir,
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--max-num-batched-tokens",
+        str(BUDGET),
+        "--max-num-seqs",
+        str(MAX_SEQS),
+    )
     sim = replace(sim, max_model_len=engine.max_model_len, vocab_size=engine.limits.vocab_size)
     sim_core, _ = sim.build_core()
     assert sim_core.root_key(None) == engine.root_key(None)

@@ -26,8 +26,13 @@ from tests.server_utils import ServerProcess, metric_value
 
 BLOCK_SIZE = 4
 KV_BYTES_PER_TOKEN = 1000
-CONFIG = SimConfig(model_name="sim-model", block_size=BLOCK_SIZE, num_kv_blocks=1024, time_scale=0.01,
-                   kv_bytes_per_token=KV_BYTES_PER_TOKEN)  # fmt: skip
+CONFIG = SimConfig(
+    model_name="sim-model",
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=1024,
+    time_scale=0.01,
+    kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -53,12 +58,28 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str],
     16 tokens for its decode replica to compute."""
     logs = tmp_path_factory.mktemp("sim-pd")
     ports_file = logs / "ports.json"
-    arguments = ["--port", "0", "--replicas", "3", "--prefill-replicas", "1", "--ports-file", str(ports_file),
-                 "--block-size", str(BLOCK_SIZE), "--time-scale", "0.01", "--kv-bytes-per-token",
-                 str(KV_BYTES_PER_TOKEN), "--admin-key", TEST_ADMIN_KEY]  # fmt: skip
+    arguments = [
+        "--port",
+        "0",
+        "--replicas",
+        "3",
+        "--prefill-replicas",
+        "1",
+        "--ports-file",
+        str(ports_file),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--time-scale",
+        "0.01",
+        "--kv-bytes-per-token",
+        str(KV_BYTES_PER_TOKEN),
+        "--admin-key",
+        TEST_ADMIN_KEY,
+    ]
     with (logs / "sim.log").open("wb") as log:
-        sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        sims = subprocess.Popen(
+            [sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log, stderr=subprocess.STDOUT
+        )
     router = None
     try:
         wait_for(lambda: ports_file.exists() or sims.poll() is not None, 60, "simulated replicas up")
@@ -91,8 +112,11 @@ def test_routed_requests_move_blocks_from_the_prefill_sim(fleet: tuple[list[str]
     before = sum(metric_value(metrics(url), "kvyard_kv_transfer_pulled_blocks_total") for url in decoders)
     remote_before = pd_paths(router).get("remote", 0)
     answers = [complete(router.url, {"prompt": prompt(seed, 101)}) for seed in range(3)]
-    streamed = httpx.post(f"{router.url}/v1/completions", timeout=60, json={
-        "prompt": prompt(9, 101), "max_tokens": 6, "ignore_eos": True, "stream": True})  # fmt: skip
+    streamed = httpx.post(
+        f"{router.url}/v1/completions",
+        timeout=60,
+        json={"prompt": prompt(9, 101), "max_tokens": 6, "ignore_eos": True, "stream": True},
+    )
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     assert pd_paths(router).get("remote", 0) - remote_before == 4
     pulled = sum(metric_value(metrics(url), "kvyard_kv_transfer_pulled_blocks_total") for url in decoders)
@@ -148,8 +172,11 @@ def test_a_decode_sim_serves_others_while_a_pull_is_held_back() -> None:
     with SimCluster([slow_link] * 2, roles=pd_roles(2, 1)) as sim:
         prefill, decode = sim.urls
         held: list[Any] = []
-        thread = threading.Thread(target=lambda: held.append(pd_request(prefill, decode, {
-            "prompt": prompt(1, 41), "max_tokens": 2, "ignore_eos": True})))  # fmt: skip
+        thread = threading.Thread(
+            target=lambda: held.append(
+                pd_request(prefill, decode, {"prompt": prompt(1, 41), "max_tokens": 2, "ignore_eos": True})
+            )
+        )
         thread.start()
         wait_for(lambda: httpx.get(f"{decode}/load").json()["num_waiting"] == 1, 20, "the pull under way")
         assert complete(decode, {"prompt": prompt(2, 9), "max_tokens": 1})["usage"]["completion_tokens"] == 1
@@ -187,27 +214,46 @@ def test_a_pull_waits_for_the_prefill_replicas_longest_step() -> None:
 
 def test_kvyard_sim_gives_its_replicas_the_step_budgets_and_prefill_order(tmp_path: Path) -> None:
     ports_file = tmp_path / "ports.json"
-    arguments = ["--port", "0", "--replicas", "2", "--prefill-replicas", "1", "--ports-file", str(ports_file),
-                 "--max-num-batched-tokens", "512", "--prefill-only-step-tokens", "4096",
-                 "--prefill-order", "shortest"]  # fmt: skip
+    arguments = [
+        "--port",
+        "0",
+        "--replicas",
+        "2",
+        "--prefill-replicas",
+        "1",
+        "--ports-file",
+        str(ports_file),
+        "--max-num-batched-tokens",
+        "512",
+        "--prefill-only-step-tokens",
+        "4096",
+        "--prefill-order",
+        "shortest",
+    ]
     with (tmp_path / "sim.log").open("wb") as log:
-        sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        sims = subprocess.Popen(
+            [sys.executable, "-m", "kvyard", "sim", *arguments], stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         wait_for(lambda: ports_file.exists() or sims.poll() is not None, 60, "simulated replicas up")
         assert sims.poll() is None, (tmp_path / "sim.log").read_text()
         urls = json.loads(ports_file.read_text())["urls"]
         infos = [httpx.get(f"{url}/get_server_info", timeout=10).json() for url in urls]
-        assert [(i["role"], i["chunked_prefill_size"], i["prefill_only_step_tokens"], i["prefill_order"])
-                for i in infos] == [("prefill", 512, 4096, "shortest"), ("decode", 512, 4096, "shortest")]  # fmt: skip
+        assert [
+            (i["role"], i["chunked_prefill_size"], i["prefill_only_step_tokens"], i["prefill_order"]) for i in infos
+        ] == [("prefill", 512, 4096, "shortest"), ("decode", 512, 4096, "shortest")]
     finally:
         sims.send_signal(signal.SIGTERM)
         assert sims.wait(timeout=30) == 0
 
 
 def test_kvyard_sim_rejects_more_prefill_replicas_than_replicas() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", "2",
-                             "--prefill-replicas", "3"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", "2", "--prefill-replicas", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "prefill replicas" in result.stderr
 
 
@@ -225,8 +271,11 @@ def test_pulled_blocks_of_waiting_requests_never_stall_the_decode_replica() -> N
         answers: list[Any] = []
 
         def send(seed: int) -> None:
-            answers.append(pd_request(prefill, decode, {"prompt": prompt(seed, 41), "max_tokens": 60,
-                                                        "ignore_eos": True}, timeout=60))  # fmt: skip
+            answers.append(
+                pd_request(
+                    prefill, decode, {"prompt": prompt(seed, 41), "max_tokens": 60, "ignore_eos": True}, timeout=60
+                )
+            )
 
         threads = [threading.Thread(target=send, args=(seed,)) for seed in range(8)]
         for thread in threads:

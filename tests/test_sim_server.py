@@ -29,9 +29,22 @@ from tests.server_utils import ADMIN, metric_value, model_names
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = SimConfig(model_name="sim-model", block_size=4, num_kv_blocks=256, time_scale=0.01)
-LOAD_FIELDS = {"num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "kv_usage",
-               "tokens_in_flight", "role", "prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block",
-               "shared_tier_available", "tier_load_deadline_s", "tier_load_extension_s_per_block"}  # fmt: skip
+LOAD_FIELDS = {
+    "num_waiting",
+    "num_running",
+    "in_flight_requests",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_usage",
+    "tokens_in_flight",
+    "role",
+    "prefill_s_per_token",
+    "local_tier_s_per_block",
+    "shared_tier_s_per_block",
+    "shared_tier_available",
+    "tier_load_deadline_s",
+    "tier_load_extension_s_per_block",
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +100,9 @@ def test_repeated_prefix_reports_cached_tokens(cluster: SimCluster) -> None:
     assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (30, 5)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert first.choices[0].finish_reason == "length" and len(first.choices[0].text) == 5
-    stream = client.completions.create(model="sim-model", prompt=[*tokens, 5, 6, 7], max_tokens=5, stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+    stream = client.completions.create(
+        model="sim-model", prompt=[*tokens, 5, 6, 7], max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -165,8 +179,13 @@ def test_kv_event_stream_is_gap_free_and_matches_the_snapshot(cluster: SimCluste
                     break
     assert [e["seq"] for e in events] == list(range(1, snapshot["seq"] + 1))
     assert set(snapshot["block_keys"]) == live_keys(events)
-    assert snapshot["namespace"] == {"model_name": "sim-model", "model_digest": "sim", "dtype": "float32",
-                                     "block_size": 4, "layout_version": 1}  # fmt: skip
+    assert snapshot["namespace"] == {
+        "model_name": "sim-model",
+        "model_digest": "sim",
+        "dtype": "float32",
+        "block_size": 4,
+        "layout_version": 1,
+    }
 
 
 def test_a_reader_behind_the_retained_events_gets_a_gap() -> None:
@@ -319,7 +338,10 @@ def test_probe_and_info_endpoints(cluster: SimCluster) -> None:
     assert {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(httpx.get(f"{url}/loads").json())
     assert set(httpx.get(f"{url}/load").json()) == LOAD_FIELDS
     assert httpx.post(f"{url}/tokenize", json={"prompt": [5, 6, 7]}).json() == {
-        "tokens": [5, 6, 7], "count": 3, "max_model_len": CONFIG.max_model_len}  # fmt: skip
+        "tokens": [5, 6, 7],
+        "count": 3,
+        "max_model_len": CONFIG.max_model_len,
+    }
     assert httpx.post(f"{url}/tokenize", json={"prompt": "hé"}).json()["tokens"] == [104, 195, 169]
     assert httpx.post(f"{url}/detokenize", json={"tokens": [104, 195, 169]}).json() == {"prompt": "hé"}
 
@@ -339,8 +361,13 @@ def test_metrics_carry_the_replica_metric_names_and_counts() -> None:
         assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name} " in text, name
     # Every sample names the model the sim serves, as a real replica's do (the sim's own and the KV transfer's).
     models = model_names(text)
-    assert {"kvyard_requests_total", "kvyard_num_requests_running", "kvyard_sim_lag_seconds",
-            "kvyard_kv_transfer_leased_blocks", "kvyard_kv_transfer_pulls_total"} <= set(models)  # fmt: skip
+    assert {
+        "kvyard_requests_total",
+        "kvyard_num_requests_running",
+        "kvyard_sim_lag_seconds",
+        "kvyard_kv_transfer_leased_blocks",
+        "kvyard_kv_transfer_pulls_total",
+    } <= set(models)
     assert {name: labels for name, labels in models.items() if labels != {"sim-model"}} == {}
     assert metric_value(text, "kvyard_cached_prompt_tokens_total") == cached == 32
     assert metric_value(text, "kvyard_prompt_tokens_total") == 54
@@ -355,10 +382,23 @@ def test_metrics_carry_the_replica_metric_names_and_counts() -> None:
 def test_kvyard_sim_command_serves_calibrated_replicas(tmp_path: Path) -> None:
     ports_file = tmp_path / "ports.json"
     calibration = REPO / "benchmarks" / "results" / "offline_throughput.json"
-    arguments = ["--port", "0", "--replicas", "2", "--ports-file", str(ports_file), "--calibrate", str(calibration),
-                 "--time-scale", "0.01", "--model-name", "m"]  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)  # fmt: skip
+    arguments = [
+        "--port",
+        "0",
+        "--replicas",
+        "2",
+        "--ports-file",
+        str(ports_file),
+        "--calibrate",
+        str(calibration),
+        "--time-scale",
+        "0.01",
+        "--model-name",
+        "m",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         wait_for(lambda: ports_file.exists() or process.poll() is not None, timeout=60)
         assert process.poll() is None, process.stdout.read() if process.stdout else ""
@@ -452,8 +492,9 @@ def test_tokenize_ignores_other_engines_options(cluster: SimCluster) -> None:
     [(["--calibrate", "/nonexistent.json"], "cannot read benchmark JSON"), (["--time-scale", "0"], "time_scale")],
 )
 def test_kvyard_sim_rejects_bad_arguments(arguments: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvyard", "sim", "--port", "0", *arguments], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvyard", "sim", "--port", "0", *arguments], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and message in result.stderr
 
 
@@ -495,8 +536,9 @@ def test_a_second_stop_signal_ends_the_server_at_once(tmp_path: Path) -> None:
     """The first SIGTERM lets a running stream finish (grace 60 s); a second one stops the server at once."""
     ports_file = tmp_path / "ports.json"
     arguments = ["--port", "0", "--ports-file", str(ports_file), "--time-scale", "1.0", "--shutdown-grace-s", "60"]
-    process = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvyard", "sim", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_for(lambda: ports_file.exists() or process.poll() is not None, timeout=60)
         url = json.loads(ports_file.read_text())["urls"][0]

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,8 +27,13 @@ KV_BYTES_PER_TOKEN = 1000
 PROMPT_TOKENS = 41  # ten full blocks, the last token left to compute
 CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
 # A device cache of 16 blocks: each request takes 11 of them, so two other prompts evict a prompt's every block.
-CONFIG = SimConfig(model_name="sim-model", block_size=BLOCK_SIZE, num_kv_blocks=16, time_scale=0.01,
-                   kv_bytes_per_token=KV_BYTES_PER_TOKEN)  # fmt: skip
+CONFIG = SimConfig(
+    model_name="sim-model",
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=16,
+    time_scale=0.01,
+    kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+)
 HOST = replace(CONFIG, host_tier_blocks=256)
 SHARED = replace(CONFIG, shared_store_blocks=256)
 
@@ -39,8 +43,9 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 
 def complete(url: str, tokens: list[int], max_tokens: int = 2) -> dict[str, Any]:
-    response = httpx.post(f"{url}/v1/completions", timeout=60,
-                          json={"prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True})  # fmt: skip
+    response = httpx.post(
+        f"{url}/v1/completions", timeout=60, json={"prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
+    )
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
     return result
@@ -89,8 +94,12 @@ def test_an_evicted_prompt_is_reloaded_from_the_host_tier() -> None:
         assert metric(url, "kvyard_kv_tier_hits_total", tier="memory") == CACHEABLE // BLOCK_SIZE
         assert metric(url, "kvyard_kv_tier_written_blocks_total", tier="memory") >= 3 * CACHEABLE // BLOCK_SIZE
         models = model_names(httpx.get(f"{url}/metrics", timeout=10).text)  # tier samples name the model too
-        assert {"kvyard_kv_tier_hits_total", "kvyard_kv_tier_load_seconds_count", "kvyard_kv_tier_queue_blocks",
-                "kvyard_sim_tier_hit_tokens_total"} <= set(models)  # fmt: skip
+        assert {
+            "kvyard_kv_tier_hits_total",
+            "kvyard_kv_tier_load_seconds_count",
+            "kvyard_kv_tier_queue_blocks",
+            "kvyard_sim_tier_hit_tokens_total",
+        } <= set(models)
         assert {name: labels for name, labels in models.items() if labels != {"sim-model"}} == {}
 
 
@@ -147,10 +156,12 @@ def test_a_replica_serves_from_the_shared_store_what_another_computed() -> None:
         assert metric(url_a, "kvyard_sim_tier_hit_tokens_total", source="shared") == 0
         bytes_seconds = CACHEABLE * KV_BYTES_PER_TOKEN / (SHARED.shared_store_gb_per_s * 1e9)
         assert metric(url_b, "kvyard_sim_tier_model_seconds_total", source="shared") == pytest.approx(
-            SHARED.shared_store_latency_s + bytes_seconds)  # fmt: skip
+            SHARED.shared_store_latency_s + bytes_seconds
+        )
         # A's lookup missed: one round trip, no bytes.
         assert metric(url_a, "kvyard_sim_tier_model_seconds_total", source="shared") == pytest.approx(
-            SHARED.shared_store_latency_s)  # fmt: skip
+            SHARED.shared_store_latency_s
+        )
         text = httpx.get(f"{url_b}/metrics", timeout=10).text
         assert metric_value(text, "kvyard_sim_shared_store_blocks") == CACHEABLE // BLOCK_SIZE  # once, not twice
         assert sim.replicas[1].shared_store is replica_a.shared_store
@@ -198,12 +209,18 @@ def test_tiers_are_off_by_default() -> None:
 def test_model_load_charges_latency_and_bytes_and_stops_at_the_deadline() -> None:
     host, shared = TierTiming("host", 0.0, 1.0), TierTiming("shared", 0.5, 0.5)  # 1 and 2 s per 10^9-byte block
     block = 10**9
-    assert model_load([(host, 2), (shared, 3)], block, 100.0) == [TierCharge("host", 2, 2.0),
-                                                                  TierCharge("shared", 3, 6.5)]  # fmt: skip
-    assert model_load([(host, 2), (shared, 3)], block, 7.0) == [TierCharge("host", 2, 2.0),
-                                                                TierCharge("shared", 2, 5.0)]  # fmt: skip
-    assert model_load([(host, 0), (shared, 3)], block, 0.25) == [TierCharge("host", 0, 0.0),
-                                                                 TierCharge("shared", 0, 0.25)]  # fmt: skip
+    assert model_load([(host, 2), (shared, 3)], block, 100.0) == [
+        TierCharge("host", 2, 2.0),
+        TierCharge("shared", 3, 6.5),
+    ]
+    assert model_load([(host, 2), (shared, 3)], block, 7.0) == [
+        TierCharge("host", 2, 2.0),
+        TierCharge("shared", 2, 5.0),
+    ]
+    assert model_load([(host, 0), (shared, 3)], block, 0.25) == [
+        TierCharge("host", 0, 0.0),
+        TierCharge("shared", 0, 0.25),
+    ]
     assert model_load([(shared, 0)], block, 100.0) == [TierCharge("shared", 0, 0.5)]  # a miss costs a round trip
 
 
@@ -211,18 +228,27 @@ def test_model_load_pushes_the_deadline_back_for_each_block_that_arrives() -> No
     host, shared = TierTiming("host", 0.0, 1.0), TierTiming("shared", 0.5, 0.5)  # 1 and 2 s per 10^9-byte block
     block = 10**9
     # 1 s of extension a block: the host's 2 blocks cost nothing net; of the shared 3, 2 arrive by 3 + 2 s.
-    assert model_load([(host, 2), (shared, 3)], block, 3.0, 1.0) == [TierCharge("host", 2, 2.0),
-                                                                     TierCharge("shared", 2, 5.0)]  # fmt: skip
+    assert model_load([(host, 2), (shared, 3)], block, 3.0, 1.0) == [
+        TierCharge("host", 2, 2.0),
+        TierCharge("shared", 2, 5.0),
+    ]
     # Blocks that arrive faster than the extension they earn: the whole load, however long.
     assert model_load([(shared, 1000)], block, 1.0, 3.0) == [TierCharge("shared", 1000, 2000.5)]
     assert model_load([(host, 2)], block, -1.0, 10.0) == [TierCharge("host", 0, 0.0)]  # queued past its deadline
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("host_tier_blocks", -1), ("shared_store_blocks", -1), ("host_tier_gb_per_s", 0.0),
-    ("shared_store_gb_per_s", -1.0), ("shared_store_latency_s", -0.1), ("tier_load_deadline_s", 0.0),
-    ("tier_load_min_speedup", -1.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("host_tier_blocks", -1),
+        ("shared_store_blocks", -1),
+        ("host_tier_gb_per_s", 0.0),
+        ("shared_store_gb_per_s", -1.0),
+        ("shared_store_latency_s", -0.1),
+        ("tier_load_deadline_s", 0.0),
+        ("tier_load_min_speedup", -1.0),
+    ],
+)
 def test_bad_tier_settings_are_rejected(name: str, value: float) -> None:
     settings: dict[str, Any] = {name: value}
     with pytest.raises(ValueError, match=name):
@@ -236,8 +262,9 @@ def test_replicas_of_one_process_agree_on_the_shared_store() -> None:
 
 
 def kvyard_sim(*arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvyard", "sim", *arguments], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvyard", "sim", *arguments], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_kvyard_sim_rejects_a_negative_tier_capacity() -> None:
@@ -262,16 +289,37 @@ def test_kvyard_sim_help_lists_the_tier_settings() -> None:
 def test_kvyard_sim_replicas_share_a_store_from_the_command_line(tmp_path: Any) -> None:
     ports_file = tmp_path / "ports.json"
     log = (tmp_path / "sim.log").open("wb")
-    sims = subprocess.Popen([sys.executable, "-m", "kvyard", "sim", "--port", "0", "--replicas", "2",
-                             "--ports-file", str(ports_file), "--block-size", str(BLOCK_SIZE), "--time-scale", "0.01",
-                             "--shared-store-blocks", "64"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    sims = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvyard",
+            "sim",
+            "--port",
+            "0",
+            "--replicas",
+            "2",
+            "--ports-file",
+            str(ports_file),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--time-scale",
+            "0.01",
+            "--shared-store-blocks",
+            "64",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for(lambda: ports_file.exists() or sims.poll() is not None, 60, "simulated replicas up")
         assert sims.poll() is None, (tmp_path / "sim.log").read_text()
         url_a, url_b = json.loads(ports_file.read_text())["urls"]
         complete(url_a, prompt(7))
-        written: Callable[[], bool] = lambda: metric(url_a, "kvyard_kv_tier_written_blocks_total",  # noqa: E731
-                                                     tier="shared") >= CACHEABLE // BLOCK_SIZE  # fmt: skip
+
+        def written() -> bool:
+            return metric(url_a, "kvyard_kv_tier_written_blocks_total", tier="shared") >= CACHEABLE // BLOCK_SIZE
+
         wait_for(written, 20, "A's blocks in the shared store")
         assert cached_tokens(complete(url_b, prompt(7))) == CACHEABLE
     finally:

@@ -115,8 +115,10 @@ def test_seeded_sampled_requests_speculate_and_give_the_output_without_speculati
     llama_dir: Path, temperature: float, top_k: int, top_p: float
 ) -> None:
     batch = prompts(6, seed=4)
-    sampled = [SamplingParams(max_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=3 + i,
-                              ignore_eos=True) for i in range(len(batch))]  # fmt: skip
+    sampled = [
+        SamplingParams(max_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=3 + i, ignore_eos=True)
+        for i in range(len(batch))
+    ]
     reference = [output.token_ids for output in LLM(str(llama_dir)).generate(batch, sampled)]  # type: ignore[arg-type]
     with LLM(str(llama_dir), speculative=NGRAM) as llm:
         # Guesses of what the seeded draws were, 30% of them wrong: both the keep and the reject path.
@@ -136,8 +138,9 @@ def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
     return sum((count - expected) ** 2 / expected for count, expected in cells), len(cells) - 1
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0),
-                                                           (1.0, 0, 0.8)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0), (1.0, 0, 0.8)]
+)
 def test_unseeded_speculative_sampling_keeps_the_target_distribution(
     temperature: float, top_k: int, top_p: float
 ) -> None:

@@ -140,9 +140,13 @@ def test_fifty_seeded_strict_json_schema_chats_are_all_valid(server: ServerProce
 
     async def one(seed: int) -> Any:
         return await client.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": f"Describe person {seed} as JSON."}],
-            response_format=response_format, seed=seed, temperature=1.0, max_tokens=400,
-        )  # fmt: skip
+            model="tiny-llama",
+            messages=[{"role": "user", "content": f"Describe person {seed} as JSON."}],
+            response_format=response_format,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=400,
+        )
 
     async def run_all() -> list[Any]:
         return await asyncio.gather(*(one(seed) for seed in range(50)))
@@ -157,9 +161,12 @@ def test_fifty_seeded_strict_json_schema_chats_are_all_valid(server: ServerProce
 def test_streamed_json_schema_chat_equals_the_whole_answer_and_structured_outputs_work(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="test", max_retries=0)
     request: Any = {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "JSON please"}], "seed": 3, "max_tokens": 400,
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "JSON please"}],
+        "seed": 3,
+        "max_tokens": 400,
         "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-    }  # fmt: skip
+    }
     pieces, finish = [], None
     for chunk in client.chat.completions.create(stream=True, **request):
         if chunk.choices:
@@ -189,8 +196,9 @@ def test_streamed_json_schema_chat_equals_the_whole_answer_and_structured_output
 def test_json_object_outputs_that_end_are_json_objects(llama_dir: Path) -> None:
     """Any JSON object has no bound on its length: a random model may run to max_tokens inside a string (the
     answer then says `length`); every output that ends by itself is one complete object."""
-    params = [constrained(StructuredOutput("json_object"), temperature=1.0, seed=seed, max_tokens=400)
-              for seed in range(12)]  # fmt: skip
+    params = [
+        constrained(StructuredOutput("json_object"), temperature=1.0, seed=seed, max_tokens=400) for seed in range(12)
+    ]
     outputs = LLM(str(llama_dir)).generate(["JSON please"] * len(params), params)
     ended = [output for output in outputs if output.finish_reason == "stop"]
     assert len(ended) >= 3  # not vacuous

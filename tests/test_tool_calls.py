@@ -21,8 +21,12 @@ WEATHER = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
-        "additionalProperties": False}  # fmt: skip
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 TOOLS: Any = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
@@ -57,8 +61,9 @@ def test_llama3_json_parser_reads_one_or_several_objects() -> None:
     parser = Llama3JsonParser()
     single = parser.calls('{"name": "get_time", "parameters": {"zone": "PST"}}', finished=True)
     assert single is not None and [(c.name, json.loads(c.arguments)) for c in single] == [("get_time", {"zone": "PST"})]
-    several = parser.calls('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
-                           finished=True)  # fmt: skip
+    several = parser.calls(
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', finished=True
+    )
     assert several is not None and [c.name for c in several] == ["a", "b"]
     assert json.loads(several[1].arguments) == {"x": 1}
     assert parser.calls("Hello there", finished=True) == []
@@ -119,8 +124,9 @@ def _assert_valid_calls(calls: list[Any]) -> None:
 
 
 def test_required_tool_call_round_trip(client: openai.OpenAI) -> None:
-    first = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, tool_choice="required",
-                                           seed=2, max_tokens=300)  # fmt: skip
+    first = client.chat.completions.create(
+        model="tiny-llama", messages=[USER], tools=TOOLS, tool_choice="required", seed=2, max_tokens=300
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
     _assert_valid_calls(choice.message.tool_calls)
@@ -130,8 +136,9 @@ def test_required_tool_call_round_trip(client: openai.OpenAI) -> None:
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 7, "sky": "rain"}'},
     ]
-    answer = client.chat.completions.create(model="tiny-llama", messages=history, tools=TOOLS, max_tokens=8,
-                                            temperature=0)  # fmt: skip
+    answer = client.chat.completions.create(
+        model="tiny-llama", messages=history, tools=TOOLS, max_tokens=8, temperature=0
+    )
     assert answer.choices[0].message.role == "assistant" and answer.choices[0].finish_reason in ("stop", "length")
     assert first.usage is not None and answer.usage is not None
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
@@ -166,12 +173,25 @@ def test_streamed_required_and_named_calls(client: openai.OpenAI) -> None:
         if isinstance(tool_choice, dict):
             assert [entry["name"] for entry in calls.values()] == ["get_time"]
     # the round trip's second half, streamed: the calls and their results go back, an answer streams out
-    history: Any = [USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": entry["arguments"]}}
-        for entry in calls.values()]}]  # fmt: skip
+    history: Any = [
+        USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": entry["id"],
+                    "type": "function",
+                    "function": {"name": entry["name"], "arguments": entry["arguments"]},
+                }
+                for entry in calls.values()
+            ],
+        },
+    ]
     history += [{"role": "tool", "tool_call_id": entry["id"], "content": "done"} for entry in calls.values()]
-    answer = client.chat.completions.create(model="tiny-llama", messages=history, tools=TOOLS, max_tokens=6,
-                                            temperature=0, stream=True)  # fmt: skip
+    answer = client.chat.completions.create(
+        model="tiny-llama", messages=history, tools=TOOLS, max_tokens=6, temperature=0, stream=True
+    )
     chunks = [chunk for chunk in answer if chunk.choices]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "length"  # six tokens of a random model's answer, no call
@@ -204,11 +224,13 @@ def test_named_call_and_parallel_calls_off(client: openai.OpenAI) -> None:
 
 
 def test_auto_renders_the_tools_and_returns_plain_text_without_calls(client: openai.OpenAI) -> None:
-    with_tools = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, max_tokens=4,
-                                                temperature=0)  # fmt: skip
+    with_tools = client.chat.completions.create(
+        model="tiny-llama", messages=[USER], tools=TOOLS, max_tokens=4, temperature=0
+    )
     without = client.chat.completions.create(model="tiny-llama", messages=[USER], max_tokens=4, temperature=0)
-    none = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, tool_choice="none",
-                                          max_tokens=4, temperature=0)  # fmt: skip
+    none = client.chat.completions.create(
+        model="tiny-llama", messages=[USER], tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
+    )
     assert with_tools.usage and without.usage and none.usage
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens == none.usage.prompt_tokens
     assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].finish_reason == "length"
@@ -222,15 +244,22 @@ def test_tools_with_response_format_as_vllm_serves_them(client: openai.OpenAI) -
     """A required call's schema replaces response_format; under auto, response_format constrains the answer."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
-    required = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=5,
-                                              tool_choice="required", response_format=response_format,
-                                              max_tokens=300)  # fmt: skip
+    required = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[USER],
+        tools=TOOLS,
+        seed=5,
+        tool_choice="required",
+        response_format=response_format,
+        max_tokens=300,
+    )
     calls = required.choices[0].message.tool_calls or []
     assert calls and required.choices[0].finish_reason == "tool_calls"
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore[union-attr]
-    auto = client.chat.completions.create(model="tiny-llama", messages=[USER], tools=TOOLS, seed=5,
-                                          response_format=response_format, max_tokens=100)  # fmt: skip
+    auto = client.chat.completions.create(
+        model="tiny-llama", messages=[USER], tools=TOOLS, seed=5, response_format=response_format, max_tokens=100
+    )
     assert auto.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(auto.choices[0].message.content or ""), schema)
 

@@ -51,8 +51,10 @@ def test_a_continuing_turn_extends_its_conversation(tmp_path: Path) -> None:
 
 
 def test_bursty_arrivals_come_in_bursts() -> None:
-    calm, bursty = (trace_shapes._arrivals(Shape("x", 1, 2, 3, 0.0, 1, 1.0, burst_factor=f), 4_000,
-                                           trace_shapes.random.Random(0)) for f in (1.0, 6.0))  # fmt: skip
+    calm, bursty = (
+        trace_shapes._arrivals(Shape("x", 1, 2, 3, 0.0, 1, 1.0, burst_factor=f), 4_000, trace_shapes.random.Random(0))
+        for f in (1.0, 6.0)
+    )
 
     def busiest_window_share(times: list[int]) -> float:
         windows: dict[int, int] = {}

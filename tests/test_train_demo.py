@@ -18,8 +18,10 @@ from kvyard.testing.train_demo import (
 
 def test_definitions_are_the_top_level_functions_and_classes(tmp_path: Path) -> None:
     path = tmp_path / "module.py"
-    path.write_text('import os\n\ndef add(a, b):\n    """Add two numbers.\n\n    More."""\n    return a + b\n\n'
-                    "class Box:\n    def open(self):\n        pass\n\nx = 1\n")  # fmt: skip
+    path.write_text(
+        'import os\n\ndef add(a, b):\n    """Add two numbers.\n\n    More."""\n    return a + b\n\n'
+        "class Box:\n    def open(self):\n        pass\n\nx = 1\n"
+    )
     found = list(definitions(path))
     assert [source.splitlines()[0] for source, _ in found] == ["def add(a, b):", "class Box:"]
     assert [summary for _, summary in found] == ["Add two numbers.", None]

@@ -58,19 +58,38 @@ class Pair:
 
 
 def transfer_config(scratch: Path, name: str, store: RedisProcess) -> str:
-    extra = {"tiers": "memory,disk,redis", "memory_gb": 0.25, "disk_dir": str(scratch / f"disk-{name}"),
-             "disk_gb": 1, "redis_url": store.url, "redis_timeout_s": 0.5, "remote_prefill_wait_s": 15}  # fmt: skip
-    return json.dumps({"kv_connector": "KvyardConnector", "kv_connector_module_path": "kvyard.integrations.vllm",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": extra})  # fmt: skip
+    extra = {
+        "tiers": "memory,disk,redis",
+        "memory_gb": 0.25,
+        "disk_dir": str(scratch / f"disk-{name}"),
+        "disk_gb": 1,
+        "redis_url": store.url,
+        "redis_timeout_s": 0.5,
+        "remote_prefill_wait_s": 15,
+    }
+    return json.dumps(
+        {
+            "kv_connector": "KvyardConnector",
+            "kv_connector_module_path": "kvyard.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    )
 
 
 def start(scratch: Path, name: str, store: RedisProcess, cpu: int, *extra: str) -> VllmReplica:
     """Replica `a` also publishes vLLM's KV events (without a replay socket)."""
     cores = os.cpu_count() or 1
-    return start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, events=name == "a", replay=False,
-                      cpus=str(cpu % cores),
-                      extra=("--kv-transfer-config", transfer_config(scratch, name, store), *extra))  # fmt: skip
+    return start_vllm(
+        DEMO_MODEL_DIR,
+        scratch,
+        served_name=MODEL,
+        events=name == "a",
+        replay=False,
+        cpus=str(cpu % cores),
+        extra=("--kv-transfer-config", transfer_config(scratch, name, store), *extra),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +213,20 @@ def test_another_tenants_salt_never_loads_its_blocks(pair: Pair) -> None:
 def test_the_router_prefills_on_one_vllm_replica_and_decodes_on_the_other_through_the_tier(pair: Pair) -> None:
     """`kvyard route --prefill A --decode B`: both legs go out at once; B's connector waits for A's blocks to reach
     Redis, loads every full block of the prompt, and answers with the text A gives the prompt whole."""
-    router = start_router(pair.scratch, [], "--prefill", pair.a.url, "--decode", pair.b.url, "--disaggregation",
-                          "always", "--health-timeout-s", "10", replicas_publish_events=False,
-                          timeout=120)  # fmt: skip
+    router = start_router(
+        pair.scratch,
+        [],
+        "--prefill",
+        pair.a.url,
+        "--decode",
+        pair.b.url,
+        "--disaggregation",
+        "always",
+        "--health-timeout-s",
+        "10",
+        replicas_publish_events=False,
+        timeout=120,
+    )
     try:
         text = prompt("Disaggregated", repeats=40)
         body = {"model": MODEL, "prompt": text, "max_tokens": 24, "temperature": 0}

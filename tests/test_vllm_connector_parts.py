@@ -50,11 +50,16 @@ def test_the_extra_config_builds_the_tier_it_names(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [({"memory_gb": "2"}, "memory_gb must be a number"), ({"redis_ttl_s": 1.5}, "redis_ttl_s must be an integer"),
-     ({"disk_dir": 3}, "disk_dir must be a string"), ({"load_deadline_s": True}, "load_deadline_s"),
-     ({"tiers": ""}, "tiers must be"), ({"tiers": "memory,tape"}, "kv tiers must be"),
-     ({"tiers": "redis"}, "needs a URL")],
-)  # fmt: skip
+    [
+        ({"memory_gb": "2"}, "memory_gb must be a number"),
+        ({"redis_ttl_s": 1.5}, "redis_ttl_s must be an integer"),
+        ({"disk_dir": 3}, "disk_dir must be a string"),
+        ({"load_deadline_s": True}, "load_deadline_s"),
+        ({"tiers": ""}, "tiers must be"),
+        ({"tiers": "memory,tape"}, "kv tiers must be"),
+        ({"tiers": "redis"}, "needs a URL"),
+    ],
+)
 def test_a_wrong_value_stops_vllm_naming_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=named) as error:
         connector_config(extra)

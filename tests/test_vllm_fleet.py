@@ -53,8 +53,9 @@ def fleet(scratch: Path) -> Iterator[list[VllmReplica]]:
 def router(fleet: list[VllmReplica], scratch: Path) -> Iterator[ServerProcess]:
     events = [option for replica in fleet for option in ("--replica-events", str(replica.events))]
     # A vLLM server busy on a shared core can take seconds to answer a health check: not a reason to eject it here.
-    process = start_router(scratch, [replica.url for replica in fleet], *events, "--health-timeout-s", "10",
-                           timeout=120)  # fmt: skip
+    process = start_router(
+        scratch, [replica.url for replica in fleet], *events, "--health-timeout-s", "10", timeout=120
+    )
     try:
         yield process
     finally:
@@ -63,8 +64,15 @@ def router(fleet: list[VllmReplica], scratch: Path) -> Iterator[ServerProcess]:
 
 def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
     """A greedy streamed chat completion: its text, usage, token-id fields seen, and the replica that served it."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     text, usage, ids, chunks = "", None, set(), 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
@@ -152,10 +160,20 @@ def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
 ) -> None:
     messages = [{"role": "user", "content": "Return True if the path exists. " * 4}]
     extra = {"ignore_eos": True}
-    reference = httpx.post(f"{fleet[0].url}/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                           "max_tokens": LONG, "temperature": 0, **extra}, timeout=300).json()  # fmt: skip
-    body = {"model": MODEL, "messages": messages, "max_tokens": LONG, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+    reference = httpx.post(
+        f"{fleet[0].url}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": LONG, "temperature": 0, **extra},
+        timeout=300,
+    ).json()
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     text, chunks, usage, ids, victim = "", 0, None, set(), None
     with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=300) as response:
         served_by = response.headers["x-kvyard-replica"]
@@ -189,8 +207,15 @@ def test_a_restarted_replica_without_replay_is_resynced_and_followed_exactly(
     dead = next(replica for replica in fleet if replica.process.poll() is not None)
     resyncs = replica_state(router, dead.url)["resyncs"]
     index = fleet.index(dead)
-    fleet[index] = start_vllm(DEMO_MODEL_DIR, scratch, served_name=MODEL, port=dead.port, events_port=dead.events_port,
-                              replay=False, cpus=str(index % (os.cpu_count() or 1)))  # fmt: skip
+    fleet[index] = start_vllm(
+        DEMO_MODEL_DIR,
+        scratch,
+        served_name=MODEL,
+        port=dead.port,
+        events_port=dead.events_port,
+        replay=False,
+        cpus=str(index % (os.cpu_count() or 1)),
+    )
     wait_ready([fleet[index]])
     wait_for(lambda: replica_state(router, dead.url)["state"] == "healthy", 60, "re-admitted")
     wait_for(lambda: replica_state(router, dead.url)["resyncs"] > resyncs, 60, "resynced")
@@ -242,8 +267,9 @@ def test_a_router_that_missed_the_events_relearns_blocks_from_the_requests_that_
 def test_a_fleet_of_one_kvyard_and_one_vllm_replica_serves_both(fleet: list[VllmReplica], scratch: Path) -> None:
     kvyard = start_server(DEMO_MODEL_DIR, scratch, "--block-size", "32")
     vllm = fleet[0]
-    mixed = start_router(scratch, [kvyard.url, vllm.url], "--replica-events", "-", "--replica-events",
-                         str(vllm.events), timeout=120)  # fmt: skip
+    mixed = start_router(
+        scratch, [kvyard.url, vllm.url], "--replica-events", "-", "--replica-events", str(vllm.events), timeout=120
+    )
     try:
         kinds = {replica["url"]: replica["kind"] for replica in replicas_of(mixed)}
         assert kinds == {kvyard.url: "kvyard", vllm.url: "vllm"}

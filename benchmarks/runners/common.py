@@ -191,8 +191,9 @@ def run_all_at_once(
 Generate = Callable[[list[int]], tuple[list[int], float]]  # prompt -> (output token ids, seconds)
 
 
-def compare_speculation(prompts: list[list[int]], plain: Generate, speculative: Generate,
-                        output_tokens: int) -> dict[str, Any]:  # fmt: skip
+def compare_speculation(
+    prompts: list[list[int]], plain: Generate, speculative: Generate, output_tokens: int
+) -> dict[str, Any]:
     """Each prompt decoded plainly, with speculation and plainly again (a noisy machine); the outputs with and
     without speculation compared. Returns decode rates of both, their ratio and the per-prompt times."""
     plain(prompts[0])  # warm-up

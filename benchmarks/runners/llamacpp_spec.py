@@ -57,8 +57,14 @@ def main() -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     # Room for the longest prompt, its output and a step's guesses beyond it (llama-cpp-python fails past n_ctx).
     n_ctx = max(len(prompt) for prompt in prompts) + args.output_tokens + args.num_pred_tokens + 16
-    common = {"model_path": args.gguf, "n_ctx": n_ctx, "n_threads": args.threads, "n_threads_batch": args.threads,
-              "verbose": False, "logits_all": False}  # fmt: skip
+    common = {
+        "model_path": args.gguf,
+        "n_ctx": n_ctx,
+        "n_threads": args.threads,
+        "n_threads_batch": args.threads,
+        "verbose": False,
+        "logits_all": False,
+    }
     plain = Llama(**common)
     # With a draft model llama-cpp-python computes logits for every position whatever logits_all says, but sizes its
     # logits array by it: False leaves n_batch (512) rows, and a sequence longer than that fails.
@@ -66,9 +72,12 @@ def main() -> None:
         **{**common, "logits_all": True}, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens)
     )
     eos = plain.token_eos()
-    result = compare_speculation(prompts, partial(generate, plain, output_tokens=args.output_tokens, eos=eos),
-                                 partial(generate, lookup, output_tokens=args.output_tokens, eos=eos),
-                                 args.output_tokens)  # fmt: skip
+    result = compare_speculation(
+        prompts,
+        partial(generate, plain, output_tokens=args.output_tokens, eos=eos),
+        partial(generate, lookup, output_tokens=args.output_tokens, eos=eos),
+        args.output_tokens,
+    )
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

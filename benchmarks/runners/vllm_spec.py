@@ -46,10 +46,13 @@ def main() -> None:
 
     prompts = json.loads(Path(args.prompts).read_text())
     max_len = max(len(prompt) for prompt in prompts) + args.output_tokens + args.num_speculative_tokens + 16
-    common = {"model": args.model, "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0,
-              "dtype": "float32"}  # fmt: skip
-    speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                   "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}  # fmt: skip
+    common = {"model": args.model, "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0, "dtype": "float32"}
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.ngram_max,
+        "prompt_lookup_min": args.ngram_min,
+    }
     plain = LLM(**common)
     lookup = LLM(**common, speculative_config=speculative)
     result = compare_speculation(

@@ -45,21 +45,38 @@ class Access(enum.Enum):
 class AccessConfig:
     """Access: API keys, the admin key, and prefix caches split by key."""
 
-    api_keys: list[str] = setting(default_factory=list, flag="--api-key", help="a key clients must send as "
-                                  "`Authorization: Bearer <key>` (repeatable; also $KVYARD_API_KEYS, "
-                                  "comma-separated)", default_text="none: no key needed", secret=True)  # fmt: skip
+    api_keys: list[str] = setting(
+        default_factory=list,
+        flag="--api-key",
+        help="a key clients must send as "
+        "`Authorization: Bearer <key>` (repeatable; also $KVYARD_API_KEYS, "
+        "comma-separated)",
+        default_text="none: no key needed",
+        secret=True,
+    )
     api_keys_file: str | None = setting(None, help="a file of API keys, one per line, read again on SIGHUP")
-    admin_key: str | None = setting(None, help="the key of the admin plane (also $KVYARD_ADMIN_KEY)",
-                                    default_text="none: the admin plane is off", secret=True)  # fmt: skip
+    admin_key: str | None = setting(
+        None,
+        help="the key of the admin plane (also $KVYARD_ADMIN_KEY)",
+        default_text="none: the admin plane is off",
+        secret=True,
+    )
     metrics_need_key: bool = setting(False, help="answer /metrics only to a caller with an API key")
-    cache_salt_per_api_key: bool = setting(False, help="split the prefix cache by API key: a request's "
-                                           "cache_salt then splits only its own key's cache further")  # fmt: skip
-    requests_per_min: float | None = setting(None, help="requests a client (its API key, else its address) may "
-                                             "send per minute; more get 429",
-                                             default_text="none: no limit")  # fmt: skip
-    tokens_per_min: float | None = setting(None, help="prompt plus max_tokens a client may ask for per minute (a "
-                                           "router estimates text prompts at four characters a token)",
-                                           default_text="none: no limit")  # fmt: skip
+    cache_salt_per_api_key: bool = setting(
+        False,
+        help="split the prefix cache by API key: a request's cache_salt then splits only its own key's cache further",
+    )
+    requests_per_min: float | None = setting(
+        None,
+        help="requests a client (its API key, else its address) may send per minute; more get 429",
+        default_text="none: no limit",
+    )
+    tokens_per_min: float | None = setting(
+        None,
+        help="prompt plus max_tokens a client may ask for per minute (a "
+        "router estimates text prompts at four characters a token)",
+        default_text="none: no limit",
+    )
 
 
 def _digest(key: str) -> bytes:
@@ -136,8 +153,11 @@ class AdminKey:
     def authorize(self, headers: Mapping[str, str], what: str) -> None:
         """Raise 403 when the admin plane is off, 401 when the caller does not hold the admin key."""
         if self.digest is None:
-            raise APIError(403, f"{what} is part of the admin plane, which is off: start with --admin-key "
-                           f"(or ${ADMIN_KEY_ENV})", code="admin_disabled")  # fmt: skip
+            raise APIError(
+                403,
+                f"{what} is part of the admin plane, which is off: start with --admin-key (or ${ADMIN_KEY_ENV})",
+                code="admin_disabled",
+            )
         token = bearer_token(headers)
         if token is None or _digest(token) != self.digest:
             raise APIError(401, f"{what} needs the admin key", code="invalid_admin_key")

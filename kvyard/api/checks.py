@@ -42,8 +42,12 @@ def check_prompt(token_ids: Sequence[int], limits: ContextLimits, what: str = "p
     """A prompt the replica can start: valid ids, and room for at least one generated token."""
     check_token_ids(token_ids, limits.vocab_size, what)
     if len(token_ids) >= limits.max_model_len:
-        raise InputError(f"{what} has {len(token_ids)} tokens; the model's context is {limits.max_model_len} tokens "
-                         "and at least one must be left to generate", "prompt", "context_length_exceeded")  # fmt: skip
+        raise InputError(
+            f"{what} has {len(token_ids)} tokens; the model's context is {limits.max_model_len} tokens "
+            "and at least one must be left to generate",
+            "prompt",
+            "context_length_exceeded",
+        )
 
 
 def check_kv_room(num_prompt_tokens: int, max_tokens: int, limits: ContextLimits) -> None:
@@ -51,13 +55,19 @@ def check_kv_room(num_prompt_tokens: int, max_tokens: int, limits: ContextLimits
     alone; the error blames the prompt when it alone does not fit."""
     pool = limits.num_kv_blocks
     if limits.blocks_for(num_prompt_tokens + 1) > pool:
-        raise InputError(f"prompt has {num_prompt_tokens} tokens and with one generated token needs "
-                         f"{limits.blocks_for(num_prompt_tokens + 1)} KV blocks, but the pool has {pool}", "prompt",
-                         "kv_capacity_exceeded")  # fmt: skip
+        raise InputError(
+            f"prompt has {num_prompt_tokens} tokens and with one generated token needs "
+            f"{limits.blocks_for(num_prompt_tokens + 1)} KV blocks, but the pool has {pool}",
+            "prompt",
+            "kv_capacity_exceeded",
+        )
     needed = limits.blocks_for(min(num_prompt_tokens + max_tokens, limits.max_model_len))
     if needed > pool:
-        raise InputError(f"prompt plus max_tokens needs {needed} KV blocks but the pool has {pool}", "max_tokens",
-                         "kv_capacity_exceeded")  # fmt: skip
+        raise InputError(
+            f"prompt plus max_tokens needs {needed} KV blocks but the pool has {pool}",
+            "max_tokens",
+            "kv_capacity_exceeded",
+        )
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: ContextLimits) -> int:
@@ -67,17 +77,26 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, limits: C
         room = min(limits.max_model_len, limits.kv_capacity_tokens)
         max_tokens = room - num_prompt_tokens
         if max_tokens < 1:
-            raise InputError(f"prompt has {num_prompt_tokens} tokens; the model's context (and KV pool) holds {room} "
-                             "tokens and at least one must be left to generate", "prompt",
-                             "context_length_exceeded")  # fmt: skip
+            raise InputError(
+                f"prompt has {num_prompt_tokens} tokens; the model's context (and KV pool) holds {room} "
+                "tokens and at least one must be left to generate",
+                "prompt",
+                "context_length_exceeded",
+            )
     if num_prompt_tokens >= limits.max_model_len:
-        raise InputError(f"prompt has {num_prompt_tokens} tokens; the model's context is {limits.max_model_len} "
-                         "tokens and at least one must be left to generate", "prompt",
-                         "context_length_exceeded")  # fmt: skip
+        raise InputError(
+            f"prompt has {num_prompt_tokens} tokens; the model's context is {limits.max_model_len} "
+            "tokens and at least one must be left to generate",
+            "prompt",
+            "context_length_exceeded",
+        )
     if num_prompt_tokens + max_tokens > limits.max_model_len:
-        raise InputError(f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
-                         f"{num_prompt_tokens} prompt tokens and max_tokens {max_tokens}", "max_tokens",
-                         "context_length_exceeded")  # fmt: skip
+        raise InputError(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
+            f"{num_prompt_tokens} prompt tokens and max_tokens {max_tokens}",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     check_kv_room(num_prompt_tokens, max_tokens, limits)
     return max_tokens
 

@@ -30,8 +30,17 @@ END_OF_REPLAY = -1
 SEQ_BYTES = 8
 
 # Field order of the array encoding (older vLLM, SGLang); the map encoding names its fields.
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                  "extra_keys", "group_idx")  # fmt: skip
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
@@ -151,8 +160,9 @@ def _stored(fields: dict[str, Any]) -> StoredBlocks:
     salt, keyable = _read_extra_keys(fields.get("extra_keys"), len(hashes), lora_name, first=parent is None)
     if len(token_ids) != len(hashes) * block_size:
         keyable = 0  # a partial block (vLLM's hash granularity below the block size): not a chain of full blocks
-    return StoredBlocks(hashes, parent, token_ids, block_size, _medium(fields), _group(fields), lora_name, salt,
-                        keyable)  # fmt: skip
+    return StoredBlocks(
+        hashes, parent, token_ids, block_size, _medium(fields), _group(fields), lora_name, salt, keyable
+    )
 
 
 def _read_extra_keys(extra: Any, count: int, lora_name: str | None, first: bool) -> tuple[str | None, int]:

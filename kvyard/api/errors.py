@@ -9,8 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
 
 
 class InputError(ValueError):

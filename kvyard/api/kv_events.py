@@ -61,9 +61,13 @@ def namespace_json(namespace: KeyNamespace) -> dict[str, Any]:
 
 
 def snapshot_json(
-    seq: int, block_keys: list[bytes], namespace: KeyNamespace, local_keys: Sequence[bytes] = (),
-    shared_store: tuple[str, float | None] | None = None, salted_by_api_key: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    seq: int,
+    block_keys: list[bytes],
+    namespace: KeyNamespace,
+    local_keys: Sequence[bytes] = (),
+    shared_store: tuple[str, float | None] | None = None,
+    salted_by_api_key: bool = False,
+) -> dict[str, Any]:
     return {
         "seq": seq,
         "block_keys": [key.hex() for key in block_keys],

@@ -46,8 +46,13 @@ class LoadReport:
 
 
 _COUNTS = ("num_waiting", "num_running", "in_flight_requests", "kv_blocks_used", "kv_blocks_total", "tokens_in_flight")
-_SECONDS = ("prefill_s_per_token", "local_tier_s_per_block", "shared_tier_s_per_block", "tier_load_deadline_s",
-            "tier_load_extension_s_per_block")  # fmt: skip
+_SECONDS = (
+    "prefill_s_per_token",
+    "local_tier_s_per_block",
+    "shared_tier_s_per_block",
+    "tier_load_deadline_s",
+    "tier_load_extension_s_per_block",
+)
 
 
 def _number(body: dict[str, Any], name: str) -> float:

@@ -61,11 +61,18 @@ _ENGINE_TOTALS = (
     ("prefix_cache_hit_tokens", "kvyard_prefix_cache_hit_tokens", "Tokens found in the prefix cache"),
     ("num_preemptions", "kvyard_num_preemptions", "Requests preempted"),
     ("spec_proposed_tokens", SPEC_PROPOSED, "Speculative decoding: tokens proposed and verified"),
-    ("spec_accepted_tokens", SPEC_ACCEPTED, "Speculative decoding: proposed tokens the model agreed with, each a "
-     "decode step saved"),
-    ("spec_verifications", SPEC_VERIFICATIONS, "Speculative decoding: steps of a request that verified proposals; "
-     "accepted tokens / this is the mean accepted run"),
-)  # fmt: skip
+    (
+        "spec_accepted_tokens",
+        SPEC_ACCEPTED,
+        "Speculative decoding: proposed tokens the model agreed with, each a decode step saved",
+    ),
+    (
+        "spec_verifications",
+        SPEC_VERIFICATIONS,
+        "Speculative decoding: steps of a request that verified proposals; "
+        "accepted tokens / this is the mean accepted run",
+    ),
+)
 _ENGINE_GAUGES = (
     ("num_waiting", "kvyard_num_requests_waiting", "Requests waiting to be scheduled"),
     ("num_running", "kvyard_num_requests_running", "Requests being processed"),
@@ -91,8 +98,12 @@ def gauge_family(name: str, documentation: str, model_name: str, value: float) -
 def sample_sum(metrics_text: str, name: str, **labels: str) -> float:
     """The sum of the samples `name` of a /metrics page whose labels include `labels`: a total over the models
     (`model_name`) and any other label the page has; a replica older than the label is read alike."""
-    return sum(sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())  # fmt: skip
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 class EngineCollector(Collector):
@@ -143,19 +154,27 @@ class ServerMetrics:
     def __post_init__(self) -> None:
         r, model = self.registry, self.model_name
         self.ttft = _latency("kvyard_time_to_first_token_seconds", "Time to first token", r).labels(model_name=model)
-        self.inter_token = _latency("kvyard_inter_token_latency_seconds", "Time between output tokens",
-                                    r).labels(model_name=model)  # fmt: skip
-        self.e2e = _latency("kvyard_e2e_request_latency_seconds", "End-to-end request latency",
-                            r).labels(model_name=model)  # fmt: skip
-        self.requests = OutcomeCounter(Counter(REQUESTS, "Finished requests by outcome", [MODEL_NAME, "outcome"],
-                                               registry=r), model)  # fmt: skip
-        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of finished requests", [MODEL_NAME],
-                                     registry=r).labels(model_name=model)  # fmt: skip
-        self.generation_tokens = Counter(GENERATION_TOKENS, "Generated tokens", [MODEL_NAME],
-                                         registry=r).labels(model_name=model)  # fmt: skip
-        self.cached_prompt_tokens = Counter(CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache, as "
-                                            "reported in usage", [MODEL_NAME],
-                                            registry=r).labels(model_name=model)  # fmt: skip
+        self.inter_token = _latency("kvyard_inter_token_latency_seconds", "Time between output tokens", r).labels(
+            model_name=model
+        )
+        self.e2e = _latency("kvyard_e2e_request_latency_seconds", "End-to-end request latency", r).labels(
+            model_name=model
+        )
+        self.requests = OutcomeCounter(
+            Counter(REQUESTS, "Finished requests by outcome", [MODEL_NAME, "outcome"], registry=r), model
+        )
+        self.prompt_tokens = Counter(
+            PROMPT_TOKENS, "Prompt tokens of finished requests", [MODEL_NAME], registry=r
+        ).labels(model_name=model)
+        self.generation_tokens = Counter(GENERATION_TOKENS, "Generated tokens", [MODEL_NAME], registry=r).labels(
+            model_name=model
+        )
+        self.cached_prompt_tokens = Counter(
+            CACHED_PROMPT_TOKENS,
+            "Prompt tokens served from the prefix cache, as reported in usage",
+            [MODEL_NAME],
+            registry=r,
+        ).labels(model_name=model)
         r.register(EngineCollector(self.engine_stats, model))
 
 

@@ -26,10 +26,18 @@ _BODIES: dict[str, tuple[type[BaseModel], str]] = {
 _GETS = {"/v1/models": "The served models", "/health": "200 once the model serves", "/version": "kvyard's version"}
 _ERROR = {
     "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
-}  # fmt: skip
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 
 def openapi_document(

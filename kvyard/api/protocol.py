@@ -68,11 +68,20 @@ def validation_error(error: ValidationError) -> APIError:
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {param}", param, "extra_forbidden")
     if param == "input":  # the embeddings' union, as the prompt's
-        return APIError(400, "input must be a string, a list of strings, a list of token ids (integers) or a list "
-                        "of lists of token ids", param, first.get("type"))  # fmt: skip
+        return APIError(
+            400,
+            "input must be a string, a list of strings, a list of token ids (integers) or a list of lists of token ids",
+            param,
+            first.get("type"),
+        )
     if param == "prompt":  # a union: pydantic names only its first member's complaint
-        return APIError(400, "prompt must be a string, a list of strings, a list of token ids (integers) or a list "
-                        "of lists of token ids", param, first.get("type"))  # fmt: skip
+        return APIError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a list "
+            "of lists of token ids",
+            param,
+            first.get("type"),
+        )
     return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, first.get("type"))
 
 
@@ -248,8 +257,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _keeps_some_tokens(cls, value: int | None) -> int | None:
         if value == 0:
-            raise ValueError("must be -1 (as many tokens as the context leaves room for) or a positive number of "
-                             "tokens to keep")  # fmt: skip
+            raise ValueError(
+                "must be -1 (as many tokens as the context leaves room for) or a positive number of tokens to keep"
+            )
         return value
 
     @field_validator("stop")
@@ -334,8 +344,10 @@ class ChatMessage(BaseModel):
         for part in value if isinstance(value, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content parts of type {kind[:40]!r} are not supported: the served models take "
-                                 "text only (no images, audio or files)")  # fmt: skip
+                raise ValueError(
+                    f"content parts of type {kind[:40]!r} are not supported: the served models take "
+                    "text only (no images, audio or files)"
+                )
         return value
 
     def text(self) -> str:

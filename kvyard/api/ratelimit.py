@@ -57,8 +57,12 @@ class RateLimiter:
         amounts = [min(amount, bucket.capacity) for bucket, amount in zip(buckets, self._amounts(num_tokens))]
         wait_s = max(bucket.shortfall_s(amount, now) for bucket, amount in zip(buckets, amounts))
         if wait_s > 0:
-            raise APIError(429, f"rate limit of this API key exceeded ({self._describe()}); retry in {wait_s:.1f} s",
-                           code="rate_limited", retry_after=max(1, math.ceil(wait_s)))  # fmt: skip
+            raise APIError(
+                429,
+                f"rate limit of this API key exceeded ({self._describe()}); retry in {wait_s:.1f} s",
+                code="rate_limited",
+                retry_after=max(1, math.ceil(wait_s)),
+            )
         for bucket, amount in zip(buckets, amounts):
             bucket.level -= amount
 

@@ -44,11 +44,17 @@ EPILOG = """examples:
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
-        "bench", help="benchmark an OpenAI-compatible endpoint (or: bench compare a.json b.json …)",
-        epilog=EPILOG, formatter_class=_HelpFormatter,
-    )  # fmt: skip
-    parser.add_argument("compare", nargs="*", metavar="compare FILE",
-                        help="`compare a.json b.json …`: earlier results side by side, with ratios")  # fmt: skip
+        "bench",
+        help="benchmark an OpenAI-compatible endpoint (or: bench compare a.json b.json …)",
+        epilog=EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "compare",
+        nargs="*",
+        metavar="compare FILE",
+        help="`compare a.json b.json …`: earlier results side by side, with ratios",
+    )
     _add_run_arguments(parser)
     parser.set_defaults(handler=main, command_line=None)
 
@@ -87,28 +93,53 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    server.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="do not send ignore_eos (output lengths are then up to the model)")  # fmt: skip
+    server.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (output lengths are then up to the model)",
+    )
     server.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
-    server.add_argument("--vocab-size", type=int, default=1000,
-                        help="prompt token ids are drawn from [0, N); 1000 fits every kvyard preset")  # fmt: skip
+    server.add_argument(
+        "--vocab-size",
+        type=int,
+        default=1000,
+        help="prompt token ids are drawn from [0, N); 1000 fits every kvyard preset",
+    )
 
     load = parser.add_argument_group("load")
     load.add_argument(
         "--workload", choices=WORKLOADS, default="random", help="what to send (options per workload below)"
     )
-    load.add_argument("--num-requests", type=int, default=None,
-                      help="requests (random, shared-prefix: default 100; trace: a limit, default all)")  # fmt: skip
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="closed loop: requests in flight (default 1); with --request-rate, a cap")  # fmt: skip
+    load.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests (random, shared-prefix: default 100; trace: a limit, default all)",
+    )
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop: requests in flight (default 1); with --request-rate, a cap",
+    )
     load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    load.add_argument("--input-len", type=_typed(LengthRange.parse), default=LengthRange(1024, 1024),
-                      help="prompt tokens: N or LOW:HIGH (shared-prefix: after the prefix)")  # fmt: skip
-    load.add_argument("--output-len", type=_typed(LengthRange.parse), default=LengthRange(128, 128),
-                      help="output tokens: N or LOW:HIGH")  # fmt: skip
+    load.add_argument(
+        "--input-len",
+        type=_typed(LengthRange.parse),
+        default=LengthRange(1024, 1024),
+        help="prompt tokens: N or LOW:HIGH (shared-prefix: after the prefix)",
+    )
+    load.add_argument(
+        "--output-len",
+        type=_typed(LengthRange.parse),
+        default=LengthRange(128, 128),
+        help="output tokens: N or LOW:HIGH",
+    )
     load.add_argument("--seed", type=int, default=0, help="seed of the workload's random choices")
-    load.add_argument("--slo", type=_typed(parse_slo), default=None,
-                      help="goodput objectives, e.g. ttft=500ms,tpot=50ms")  # fmt: skip
+    load.add_argument(
+        "--slo", type=_typed(parse_slo), default=None, help="goodput objectives, e.g. ttft=500ms,tpot=50ms"
+    )
 
     shared = parser.add_argument_group("shared-prefix")
     shared.add_argument("--num-groups", type=int, default=4, help="groups of requests sharing a prefix")
@@ -118,19 +149,35 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     turns.add_argument("--num-sessions", type=int, default=8, help="concurrent conversations")
     turns.add_argument("--turns", type=int, default=5, help="turns per conversation")
     turns.add_argument("--system-len", type=int, default=1024, help="system prompt shared by every session")
-    turns.add_argument("--first-len", type=_typed(LengthRange.parse), default=LengthRange(512, 512),
-                       help="tokens of each session's first message")  # fmt: skip
-    turns.add_argument("--turn-len", type=_typed(LengthRange.parse), default=LengthRange(128, 128),
-                       help="new tokens in every later turn")  # fmt: skip
+    turns.add_argument(
+        "--first-len",
+        type=_typed(LengthRange.parse),
+        default=LengthRange(512, 512),
+        help="tokens of each session's first message",
+    )
+    turns.add_argument(
+        "--turn-len",
+        type=_typed(LengthRange.parse),
+        default=LengthRange(128, 128),
+        help="new tokens in every later turn",
+    )
     turns.add_argument("--think-time", type=float, default=0.0, help="mean seconds between turns (exponential)")
-    turns.add_argument("--rewrite-prob", type=float, default=0.0,
-                       help="chance that a turn rewrites the middle of the history first")  # fmt: skip
-    turns.add_argument("--max-context", type=int, default=None,
-                       help="compact histories beyond this (default: the server's max_model_len)")  # fmt: skip
+    turns.add_argument(
+        "--rewrite-prob", type=float, default=0.0, help="chance that a turn rewrites the middle of the history first"
+    )
+    turns.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="compact histories beyond this (default: the server's max_model_len)",
+    )
 
     trace = parser.add_argument_group("trace")
-    trace.add_argument("--trace", default="mooncake",
-                       help="mooncake, azure (public traces kvyard ships) or a .jsonl/.csv path (.gz too)")  # fmt: skip
+    trace.add_argument(
+        "--trace",
+        default="mooncake",
+        help="mooncake, azure (public traces kvyard ships) or a .jsonl/.csv path (.gz too)",
+    )
     trace.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by this")
     trace.add_argument("--length-scale", type=float, default=1.0, help="input lengths are multiplied by this")
     trace.add_argument("--output-scale", type=float, default=1.0, help="output lengths are multiplied by this")
@@ -140,8 +187,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="result JSON")
     out.add_argument("--plot", type=Path, default=None, help="PNG: TTFT/ITL CDFs and TTFT over time")
-    out.add_argument("--ideal-block-size", type=int, default=16,
-                     help="block size for the ideal prefix hit ratio (match the server's)")  # fmt: skip
+    out.add_argument(
+        "--ideal-block-size",
+        type=int,
+        default=16,
+        help="block size for the ideal prefix hit ratio (match the server's)",
+    )
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -232,9 +283,15 @@ def _check(args: argparse.Namespace) -> None:
         return
     if not args.base_url:
         raise ValueError("--base-url is required (or use `kvyard bench compare a.json b.json …`)")
-    positive = {"--num-requests": args.num_requests, "--concurrency": args.concurrency,
-                "--num-groups": args.num_groups, "--num-sessions": args.num_sessions, "--turns": args.turns,
-                "--vocab-size": args.vocab_size, "--ideal-block-size": args.ideal_block_size}  # fmt: skip
+    positive = {
+        "--num-requests": args.num_requests,
+        "--concurrency": args.concurrency,
+        "--num-groups": args.num_groups,
+        "--num-sessions": args.num_sessions,
+        "--turns": args.turns,
+        "--vocab-size": args.vocab_size,
+        "--ideal-block-size": args.ideal_block_size,
+    }
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -253,16 +310,24 @@ def build_workload(args: argparse.Namespace, server: ServerInfo) -> Workload:
     if args.workload == "random":
         return random_workload(count, args.input_len, args.output_len, source)
     if args.workload == "shared-prefix":
-        return shared_prefix_workload(count, args.num_groups, args.prefix_len, args.input_len, args.output_len,
-                                      source)  # fmt: skip
+        return shared_prefix_workload(count, args.num_groups, args.prefix_len, args.input_len, args.output_len, source)
     if args.workload == "multiturn":
-        shape = MultiturnShape(args.num_sessions, args.turns, args.system_len, args.first_len, args.turn_len,
-                               args.output_len, args.think_time, args.rewrite_prob,
-                               args.max_context or server.max_model_len)  # fmt: skip
+        shape = MultiturnShape(
+            args.num_sessions,
+            args.turns,
+            args.system_len,
+            args.first_len,
+            args.turn_len,
+            args.output_len,
+            args.think_time,
+            args.rewrite_prob,
+            args.max_context or server.max_model_len,
+        )
         return multiturn_workload(shape, source)
     path = resolve_trace(args.trace)
-    scaling = TraceScaling(args.time_scale, args.length_scale, args.output_scale, args.max_input_len,
-                           args.max_output_len)  # fmt: skip
+    scaling = TraceScaling(
+        args.time_scale, args.length_scale, args.output_scale, args.max_input_len, args.max_output_len
+    )
     return trace_workload(load_trace(path, args.num_requests), scaling, source, str(path))
 
 

@@ -154,9 +154,14 @@ class LoadClient:
                     return
                 if spec.delay > 0:
                     await _think(spec.delay, gate)
-                record = RequestRecord(index=len(self.records), session=index, turn=turn,
-                                       prompt_tokens=len(spec.prompt), max_tokens=spec.max_tokens,
-                                       scheduled=scheduled if turn == 0 else None)  # fmt: skip
+                record = RequestRecord(
+                    index=len(self.records),
+                    session=index,
+                    turn=turn,
+                    prompt_tokens=len(spec.prompt),
+                    max_tokens=spec.max_tokens,
+                    scheduled=scheduled if turn == 0 else None,
+                )
                 self.records.append(record)
                 record.ideal_cached_tokens = tracker.observe(spec.prompt)
                 await self._send(http, spec, record)

@@ -24,8 +24,14 @@ def plot_result(records: Sequence[RequestRecord], title: str, out: Path) -> None
     time_axis.scatter([r.start for r in done], ttft_ms, s=6, alpha=0.6)
     failed = [r for r in records if not r.ok]
     if failed:
-        time_axis.scatter([r.start for r in failed], [0.0] * len(failed), s=12, marker="x", color="red",
-                          label=f"failed ({len(failed)})")  # fmt: skip
+        time_axis.scatter(
+            [r.start for r in failed],
+            [0.0] * len(failed),
+            s=12,
+            marker="x",
+            color="red",
+            label=f"failed ({len(failed)})",
+        )
         time_axis.legend()
     time_axis.set_xlabel("request start (s after the benchmark began)")
     time_axis.set_ylabel("TTFT (ms)")

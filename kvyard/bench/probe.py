@@ -20,14 +20,20 @@ from kvyard.net.http_client import HttpClient, HttpError
 SERVER_COUNTERS = {
     "requests": (f"{metrics.REQUESTS}_total", "vllm:request_success_total", "sglang:num_requests_total"),
     "prompt_tokens": (f"{metrics.PROMPT_TOKENS}_total", "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
-    "generation_tokens": (f"{metrics.GENERATION_TOKENS}_total", "vllm:generation_tokens_total",
-                          "sglang:generation_tokens_total"),
-    "cached_prompt_tokens": (f"{metrics.CACHED_PROMPT_TOKENS}_total", "vllm:prefix_cache_hits_total",
-                             "sglang:cached_tokens_total"),
+    "generation_tokens": (
+        f"{metrics.GENERATION_TOKENS}_total",
+        "vllm:generation_tokens_total",
+        "sglang:generation_tokens_total",
+    ),
+    "cached_prompt_tokens": (
+        f"{metrics.CACHED_PROMPT_TOKENS}_total",
+        "vllm:prefix_cache_hits_total",
+        "sglang:cached_tokens_total",
+    ),
     "spec_proposed_tokens": (f"{metrics.SPEC_PROPOSED}_total", "vllm:spec_decode_num_draft_tokens_total"),
     "spec_accepted_tokens": (f"{metrics.SPEC_ACCEPTED}_total", "vllm:spec_decode_num_accepted_tokens_total"),
     "spec_verifications": (f"{metrics.SPEC_VERIFICATIONS}_total", "vllm:spec_decode_num_drafts_total"),
-}  # fmt: skip
+}
 # kvyard's count of requests it turned away, whatever else labels it (model_name, or nothing on older replicas).
 NOT_SERVED = (f"{metrics.REQUESTS}_total", f"outcome={metrics.REJECTED_OVERLOAD}")
 
@@ -42,8 +48,14 @@ class ServerInfo:
     missing: list[str] = field(default_factory=list)  # endpoints and features the server lacks
 
     def to_json(self) -> dict[str, Any]:
-        return {"models": self.models, "model": self.model, "max_model_len": self.max_model_len,
-                "load_before": self.load, "ignore_eos": self.ignore_eos, "missing": self.missing}  # fmt: skip
+        return {
+            "models": self.models,
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "load_before": self.load,
+            "ignore_eos": self.ignore_eos,
+            "missing": self.missing,
+        }
 
 
 async def probe_server(http: HttpClient, model: str | None) -> ServerInfo:
@@ -67,8 +79,14 @@ async def probe_server(http: HttpClient, model: str | None) -> ServerInfo:
 
 async def _probe_completion(http: HttpClient, info: ServerInfo) -> None:
     """One two-token request: does the server take `ignore_eos`, and does its stream end with usage?"""
-    body: dict[str, Any] = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
-                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if info.model is not None:
         body["model"] = info.model
     status, text = await _post(http, "/v1/completions", body)

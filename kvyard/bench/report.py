@@ -23,19 +23,25 @@ def summary_table(result: dict[str, Any]) -> str:
         cells = "".join(f"{dist[name] * 1000:>10.2f}" if dist else f"{'-':>10}" for name in STATS)
         lines.append(f"{label:<14}{cells}")
     t = s["throughput"]
-    lines.append(f"throughput: {_num(t['requests_per_s'])} req/s, {_num(t['output_tokens_per_s'])} output tok/s, "
-                 f"{_num(t['total_tokens_per_s'])} total tok/s "
-                 f"({s['tokens']['prompt']} prompt + {s['tokens']['output']} output tokens)")  # fmt: skip
+    lines.append(
+        f"throughput: {_num(t['requests_per_s'])} req/s, {_num(t['output_tokens_per_s'])} output tok/s, "
+        f"{_num(t['total_tokens_per_s'])} total tok/s "
+        f"({s['tokens']['prompt']} prompt + {s['tokens']['output']} output tokens)"
+    )
     if (good := s.get("goodput")) is not None:
         bounds = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in good["slo_s"].items() if v is not None)
-        lines.append(f"goodput ({bounds}): {good['good_requests']}/{requests['total']} requests, "
-                     f"{_num(good['requests_per_s'])} req/s")  # fmt: skip
+        lines.append(
+            f"goodput ({bounds}): {good['good_requests']}/{requests['total']} requests, "
+            f"{_num(good['requests_per_s'])} req/s"
+        )
     info = result["workload"].get("info", {})
     lines.append(_cache_line(s["prefix_cache"], info))
     if spec := speculation(result["server"].get("counted", {})):
-        lines.append(f"speculative decoding: {spec['accepted_tokens']:.0f} of {spec['proposed_tokens']:.0f} proposed "
-                     f"tokens accepted ({spec['acceptance_rate']:.3f}), {_num(spec['mean_accepted_run'], 2)} "
-                     "accepted per verification")  # fmt: skip
+        lines.append(
+            f"speculative decoding: {spec['accepted_tokens']:.0f} of {spec['proposed_tokens']:.0f} proposed "
+            f"tokens accepted ({spec['acceptance_rate']:.3f}), {_num(spec['mean_accepted_run'], 2)} "
+            "accepted per verification"
+        )
     if "rewrites" in info:
         lines.append(f"multiturn: {info['rewrites']} turns rewrote the middle of their history")
     if s["errors"]:
@@ -72,8 +78,12 @@ def speculation(counted: dict[str, float]) -> dict[str, float | None] | None:
         return None
     accepted = counted.get("spec_accepted_tokens", 0.0)
     verifications = counted.get("spec_verifications")
-    return {"proposed_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed,
-            "mean_accepted_run": accepted / verifications if verifications else None}  # fmt: skip
+    return {
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed,
+        "mean_accepted_run": accepted / verifications if verifications else None,
+    }
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -144,6 +154,8 @@ def _ratio(value: float | None, base: float | None) -> str:
 def _conditions(result: dict[str, Any]) -> str:
     p = result["provenance"]
     server = result["server"]
-    return (f"{result['workload']['name']} {result['workload']['params']}, {_arrival_text(result['arrivals'])}; "
-            f"model {server.get('model')}; commit {(p['git'].get('commit') or '?')[:10]}; "
-            f"{p['host'].get('cpu_count')} CPUs; started {p['start_time']}")  # fmt: skip
+    return (
+        f"{result['workload']['name']} {result['workload']['params']}, {_arrival_text(result['arrivals'])}; "
+        f"model {server.get('model')}; commit {(p['git'].get('commit') or '?')[:10]}; "
+        f"{p['host'].get('cpu_count')} CPUs; started {p['start_time']}"
+    )

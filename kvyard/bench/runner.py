@@ -45,8 +45,9 @@ async def _run(settings: RunSettings, build_workload: Callable[[ServerInfo], Wor
         server = await probe_server(http, settings.options.model)
         workload = build_workload(server)
         before = await metrics_snapshot(http)
-        options = replace(settings.options, model=server.model,
-                          ignore_eos=settings.options.ignore_eos and server.ignore_eos)  # fmt: skip
+        options = replace(
+            settings.options, model=server.model, ignore_eos=settings.options.ignore_eos and server.ignore_eos
+        )
         records, cost, origin = await _drive(settings, options, workload)
         after = await metrics_snapshot(http)
         load_after = await get_json(http, "/load") if "/load" not in server.missing else None

@@ -78,8 +78,11 @@ def load_azure(path: Path, limit: int | None = None) -> list[TraceRequest]:
             try:
                 stamp = _azure_time(row["TIMESTAMP"])
                 first = first or stamp
-                requests.append(TraceRequest((stamp - first).total_seconds(), int(row["ContextTokens"]),
-                                             int(row["GeneratedTokens"]), None))  # fmt: skip
+                requests.append(
+                    TraceRequest(
+                        (stamp - first).total_seconds(), int(row["ContextTokens"]), int(row["GeneratedTokens"]), None
+                    )
+                )
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(f"{path}:{number}: not an Azure trace row ({error})") from error
     return requests

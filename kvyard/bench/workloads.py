@@ -161,8 +161,13 @@ def shared_prefix_workload(
     for i in range(num_requests):
         parts = (((_PREFIX, i % num_groups), prefix_len), ((_SUFFIX, i), input_len.draw(rng)))
         sessions.append(SingleRequest(None, parts, output_len.draw(rng), source))
-    params = {"num_requests": num_requests, "num_groups": num_groups, "prefix_len": prefix_len,
-              "input_len": str(input_len), "output_len": str(output_len)}  # fmt: skip
+    params = {
+        "num_requests": num_requests,
+        "num_groups": num_groups,
+        "prefix_len": prefix_len,
+        "input_len": str(input_len),
+        "output_len": str(output_len),
+    }
     return Workload("shared-prefix", sessions, params, num_requests)
 
 
@@ -242,10 +247,16 @@ def multiturn_workload(shape: MultiturnShape, source: TokenSource) -> Workload:
         MultiturnSession(i, shape, source, random.Random(f"{source.seed}:{i}")) for i in range(shape.num_sessions)
     ]
     params = {
-        "num_sessions": shape.num_sessions, "turns": shape.turns, "system_len": shape.system_len,
-        "first_len": str(shape.first_len), "turn_len": str(shape.turn_len), "output_len": str(shape.output_len),
-        "think_time_s": shape.think_time, "rewrite_prob": shape.rewrite_prob, "max_context": shape.max_context,
-    }  # fmt: skip
+        "num_sessions": shape.num_sessions,
+        "turns": shape.turns,
+        "system_len": shape.system_len,
+        "first_len": str(shape.first_len),
+        "turn_len": str(shape.turn_len),
+        "output_len": str(shape.output_len),
+        "think_time_s": shape.think_time,
+        "rewrite_prob": shape.rewrite_prob,
+        "max_context": shape.max_context,
+    }
     return Workload("multiturn", sessions, params, shape.num_sessions * shape.turns)
 
 
@@ -288,9 +299,16 @@ def trace_workload(trace: list[TraceRequest], scaling: TraceScaling, source: Tok
             full_blocks.append(request.hash_ids)
             parts = _block_parts(kept, block, input_len)
         sessions.append(SingleRequest(request.timestamp * scaling.time_scale, parts, output_len, source))
-    params = {"trace": name, "num_requests": len(trace), "time_scale": scaling.time_scale,
-              "length_scale": scaling.length_scale, "output_scale": scaling.output_scale, "block_tokens": block,
-              "max_input_len": scaling.max_input_len, "max_output_len": scaling.max_output_len}  # fmt: skip
+    params = {
+        "trace": name,
+        "num_requests": len(trace),
+        "time_scale": scaling.time_scale,
+        "length_scale": scaling.length_scale,
+        "output_scale": scaling.output_scale,
+        "block_tokens": block,
+        "max_input_len": scaling.max_input_len,
+        "max_output_len": scaling.max_output_len,
+    }
     info: dict[str, Any] = {"trace_duration_s": trace[-1].timestamp if trace else 0.0}
     if replayed_blocks:
         # Of the blocks replayed (after --max-input-len), and of the same requests at their full length.

@@ -14,16 +14,26 @@ from kvyard.models import PACKAGE_SCHEMES
 
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
-        "convert", help="write a weight package: the model's weights converted once, loaded as they are",
+        "convert",
+        help="write a weight package: the model's weights converted once, loaded as they are",
         description="Convert a Hugging Face model directory's linear-layer weights to int8 (a scale per 32 "
         "weights), fp16 or bf16 and write them, with the config and tokenizer files and a description checked at "
         "load time, "
         "as a package that `kvyard serve PACKAGE` and `LLM(PACKAGE)` load without converting again.",
-    )  # fmt: skip
-    parser.add_argument("model", nargs="?", default=None, help="the Hugging Face model directory to convert "
-                        "(default: the embedded demo model, kvyard/testing/kvyard-demo)")  # fmt: skip
-    parser.add_argument("--weights", choices=PACKAGE_SCHEMES, default="int8", help="weight format: int8 (a scale "
-                        "per 32 weights), fp16 or bf16 (default: int8)")  # fmt: skip
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="the Hugging Face model directory to convert "
+        "(default: the embedded demo model, kvyard/testing/kvyard-demo)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=PACKAGE_SCHEMES,
+        default="int8",
+        help="weight format: int8 (a scale per 32 weights), fp16 or bf16 (default: int8)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the package directory to write (new or empty)")
     parser.set_defaults(handler=run)
 

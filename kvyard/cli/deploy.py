@@ -26,22 +26,36 @@ CONTROLLER = "controller"
 
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
-        "deploy", help="run a fleet of replicas and routers on Ray", description=DESCRIPTION, epilog=EPILOG,
+        "deploy",
+        help="run a fleet of replicas and routers on Ray",
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("spec", nargs="?", metavar="FLEET.yaml", help="the fleet spec (see docs/deploy.md)")
     parser.add_argument("--name", help="the fleet's name, instead of reading it from FLEET.yaml")
-    parser.add_argument("--address", help="the Ray cluster (host:port); default $RAY_ADDRESS, else the one running "
-                        "on this machine, else (deploy only) a new single-node one")  # fmt: skip
+    parser.add_argument(
+        "--address",
+        help="the Ray cluster (host:port); default $RAY_ADDRESS, else the one running "
+        "on this machine, else (deploy only) a new single-node one",
+    )
     actions = parser.add_mutually_exclusive_group()
     actions.add_argument("--status", action="store_true", help="show the fleet's processes and routers' views")
-    actions.add_argument("--scale", action="append", default=[], metavar="ROLE=N",
-                         help="set the number of replicas of a role (unified, prefill, decode); "
-                         "repeatable")  # fmt: skip
+    actions.add_argument(
+        "--scale",
+        action="append",
+        default=[],
+        metavar="ROLE=N",
+        help="set the number of replicas of a role (unified, prefill, decode); repeatable",
+    )
     actions.add_argument("--down", action="store_true", help="stop the fleet's routers and replicas")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="deploy and --scale: give up waiting after "
-                        "this long, leaving the fleet as it is (default: 900)")  # fmt: skip
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=900.0,
+        help="deploy and --scale: give up waiting after this long, leaving the fleet as it is (default: 900)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -127,8 +141,11 @@ def _down(controller: Any, namespace: str) -> int:
     stopped = ray.get(controller.down.remote())["stopped"]
     ray.kill(controller, no_restart=True)
     _say(f"stopped {len(stopped)} process(es): {', '.join(stopped) or 'none'}")
-    others = [a for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["name"] == CONTROLLER and a["namespace"] != namespace]  # fmt: skip
+    others = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"] == CONTROLLER and a["namespace"] != namespace
+    ]
     ray.shutdown()
     if not others and stop_local_head_if_ours():
         _say("stopped the local Ray cluster kvyard deploy had started")
@@ -145,8 +162,9 @@ def _wait_and_report(controller: Any, call: Any, as_json: bool, timeout_s: float
     while not ray.wait([call], timeout=2.0)[0]:
         now = time.monotonic()
         if now - started > timeout_s:
-            return fail(f"not ready after {timeout_s:g} s; the fleet keeps starting as it is: see --status, or "
-                        "--down", 1)  # fmt: skip
+            return fail(
+                f"not ready after {timeout_s:g} s; the fleet keeps starting as it is: see --status, or --down", 1
+            )
         members = ray.get(controller.status.remote())["members"]
         line = f"{sum(m['reachable'] for m in members)}/{len(members)} processes ready"
         if line != last_line:
@@ -170,8 +188,11 @@ def _placement_hint(waiting: list[dict[str, Any]]) -> str:
         return "still waiting for processes to answer (see their logs under /tmp/kvyard-deploy/ on their nodes)"
     asks = "; ".join(f"{m['name']} needs {_resources(m['needs']) or 'nothing'}" for m in waiting)
     free, total = ray.available_resources(), ray.cluster_resources()
-    have = ", ".join(f"{key} {free.get(key, 0):g} of {total[key]:g}" for key in sorted(total)
-                     if key in ("CPU", "GPU") or key in {k for m in waiting for k in m["needs"]})  # fmt: skip
+    have = ", ".join(
+        f"{key} {free.get(key, 0):g} of {total[key]:g}"
+        for key in sorted(total)
+        if key in ("CPU", "GPU") or key in {k for m in waiting for k in m["needs"]}
+    )
     return (
         f"waiting for Ray to place them: {asks}. Free in the cluster: {have}. Lower num_cpus/num_gpus in the "
         "spec, add nodes, or --down"
@@ -187,8 +208,9 @@ def _print_status(status: dict[str, Any], as_json: bool) -> int:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
     print(f"fleet {status['name']} (Ray namespace {status['namespace']}), model {status['model']}")
-    routed = {url: view for router in status["routers"].values() if "error" not in router for url, view in
-              router.items()}  # fmt: skip
+    routed = {
+        url: view for router in status["routers"].values() if "error" not in router for url, view in router.items()
+    }
     for member in status["members"]:
         state = routed.get(member.get("url"), {}).get("state", "-") if member["role"] != "router" else "-"
         health = (
@@ -198,8 +220,10 @@ def _print_status(status: dict[str, Any], as_json: bool) -> int:
             if member["error"]
             else ("restarting" if member.get("url") else "starting")
         )
-        print(f"  {member['name']:<22} {health:<10} {member.get('url', '-'):<28} router view: {state:<9} "
-              f"node {member.get('node_ip', '-')}")  # fmt: skip
+        print(
+            f"  {member['name']:<22} {health:<10} {member.get('url', '-'):<28} router view: {state:<9} "
+            f"node {member.get('node_ip', '-')}"
+        )
         if member["error"]:
             print(f"    {member['error'].splitlines()[-1]}")
     routers = [m["url"] for m in status["members"] if m["role"] == "router" and m.get("url")]

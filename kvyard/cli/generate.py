@@ -20,16 +20,25 @@ SAMPLING_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingPar
 
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
-        "generate", help="offline batch generation from a JSONL file or --prompt texts",
+        "generate",
+        help="offline batch generation from a JSONL file or --prompt texts",
         description="Generate for every prompt with continuous batching; results as JSONL, in input order.",
-    )  # fmt: skip
+    )
     add_model_argument(parser)
-    parser.add_argument("--input", type=Path, help="JSONL: one object per line with 'prompt' (text), "
-                        "'prompt_token_ids' or 'messages', plus optional sampling fields and an 'id'")  # fmt: skip
+    parser.add_argument(
+        "--input",
+        type=Path,
+        help="JSONL: one object per line with 'prompt' (text), "
+        "'prompt_token_ids' or 'messages', plus optional sampling fields and an 'id'",
+    )
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--output", type=Path, default=None, help="JSONL results (default: stdout)")
-    add_config_options(parser, SamplingParams, title="sampling (a JSONL record's own fields override these)",
-                       defaults={"max_tokens": 64, "temperature": 0.0})  # fmt: skip
+    add_config_options(
+        parser,
+        SamplingParams,
+        title="sampling (a JSONL record's own fields override these)",
+        defaults={"max_tokens": 64, "temperature": 0.0},
+    )
     add_engine_options(parser, defaults={"tiers": ("none",)}, exclude={"served_model_name"})
     parser.set_defaults(handler=run)
 
@@ -60,8 +69,11 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     _write_results(args.output, records, outputs)
     num_generated = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} requests, {num_generated} tokens in {elapsed:.2f}s "
-          f"({num_generated / elapsed:.1f} output tok/s)", file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(outputs)} requests, {num_generated} tokens in {elapsed:.2f}s "
+        f"({num_generated / elapsed:.1f} output tok/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -12,9 +12,13 @@ from kvyard.engine.config import EngineConfig
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model directory (default: the embedded demo model, a small Llama trained "
-                        "on Python, kvyard/testing/kvyard-demo)")  # fmt: skip
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model directory (default: the embedded demo model, a small Llama trained "
+        "on Python, kvyard/testing/kvyard-demo)",
+    )
 
 
 def resolve_model_dir(model: str | None, doing: str = "serving") -> str:
@@ -22,8 +26,10 @@ def resolve_model_dir(model: str | None, doing: str = "serving") -> str:
     before a server prints where it listens). `doing`: what the command does with it, for the message."""
     if model:
         if not Path(model).exists():
-            raise ValueError(f"no such model directory: {model} (a Hugging Face checkpoint or a kvyard weight "
-                             "package; no model at all means the embedded demo model)")  # fmt: skip
+            raise ValueError(
+                f"no such model directory: {model} (a Hugging Face checkpoint or a kvyard weight "
+                "package; no model at all means the embedded demo model)"
+            )
         return model
     from kvyard.testing.model_presets import DEMO_MODEL_DIR
 

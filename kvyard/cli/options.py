@@ -112,8 +112,9 @@ def _group_title(cls: type) -> tuple[str, str | None]:
 
 
 def add_log_level_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS, type=str.lower,
-                        help="logging level (default: warning)")  # fmt: skip
+    parser.add_argument(
+        "--log-level", default="warning", choices=LOG_LEVELS, type=str.lower, help="logging level (default: warning)"
+    )
 
 
 def configure_logging(level: str) -> None:

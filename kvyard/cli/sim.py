@@ -42,29 +42,59 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100, help="first port; 0: a free port per replica (default: 8100)")
     parser.add_argument("--replicas", type=int, default=1, help="simulated replicas (default: 1)")
-    parser.add_argument("--prefill-replicas", type=int, default=0, metavar="K",
-                        help="prefill/decode disaggregation: the first K replicas report role prefill, the others "
-                        "decode (overrides --role); 0: every replica has --role (default: 0)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="K",
+        help="prefill/decode disaggregation: the first K replicas report role prefill, the others "
+        "decode (overrides --role); 0: every replica has --role (default: 0)",
+    )
     parser.add_argument("--ports-file", type=Path, default=None, help="write {'ports': [...], 'urls': [...]} here")
-    parser.add_argument("--namespace-from", type=Path, default=None, metavar="MODEL_DIR",
-                        help="take model name, digest and dtype from a kvyard model directory, so block keys "
-                        "equal those of `kvyard serve MODEL_DIR`")  # fmt: skip
-    parser.add_argument("--calibrate", type=Path, default=None, metavar="PATH",
-                        help="fit the cost model to a benchmarks/offline_throughput.py result JSON")  # fmt: skip
+    parser.add_argument(
+        "--namespace-from",
+        type=Path,
+        default=None,
+        metavar="MODEL_DIR",
+        help="take model name, digest and dtype from a kvyard model directory, so block keys "
+        "equal those of `kvyard serve MODEL_DIR`",
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="fit the cost model to a benchmarks/offline_throughput.py result JSON",
+    )
     parser.add_argument("--calibrate-engine", default="kvyard", help="which engine of that JSON to fit")
-    parser.add_argument("--cost-preset", default=None, choices=[p.name for p in ROOFLINE_PRESETS],
-                        help="a roofline cost model of a GPU and model this machine lacks (kvyard/sim/roofline.py: "
-                        "h100 from public specifications, h200 fitted to steps timed on an H200; neither a serving "
-                        "engine measured); it also sets the KV bytes per token and transfer bandwidth unless "
-                        "given")  # fmt: skip
+    parser.add_argument(
+        "--cost-preset",
+        default=None,
+        choices=[p.name for p in ROOFLINE_PRESETS],
+        help="a roofline cost model of a GPU and model this machine lacks (kvyard/sim/roofline.py: "
+        "h100 from public specifications, h200 fitted to steps timed on an H200; neither a serving "
+        "engine measured); it also sets the KV bytes per token and transfer bandwidth unless "
+        "given",
+    )
     add_log_level_option(parser)
-    add_config_options(parser, SimConfig, defaults={"model_name": None, "dtype": None, "max_num_batched_tokens": None,
-                                                    "kv_bytes_per_token": None, "transfer_gb_per_s": None},
-                       shown_defaults={"model_name": "kvyard-sim, or the --namespace-from directory's name",
-                                       "dtype": "float32, or the --namespace-from model's",
-                                       "max_num_batched_tokens": "the --calibrate engine's, else 2048",
-                                       "kv_bytes_per_token": "the --cost-preset model's, else 16384",
-                                       "transfer_gb_per_s": "the --cost-preset's, else 1.25"})  # fmt: skip
+    add_config_options(
+        parser,
+        SimConfig,
+        defaults={
+            "model_name": None,
+            "dtype": None,
+            "max_num_batched_tokens": None,
+            "kv_bytes_per_token": None,
+            "transfer_gb_per_s": None,
+        },
+        shown_defaults={
+            "model_name": "kvyard-sim, or the --namespace-from directory's name",
+            "dtype": "float32, or the --namespace-from model's",
+            "max_num_batched_tokens": "the --calibrate engine's, else 2048",
+            "kv_bytes_per_token": "the --cost-preset model's, else 16384",
+            "transfer_gb_per_s": "the --cost-preset's, else 1.25",
+        },
+    )
     add_config_options(parser, ServerOptions, defaults=SIM_SERVER_DEFAULTS, exclude={"cache_salt_per_api_key"})
 
 
@@ -80,19 +110,38 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     fixed.update(kv_bytes_per_token=default.kv_bytes_per_token, transfer_gb_per_s=default.transfer_gb_per_s)
     if args.cost_preset is not None:
         preset = roofline_preset(args.cost_preset)
-        fixed.update(cost=preset.cost, kv_bytes_per_token=preset.model.kv_bytes_per_token,
-                     transfer_gb_per_s=preset.transfer_gb_per_s)  # fmt: skip
-    fixed.update({name: getattr(args, name) for name in ("kv_bytes_per_token", "transfer_gb_per_s")
-                  if getattr(args, name) is not None})  # fmt: skip
+        fixed.update(
+            cost=preset.cost,
+            kv_bytes_per_token=preset.model.kv_bytes_per_token,
+            transfer_gb_per_s=preset.transfer_gb_per_s,
+        )
+    fixed.update(
+        {
+            name: getattr(args, name)
+            for name in ("kv_bytes_per_token", "transfer_gb_per_s")
+            if getattr(args, name) is not None
+        }
+    )
     if args.calibrate is not None:
         calibration = calibrate_from_json(args.calibrate, args.calibrate_engine)
         fixed["cost"] = calibration.cost
         budget = budget or calibration.max_num_batched_tokens
         print(f"calibrated from {args.calibrate}: {calibration.cost}", file=sys.stderr)
-    scheduler = SchedulerConfig(budget or SchedulerConfig().max_num_batched_tokens, args.max_num_seqs,
-                                args.prefill_only_step_tokens, args.prefill_order, args.scheduling_policy)  # fmt: skip
-    config = config_from_args(SimConfig, args, scheduler=scheduler, model_name=args.model_name or "kvyard-sim",
-                              dtype=args.dtype or "float32", **fixed)  # fmt: skip
+    scheduler = SchedulerConfig(
+        budget or SchedulerConfig().max_num_batched_tokens,
+        args.max_num_seqs,
+        args.prefill_only_step_tokens,
+        args.prefill_order,
+        args.scheduling_policy,
+    )
+    config = config_from_args(
+        SimConfig,
+        args,
+        scheduler=scheduler,
+        model_name=args.model_name or "kvyard-sim",
+        dtype=args.dtype or "float32",
+        **fixed,
+    )
     return _with_namespace_of(config, args) if args.namespace_from is not None else config
 
 
@@ -101,9 +150,12 @@ def _with_namespace_of(config: SimConfig, args: argparse.Namespace) -> SimConfig
     from kvyard.models.loader import model_digest, resolve_dtype
 
     engine_dtype = resolve_dtype(args.dtype or "auto", load_model_config(args.namespace_from))
-    return dataclasses.replace(config, model_name=args.model_name or args.namespace_from.name,
-                               model_digest=model_digest(args.namespace_from),
-                               dtype=str(engine_dtype).removeprefix("torch."))  # fmt: skip
+    return dataclasses.replace(
+        config,
+        model_name=args.model_name or args.namespace_from.name,
+        model_digest=model_digest(args.namespace_from),
+        dtype=str(engine_dtype).removeprefix("torch."),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,9 +171,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as error:
         return fail(str(error))
     if roles and admin_key_of(options.access.admin_key) is None:
-        print("kvyard sim: warning: without an admin key (--admin-key or $KVYARD_ADMIN_KEY) replicas move no KV: "
-              "every decode replica computes its prompts itself", file=sys.stderr)  # fmt: skip
+        print(
+            "kvyard sim: warning: without an admin key (--admin-key or $KVYARD_ADMIN_KEY) replicas move no KV: "
+            "every decode replica computes its prompts itself",
+            file=sys.stderr,
+        )
     from kvyard.server.serve import serve_replicas
 
-    return serve_replicas(lambda: sim_replica_specs([config] * args.replicas, options, roles), options, args.host,
-                          args.port, args.ports_file)  # fmt: skip
+    return serve_replicas(
+        lambda: sim_replica_specs([config] * args.replicas, options, roles),
+        options,
+        args.host,
+        args.port,
+        args.ports_file,
+    )

@@ -70,8 +70,15 @@ class Member:
         return str(url) if url else None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "role": self.role, "reachable": self.reachable, "draining": self.draining,
-                "error": self.error, "needs": self.needs, **self.info}  # fmt: skip
+        return {
+            "name": self.name,
+            "role": self.role,
+            "reachable": self.reachable,
+            "draining": self.draining,
+            "error": self.error,
+            "needs": self.needs,
+            **self.info,
+        }
 
 
 class FleetController:
@@ -91,8 +98,9 @@ class FleetController:
     def apply(self) -> dict[str, Any]:
         """Start what the spec asks for and is not running; return once all of it is ready."""
         with self._lock:
-            starting = [self._start_router(i) for i in range(self.spec.router.replicas) if f"router-{i}" not in
-                        self._members]  # fmt: skip
+            starting = [
+                self._start_router(i) for i in range(self.spec.router.replicas) if f"router-{i}" not in self._members
+            ]
             for role in ROLES:
                 present = len(self._replicas(role))
                 starting += [
@@ -121,12 +129,15 @@ class FleetController:
     def status(self) -> dict[str, Any]:
         with self._lock:
             members = sorted(self._members.values(), key=lambda m: (m.role != "router", m.role, m.index))
-        views = {member.url: self._router_view(member) for member in members if member.role == "router" and
-                 member.url}  # fmt: skip
-        return {"name": self.spec.name, "model": self.spec.model, "namespace": self.spec.namespace,
-                "desired": {role: self.spec.roles[role].replicas for role in ROLES} | {
-                    "router": self.spec.router.replicas},
-                "members": [member.describe() for member in members], "routers": views}  # fmt: skip
+        views = {member.url: self._router_view(member) for member in members if member.role == "router" and member.url}
+        return {
+            "name": self.spec.name,
+            "model": self.spec.model,
+            "namespace": self.spec.namespace,
+            "desired": {role: self.spec.roles[role].replicas for role in ROLES} | {"router": self.spec.router.replicas},
+            "members": [member.describe() for member in members],
+            "routers": views,
+        }
 
     def down(self, grace_s: float = 30.0) -> dict[str, Any]:
         """Stop routers (they finish what they relay), then replicas; kill every actor. Returns what was stopped."""
@@ -179,8 +190,9 @@ class FleetController:
         for url, member in wanted.items():
             assert url is not None
             if url not in listed and not member.draining:
-                self.routers_admin.add(router_url, url, api_key=self.secrets.replica_api_key,
-                                       admin_key=self.secrets.replica_admin_key)  # fmt: skip
+                self.routers_admin.add(
+                    router_url, url, api_key=self.secrets.replica_api_key, admin_key=self.secrets.replica_admin_key
+                )
             elif url in listed and member.draining and listed[url]["state"] != "draining":
                 self.routers_admin.drain(router_url, url)
         external = {replica.url: replica for replica in self.spec.external_replicas}
@@ -260,9 +272,16 @@ class FleetController:
             listed = self.routers_admin.replicas(router.url or "")
         except AdminError as error:
             return {"error": str(error)}
-        return {url: {"state": entry["state"], "in_flight": entry["in_flight"], "role": entry["role"],
-                      "kind": entry.get("kind"), "kv_events_endpoint": entry.get("kv_events_endpoint")}
-                for url, entry in listed.items()}  # fmt: skip
+        return {
+            url: {
+                "state": entry["state"],
+                "in_flight": entry["in_flight"],
+                "role": entry["role"],
+                "kind": entry.get("kind"),
+                "kv_events_endpoint": entry.get("kv_events_endpoint"),
+            }
+            for url, entry in listed.items()
+        }
 
     def _replicas(self, role: str) -> list[Member]:
         return [m for m in self._members.values() if m.role == role and not m.draining]
@@ -296,11 +315,21 @@ class FleetController:
     def _start_router(self, index: int) -> Member:
         spec, router = self.spec, self.spec.router
         command = ("route", "--policy", router.policy, *router.options)
-        env = {ADMIN_KEY_ENV: self.secrets.router_admin_key, REPLICA_API_KEY_ENV: self.secrets.replica_api_key,
-               REPLICA_ADMIN_KEY_ENV: self.secrets.replica_admin_key}  # fmt: skip
-        process = ProcessSpec(f"router-{index}", command, env, router.host, router.port + index,
-                              log_dir=f"/tmp/kvyard-deploy/{spec.namespace}", ready_timeout_s=spec.ready_timeout_s,
-                              ready_path="/openapi.json")  # fmt: skip
+        env = {
+            ADMIN_KEY_ENV: self.secrets.router_admin_key,
+            REPLICA_API_KEY_ENV: self.secrets.replica_api_key,
+            REPLICA_ADMIN_KEY_ENV: self.secrets.replica_admin_key,
+        }
+        process = ProcessSpec(
+            f"router-{index}",
+            command,
+            env,
+            router.host,
+            router.port + index,
+            log_dir=f"/tmp/kvyard-deploy/{spec.namespace}",
+            ready_timeout_s=spec.ready_timeout_s,
+            ready_path="/openapi.json",
+        )
         return self._start(process, "router", index, router.placement)
 
     def _start(self, process: ProcessSpec, role: str, index: int, placement: Placement) -> Member:

@@ -28,8 +28,14 @@ class AdminClient:
         body = self._call("GET", f"{router_url}/admin/replicas")
         return {entry["url"]: entry for entry in body["replicas"]}
 
-    def add(self, router_url: str, replica_url: str, events: str | None = None, api_key: str | None = None,
-            admin_key: str | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        router_url: str,
+        replica_url: str,
+        events: str | None = None,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         """Route to `replica_url`, sent `api_key` and `admin_key` (the router sends an added replica no other keys)."""
         body = {"url": replica_url, "events": events, "api_key": api_key, "admin_key": admin_key}
         self._call("POST", f"{router_url}/admin/replicas", {k: v for k, v in body.items() if v is not None})

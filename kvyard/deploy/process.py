@@ -75,9 +75,15 @@ class KvyardProcess:
 
     def info(self) -> dict[str, object]:
         child = self._child
-        return {"name": self.spec.name, "url": self.url, "node_ip": self.node_ip, "actor_pid": os.getpid(),
-                "pid": child.pid if child is not None else None, "started_at": self.started_at,
-                "log": str(self.log_path)}  # fmt: skip
+        return {
+            "name": self.spec.name,
+            "url": self.url,
+            "node_ip": self.node_ip,
+            "actor_pid": os.getpid(),
+            "pid": child.pid if child is not None else None,
+            "started_at": self.started_at,
+            "log": str(self.log_path),
+        }
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM (the server finishes what it serves), SIGKILL after `grace_s`; the exit code."""
@@ -110,12 +116,15 @@ class KvyardProcess:
             child = self._child
             assert child is not None
             if child.poll() is not None:
-                raise ProcessFailed(f"{self.spec.name} exited with {child.returncode} before it was ready:\n"
-                                    f"{self.log_tail()}")  # fmt: skip
+                raise ProcessFailed(
+                    f"{self.spec.name} exited with {child.returncode} before it was ready:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 self.stop(grace_s=5)
-                raise ProcessFailed(f"{self.spec.name} did not answer {self.spec.ready_path} within "
-                                    f"{self.spec.ready_timeout_s:g} s:\n{self.log_tail()}")  # fmt: skip
+                raise ProcessFailed(
+                    f"{self.spec.name} did not answer {self.spec.ready_path} within "
+                    f"{self.spec.ready_timeout_s:g} s:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def _keep(self, started: threading.Event) -> None:
@@ -126,8 +135,14 @@ class KvyardProcess:
         with self.log_path.open("ab") as log:
             log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[2:])}\n".encode())
             log.flush()
-            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_die_with_parent)  # fmt: skip
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
         self._child = child
         started.set()
         child.wait()
@@ -135,8 +150,11 @@ class KvyardProcess:
             return
         if self._healthy_once:
             # The server died under a live actor: end the actor too, so Ray restarts both.
-            print(f"kvyard deploy: {self.spec.name} exited with {child.returncode}; restarting", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"kvyard deploy: {self.spec.name} exited with {child.returncode}; restarting",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     def _healthy(self) -> bool:

@@ -40,8 +40,13 @@ def connect(address: str | None, namespace: str, start_local: RaySpec | None) ->
             start_local_head(start_local)
             started = True
     try:
-        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False,
-                 configure_logging=True)  # fmt: skip
+        ray.init(
+            address=address,
+            namespace=namespace,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            configure_logging=True,
+        )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise NoCluster(f"cannot connect to the Ray cluster at {address}: {error}") from None
     return started
@@ -98,9 +103,11 @@ def _ray_status_ok() -> bool:
 
 def _say_ignored(head: RaySpec | None, why: str) -> None:
     if head is not None and head.is_set:
-        _say(f"warning: the spec's ray section ({', '.join(head.fields_set())}) is ignored: {why}, which keeps the "
-             "ports it was started with; it applies only to the cluster kvyard deploy starts when none runs "
-             "(docs/deploy.md)")  # fmt: skip
+        _say(
+            f"warning: the spec's ray section ({', '.join(head.fields_set())}) is ignored: {why}, which keeps the "
+            "ports it was started with; it applies only to the cluster kvyard deploy starts when none runs "
+            "(docs/deploy.md)"
+        )
 
 
 def _say(message: str) -> None:

@@ -69,9 +69,16 @@ class ExternalReplica:
     events: EventEndpoints | None = None
 
 
-RAY_PORTS = ("port", "node_manager_port", "object_manager_port", "ray_client_server_port",
-             "dashboard_agent_listen_port", "dashboard_agent_grpc_port", "runtime_env_agent_port",
-             "metrics_export_port")  # fmt: skip
+RAY_PORTS = (
+    "port",
+    "node_manager_port",
+    "object_manager_port",
+    "ray_client_server_port",
+    "dashboard_agent_listen_port",
+    "dashboard_agent_grpc_port",
+    "runtime_env_agent_port",
+    "metrics_export_port",
+)
 RAY_LOWEST_PORT = 1024  # Ray refuses lower worker, client and agent ports (and lower ones need root)
 RAY_DRIVERS = 3  # `kvyard deploy` commands connected at once (a deploy, a --status, a --scale): a worker port each
 
@@ -150,8 +157,11 @@ def load_spec(path: str | Path) -> FleetSpec:
 
 
 def parse_spec(document: Any) -> FleetSpec:
-    top = _mapping(document, "the fleet spec", {"name", "model", "roles", "router", "kv_tier", "ready_timeout_s",
-                                                "external_replicas", "ray"})  # fmt: skip
+    top = _mapping(
+        document,
+        "the fleet spec",
+        {"name", "model", "roles", "router", "kv_tier", "ready_timeout_s", "external_replicas", "ray"},
+    )
     name = _string(top.get("name", "default"), "name")
     if not _NAME.match(name):
         raise SpecError(f"name must be lower-case letters, digits and '-', at most 40, got {name!r}")
@@ -161,8 +171,10 @@ def parse_spec(document: Any) -> FleetSpec:
     if "model" not in top and any(spec.replicas for spec in roles.values()):
         raise SpecError('model is required: a model directory on every node, or "demo"')
     if not any(spec.replicas for spec in roles.values()) and not external:
-        raise SpecError("roles: at least one replica is needed (roles.unified.replicas, or prefill and decode, or "
-                        "external_replicas)")  # fmt: skip
+        raise SpecError(
+            "roles: at least one replica is needed (roles.unified.replicas, or prefill and decode, or "
+            "external_replicas)"
+        )
     if roles["prefill"].replicas and not roles["decode"].replicas and not roles["unified"].replicas:
         raise SpecError("roles.prefill needs replicas that decode: roles.decode.replicas or roles.unified.replicas")
     router = _router(top.get("router", {}))
@@ -257,8 +269,9 @@ def _ip_address(value: Any, where: str) -> str:
         raise SpecError(f"{where} must be an IP address of this machine, as 10.0.0.5, got {value!r}") from None
     if address.is_loopback:
         keep = "set roles.ROLE.host (and router.host) to 127.0.0.1 to keep the fleet on loopback"
-        raise SpecError(f"{where}: Ray replaces a loopback address ({value}) with this machine's own; leave it out, "
-                        f"and {keep}")  # fmt: skip
+        raise SpecError(
+            f"{where}: Ray replaces a loopback address ({value}) with this machine's own; leave it out, and {keep}"
+        )
     return str(address)
 
 
@@ -274,8 +287,10 @@ def _check_ray_ports_apart(ray: RaySpec, roles: Mapping[str, RoleSpec], router: 
     for position, (name, span) in enumerate(ranges):
         for other, other_span in [*ranges[position + 1 :], *fleet]:
             if span[0] <= other_span[1] and other_span[0] <= span[1]:
-                raise SpecError(f"{name} ({_show(span)}) and {other} ({_show(other_span)}) overlap: each port can "
-                                "serve one process only")  # fmt: skip
+                raise SpecError(
+                    f"{name} ({_show(span)}) and {other} ({_show(other_span)}) overlap: each port can "
+                    "serve one process only"
+                )
 
 
 def _check_ray_worker_ports(ray: RaySpec, roles: Mapping[str, RoleSpec], router: RouterSpec) -> None:
@@ -378,8 +393,17 @@ def _number(value: Any, where: str, minimum: float) -> float:
 
 
 _SET_FOR_REPLICAS = ("--host", "--port", "--role", "--api-key", "--api-keys-file", "--admin-key")
-_SET_FOR_ROUTERS = ("--host", "--port", "--policy", "--admin-key", "--replica", "--prefill", "--decode",
-                    "--replica-api-key", "--replica-admin-key")  # fmt: skip
+_SET_FOR_ROUTERS = (
+    "--host",
+    "--port",
+    "--policy",
+    "--admin-key",
+    "--replica",
+    "--prefill",
+    "--decode",
+    "--replica-api-key",
+    "--replica-admin-key",
+)
 
 
 def _options(value: Any, where: str, set_by_deploy: tuple[str, ...]) -> tuple[str, ...]:

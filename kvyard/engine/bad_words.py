@@ -33,8 +33,11 @@ def bad_words_token_ids(words: Sequence[str], encoder: Encoder, vocab_size: int)
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             sequences.append(spaced)
     if len(sequences) > MAX_BAD_WORD_SEQUENCES:
-        raise InputError(f"bad words make {len(sequences)} token sequences (with and without a leading space); "
-                         f"at most {MAX_BAD_WORD_SEQUENCES} are taken", PARAM)  # fmt: skip
+        raise InputError(
+            f"bad words make {len(sequences)} token sequences (with and without a leading space); "
+            f"at most {MAX_BAD_WORD_SEQUENCES} are taken",
+            PARAM,
+        )
     outside = next((t for sequence in sequences for t in sequence if not 0 <= t < vocab_size), None)
     if outside is not None:
         raise InputError(f"bad words tokenize to id {outside}, outside the model's vocabulary [0, {vocab_size})", PARAM)

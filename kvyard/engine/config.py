@@ -17,33 +17,53 @@ class EngineConfig:
     """Engine: the model, its KV cache and its kernels."""
 
     model: str
-    dtype: str = setting("auto", help="dtype of weights and KV cache: float32, bfloat16, float16, or auto "
-                         "(the model's config.json)")  # fmt: skip
+    dtype: str = setting(
+        "auto", help="dtype of weights and KV cache: float32, bfloat16, float16, or auto (the model's config.json)"
+    )
     device: str | None = setting(None, help="cpu or cuda (none: cuda when available)")
     block_size: int = setting(16, help="tokens per KV block: the unit of caching, eviction and block keys")
-    num_kv_blocks: int | None = setting(None, help="KV blocks in the pool (none: as many as --kv-cache-memory-gb "
-                                        "holds, at most enough for --max-num-seqs full contexts)")  # fmt: skip
+    num_kv_blocks: int | None = setting(
+        None,
+        help="KV blocks in the pool (none: as many as --kv-cache-memory-gb "
+        "holds, at most enough for --max-num-seqs full contexts)",
+    )
     kv_cache_memory_gb: float = setting(2.0, help="memory for the KV pool when --num-kv-blocks is not given")
     max_model_len: int | None = setting(None, help="cap on the context length (none: the model's)")
     enable_prefix_caching: bool = setting(True, flag="--prefix-caching", help="reuse the KV of repeated prefixes")
-    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="attention kernels: native (the CPU "
-                                     "fp32 kernels), torch (PyTorch SDPA), or auto (native where it runs)")  # fmt: skip
-    quantization: str = setting("none", choices=QUANTIZATION_SCHEMES, help="weights as loaded: none (as stored), "
-                                "int8 (each linear layer's weight int8 with a scale per 32 weights), fp16 or bf16 "
-                                "(each linear layer's weight in 16 bits); converted at load time, activations "
-                                "fp32, KV computed with them cached apart")  # fmt: skip
-    matmul_dtype: str = setting("float32", choices=MATMUL_DTYPES, help="what fp32, int8 and bf16 weights "
-                                "(fp16 ones stay float32) multiply many rows in (prefill, large batches) on CPU: "
-                                "float32 (exact: output equals the fp32 model given the weights), bfloat16 "
-                                "(activations and products rounded to bf16: 3-5x faster matmuls on CPUs with AMX or "
-                                "AVX512-BF16, a small loss of accuracy; fp32 weights get a bf16 copy), or auto "
-                                "(bfloat16 where the CPU has those); KV computed in bf16 is cached apart")  # fmt: skip
-    kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES, help="how the KV cache stores keys and values: "
-                                  "auto (the model's dtype), fp32, fp16, bf16, or int8 (a scale per token and KV "
-                                  "head); smaller formats hold more tokens in --kv-cache-memory-gb and read fewer "
-                                  "bytes per decode step, at a small cost in accuracy; cached apart")  # fmt: skip
-    served_model_name: str | None = setting(None, help="model id in the API and in block keys (none: the model "
-                                            "directory's name)")  # fmt: skip
+    attention_backend: str = setting(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels: native (the CPU fp32 kernels), torch (PyTorch SDPA), or auto (native where it runs)",
+    )
+    quantization: str = setting(
+        "none",
+        choices=QUANTIZATION_SCHEMES,
+        help="weights as loaded: none (as stored), "
+        "int8 (each linear layer's weight int8 with a scale per 32 weights), fp16 or bf16 "
+        "(each linear layer's weight in 16 bits); converted at load time, activations "
+        "fp32, KV computed with them cached apart",
+    )
+    matmul_dtype: str = setting(
+        "float32",
+        choices=MATMUL_DTYPES,
+        help="what fp32, int8 and bf16 weights "
+        "(fp16 ones stay float32) multiply many rows in (prefill, large batches) on CPU: "
+        "float32 (exact: output equals the fp32 model given the weights), bfloat16 "
+        "(activations and products rounded to bf16: 3-5x faster matmuls on CPUs with AMX or "
+        "AVX512-BF16, a small loss of accuracy; fp32 weights get a bf16 copy), or auto "
+        "(bfloat16 where the CPU has those); KV computed in bf16 is cached apart",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores keys and values: "
+        "auto (the model's dtype), fp32, fp16, bf16, or int8 (a scale per token and KV "
+        "head); smaller formats hold more tokens in --kv-cache-memory-gb and read fewer "
+        "bytes per decode step, at a small cost in accuracy; cached apart",
+    )
+    served_model_name: str | None = setting(
+        None, help="model id in the API and in block keys (none: the model directory's name)"
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -295,17 +295,25 @@ class EngineCore:
     def _check_resume(self, num_prompt_tokens: int, resumed_output_ids: Sequence[int], params: SamplingParams) -> None:
         check_token_ids(resumed_output_ids, self.limits.vocab_size, "resume.token_ids", "resume.token_ids")
         if len(resumed_output_ids) >= params.max_tokens:
-            raise InputError(f"resume.token_ids holds {len(resumed_output_ids)} tokens; max_tokens={params.max_tokens} "
-                             "leaves none to generate", "resume.token_ids")  # fmt: skip
+            raise InputError(
+                f"resume.token_ids holds {len(resumed_output_ids)} tokens; max_tokens={params.max_tokens} "
+                "leaves none to generate",
+                "resume.token_ids",
+            )
         if num_prompt_tokens + len(resumed_output_ids) >= self.limits.max_model_len:
-            raise InputError("the prompt plus resume.token_ids fill the model's context", "resume.token_ids",
-                             "context_length_exceeded")  # fmt: skip
+            raise InputError(
+                "the prompt plus resume.token_ids fill the model's context",
+                "resume.token_ids",
+                "context_length_exceeded",
+            )
 
     def _check_priority(self, priority: int) -> None:
         if priority and self.config.scheduler.scheduling_policy != "priority":
-            raise InputError(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
-                             f"priority); this engine schedules {self.config.scheduler.scheduling_policy}",
-                             "priority")  # fmt: skip
+            raise InputError(
+                f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                f"priority); this engine schedules {self.config.scheduler.scheduling_policy}",
+                "priority",
+            )
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> list[tuple[int, ...]]:
         if not words:
@@ -326,8 +334,9 @@ class EngineCore:
 
     def _grammar_matcher(self, structured: StructuredOutput, resumed_output_ids: Sequence[int]) -> GrammarMatcher:
         if self.tokenizer is None:
-            raise InputError(f"{structured.param} needs a tokenizer, and this model directory has none",
-                             structured.param)  # fmt: skip
+            raise InputError(
+                f"{structured.param} needs a tokenizer, and this model directory has none", structured.param
+            )
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
         grammar = self._grammar_compiler.matcher(structured)
@@ -340,8 +349,9 @@ class EngineCore:
             if params.stop:
                 raise ValueError("stop strings need a tokenizer, and this model directory has none")
             return None
-        return IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output,
-                                      params.skip_special_tokens)  # fmt: skip
+        return IncrementalDetokenizer(
+            self.tokenizer, list(params.stop), params.include_stop_str_in_output, params.skip_special_tokens
+        )
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         stop = set(params.stop_token_ids)
@@ -399,10 +409,14 @@ class EngineCore:
 
         for request in self.scheduler.running:
             request.spec_token_ids = []
-        rooms = [min(self._num_to_propose(request, wanted, token_cost),
-                     self.limits.max_model_len - request.num_tokens - 1,
-                     request.sampling_params.max_tokens - request.num_output_tokens - 1)
-                 for request in eligible]  # fmt: skip
+        rooms = [
+            min(
+                self._num_to_propose(request, wanted, token_cost),
+                self.limits.max_model_len - request.num_tokens - 1,
+                request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            )
+            for request in eligible
+        ]
         if not any(room > 0 for room in rooms):
             return
         for request, room, proposed in zip(eligible, rooms, proposer.propose(eligible, rooms)):
@@ -455,8 +469,7 @@ class EngineCore:
             tier = self.kv_manager.tier
             if tier is not None and self._prefill_cost.estimate is not None:
                 tier.compute_s_per_block = self._prefill_cost.estimate * self.config.block_size
-        if self.proposer is not None and all(item.num_new_tokens - len(item.spec_token_ids) == 1
-                                             for item in scheduled):  # fmt: skip
+        if self.proposer is not None and all(item.num_new_tokens - len(item.spec_token_ids) == 1 for item in scheduled):
             self._step_cost.observe(num_tokens, seconds)  # the fit predicts decode and verify steps only
 
     def housekeeping(self, now: float | None = None) -> None:
@@ -518,8 +531,12 @@ class EngineCore:
         complete sentence), or, which the sampler's mask rules out, when the grammar refuses the token."""
         assert request.grammar is not None
         if not request.grammar.accept(token_id):
-            _LOG.error("request %s: token %d breaks its grammar (%s); ending it", request.request_id, token_id,
-                       request.grammar.error)  # fmt: skip
+            _LOG.error(
+                "request %s: token %d breaks its grammar (%s); ending it",
+                request.request_id,
+                token_id,
+                request.grammar.error,
+            )
             return True
         return request.grammar.is_finished
 
@@ -580,8 +597,9 @@ class EngineCore:
         tier = self.kv_manager.tier
         if tier is None:
             return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
-        return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace, tier.local_keys(),
-                          tier.shared_store())  # fmt: skip
+        return KVSnapshot(
+            seq, self.block_pool.cached_block_keys(), self.namespace, tier.local_keys(), tier.shared_store()
+        )
 
     # ----------------------------------------------------------------- transfers (prefill/decode disaggregation)
 
@@ -627,9 +645,24 @@ class EngineCore:
 
 # What adopt_core_state moves: everything EngineCore.__init__ builds but the runner, the proposer, the block reader
 # and what both cores were configured with.
-_CORE_STATE = ("_events", "block_pool", "kv_manager", "scheduler", "kv_exports", "_requests", "_detokenizers",
-               "_root_keys", "num_spec_proposed", "num_spec_accepted", "num_spec_verifications", "_spec_acceptance",
-               "_step_cost", "_prefill_cost", "_tier_costs", "_grammar_compiler")  # fmt: skip
+_CORE_STATE = (
+    "_events",
+    "block_pool",
+    "kv_manager",
+    "scheduler",
+    "kv_exports",
+    "_requests",
+    "_detokenizers",
+    "_root_keys",
+    "num_spec_proposed",
+    "num_spec_accepted",
+    "num_spec_verifications",
+    "_spec_acceptance",
+    "_step_cost",
+    "_prefill_cost",
+    "_tier_costs",
+    "_grammar_compiler",
+)
 
 
 def _output(request: Request, new_token_ids: list[int], text: str, new_text: str) -> RequestOutput:

@@ -47,8 +47,13 @@ class DraftPasses:
             self.run([[0]] * num_sequences, [position] * num_sequences, tables[:num_sequences], [True] * num_sequences)
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[list[int]], starts: Sequence[int], block_tables: Sequence[list[int]],
-            wants_guess: Sequence[bool]) -> list[int]:  # fmt: skip
+    def run(
+        self,
+        token_ids: Sequence[list[int]],
+        starts: Sequence[int],
+        block_tables: Sequence[list[int]],
+        wants_guess: Sequence[bool],
+    ) -> list[int]:
         """One pass over queries, single-token ones first: query i feeds `token_ids[i]` from position `starts[i]`
         through the blocks of `block_tables[i]` (their KV written there); returns the greedy next token of each
         query that wants a guess, in order."""
@@ -63,8 +68,13 @@ class DraftPasses:
             self.cost.observe(len(token_ids), time.perf_counter() - started)
         return guesses
 
-    def _module_pass(self, token_ids: Sequence[list[int]], starts: Sequence[int], block_tables: Sequence[list[int]],
-                     wants_guess: Sequence[bool]) -> list[int]:  # fmt: skip
+    def _module_pass(
+        self,
+        token_ids: Sequence[list[int]],
+        starts: Sequence[int],
+        block_tables: Sequence[list[int]],
+        wants_guess: Sequence[bool],
+    ) -> list[int]:
         """The pass through the PyTorch modules (PagedModel)."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -74,9 +84,13 @@ class DraftPasses:
             positions += range(start, start + len(tokens))
             if guess:
                 rows.append(len(input_ids) - 1)
-        hidden = self.paged.run(input_ids, positions, block_tables=list(block_tables),
-                                context_lens=[start + len(tokens) for tokens, start in zip(token_ids, starts)],
-                                query_lens=[len(tokens) for tokens in token_ids])  # fmt: skip
+        hidden = self.paged.run(
+            input_ids,
+            positions,
+            block_tables=list(block_tables),
+            context_lens=[start + len(tokens) for tokens, start in zip(token_ids, starts)],
+            query_lens=[len(tokens) for tokens in token_ids],
+        )
         if not rows:
             return []
         logits = self.paged.model.compute_logits(hidden[torch.tensor(rows, device=self.paged.device)])

@@ -70,8 +70,9 @@ class DraftModelProposer:
         kv_cache_dtype: str = "auto",
     ) -> None:
         dtype = next(model.parameters()).dtype
-        self.passes = DraftPasses(PagedModel(model, num_blocks, block_size, dtype, device, attention_backend,
-                                             kv_cache_dtype))  # fmt: skip
+        self.passes = DraftPasses(
+            PagedModel(model, num_blocks, block_size, dtype, device, attention_backend, kv_cache_dtype)
+        )
         self.block_size = block_size
         self.max_catch_up = max_catch_up
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
@@ -107,8 +108,10 @@ class DraftModelProposer:
             guesses[index].append(token_id)
         for ahead in range(1, max((rooms[index] for index, _ in guessing), default=0)):
             guessing = [(index, sequence) for index, sequence in guessing if rooms[index] > ahead]
-            step = [_Query(sequence, [guesses[index][-1]], sequence.num_computed + ahead - 1, True)
-                    for index, sequence in guessing]  # fmt: skip
+            step = [
+                _Query(sequence, [guesses[index][-1]], sequence.num_computed + ahead - 1, True)
+                for index, sequence in guessing
+            ]
             for (index, sequence), token_id in zip(guessing, self._run_pass(step, guessing=True)):
                 sequence.fed_guesses.append(guesses[index][-1])
                 guesses[index].append(token_id)
@@ -160,9 +163,12 @@ class DraftModelProposer:
         """One forward pass of the draft over `queries` (single-token ones first); returns the greedy next token
         of each query that wants a guess, in order. A catch-up pass (not `guessing`) advances what each sequence
         holds; a guessing pass feeds guesses, whose KV counts only once the target accepts them."""
-        token_ids = self.passes.run([query.token_ids for query in queries], [query.start for query in queries],
-                                    [query.sequence.block_table for query in queries],
-                                    [query.wants_guess for query in queries])  # fmt: skip
+        token_ids = self.passes.run(
+            [query.token_ids for query in queries],
+            [query.start for query in queries],
+            [query.sequence.block_table for query in queries],
+            [query.wants_guess for query in queries],
+        )
         if not guessing:
             for query in queries:
                 query.sequence.num_computed = query.start + len(query.token_ids)
@@ -186,9 +192,11 @@ def load_draft_model(
     if method.startswith("self-"):
         scheme = method.removeprefix("self-")
         if is_package(target_dir) or target_quantization != "none":
-            raise DraftModelError(f"--speculative {method} drafts with the model's own weights converted to "
-                                  f"{scheme}, but the model already runs converted weights: serve the checkpoint "
-                                  "as stored, or use ngram or draft")  # fmt: skip
+            raise DraftModelError(
+                f"--speculative {method} drafts with the model's own weights converted to "
+                f"{scheme}, but the model already runs converted weights: serve the checkpoint "
+                "as stored, or use ngram or draft"
+            )
         model = load_model(target_dir, dtype, device, max_model_len, target)
         quantize_model(model, scheme)
         return model
@@ -197,9 +205,11 @@ def load_draft_model(
     draft = load_model_config(draft_dir)
     _check_vocabulary(target, draft, draft_dir, *tokenizers)
     if draft.max_position_embeddings < max_model_len:
-        raise DraftModelError(f"--draft-model {draft_dir} covers {draft.max_position_embeddings} positions, fewer "
-                              f"than the served context of {max_model_len}: serve with --max-model-len "
-                              f"{draft.max_position_embeddings} or less")  # fmt: skip
+        raise DraftModelError(
+            f"--draft-model {draft_dir} covers {draft.max_position_embeddings} positions, fewer "
+            f"than the served context of {max_model_len}: serve with --max-model-len "
+            f"{draft.max_position_embeddings} or less"
+        )
     if is_package(draft_dir):
         return load_package(draft_dir, dtype, device, max_model_len)
     return load_model(draft_dir, dtype, device, max_model_len, draft)
@@ -207,11 +217,17 @@ def load_draft_model(
 
 def _check_vocabulary(target: ModelConfig, draft: ModelConfig, draft_dir: str, target_tok: Any, draft_tok: Any) -> None:
     if draft.vocab_size != target.vocab_size:
-        raise DraftModelError(f"--draft-model {draft_dir} has a vocabulary of {draft.vocab_size} tokens, the served "
-                              f"model {target.vocab_size}: a draft must share the model's tokenizer")  # fmt: skip
+        raise DraftModelError(
+            f"--draft-model {draft_dir} has a vocabulary of {draft.vocab_size} tokens, the served "
+            f"model {target.vocab_size}: a draft must share the model's tokenizer"
+        )
     if (target_tok is None) != (draft_tok is None):
-        raise DraftModelError(f"--draft-model {draft_dir}: only one of the draft and the served model has "
-                              "tokenizer files, so they cannot be checked to share a tokenizer")  # fmt: skip
+        raise DraftModelError(
+            f"--draft-model {draft_dir}: only one of the draft and the served model has "
+            "tokenizer files, so they cannot be checked to share a tokenizer"
+        )
     if target_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
-        raise DraftModelError(f"--draft-model {draft_dir}: its tokenizer maps tokens to other ids than the served "
-                              "model's; a draft must share the model's tokenizer")  # fmt: skip
+        raise DraftModelError(
+            f"--draft-model {draft_dir}: its tokenizer maps tokens to other ids than the served "
+            "model's; a draft must share the model's tokenizer"
+        )

@@ -60,9 +60,9 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
         "speculative decoding": config.speculative.method is not None,
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
         "an embedding checkpoint (no LM head), which only PyTorch pools": not package and not has_lm_head(config.model),
-        f"quantization {config.quantization} of a package": package and config.quantization not in (
-            "none", read_info(config.model).weights),
-    }  # fmt: skip
+        f"quantization {config.quantization} of a package": package
+        and config.quantization not in ("none", read_info(config.model).weights),
+    }
     return next((reason for reason, applies in reasons.items() if applies), None)
 
 
@@ -105,8 +105,13 @@ class NativeStartEngine(EngineCore):
             block_size=config.block_size,
         )
         self.native_runner = NativeRunner(model, num_kv_blocks, config.block_size, kv_name)
-        super().__init__(core_config_of(config, limits), namespace, self.native_runner, tokenizer,
-                         eos_token_ids(self.model_config, tokenizer))  # fmt: skip
+        super().__init__(
+            core_config_of(config, limits),
+            namespace,
+            self.native_runner,
+            tokenizer,
+            eos_token_ids(self.model_config, tokenizer),
+        )
         self.device_blocks = NumpyBlocks(self.native_runner.kv_caches, config.block_size, kv_name)
         self.block_reader = self.device_blocks  # its blocks can be exported to decode replicas
         self.kv_tier: KVTierLink | None = attach_kv_tier(self, config, self.device_blocks)

@@ -63,9 +63,13 @@ class BlockPuller(BlockSource, Protocol):
     """Pulls the blocks of a request prefilled on another replica (see kv_pull_link.KVPullLink)."""
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        self,
+        handle: TransferHandle,
+        root_key: bytes,
+        keys: Sequence[bytes],
+        first_block: int,
         block_ids: Sequence[int] | None = None,
-    ) -> Future[Sequence[Any]]:  # fmt: skip
+    ) -> Future[Sequence[Any]]:
         """Pull blocks `first_block`, ... of the transfer (whose keys are `keys`) on another thread, writing each
         verified block into `block_ids` as it arrives (None: the caller installs them)."""
         ...
@@ -128,9 +132,13 @@ class KVCacheManager:
         return None
 
     def _start_pull(
-        self, puller: BlockPuller, request: Request, handle: TransferHandle, device_blocks: list[int],
+        self,
+        puller: BlockPuller,
+        request: Request,
+        handle: TransferHandle,
+        device_blocks: list[int],
         keys: list[bytes],
-    ) -> TierLoad:  # fmt: skip
+    ) -> TierLoad:
         """Reserve device blocks for what the pull brings, so the puller writes each block in place as it arrives
         (off the engine thread: no step stalls copying a long prompt's KV at admission)."""
         first_block = len(device_blocks)

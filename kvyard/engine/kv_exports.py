@@ -148,8 +148,15 @@ class KVExports:
             export = self._exports.get(transfer_id)
             if export is None:
                 return None
-            return ExportView(export.block_ids[start:], export.block_keys[start:], export.root_key, export.status,
-                              export.reason, len(export.block_ids), export.num_cached_tokens)  # fmt: skip
+            return ExportView(
+                export.block_ids[start:],
+                export.block_keys[start:],
+                export.root_key,
+                export.status,
+                export.reason,
+                len(export.block_ids),
+                export.num_cached_tokens,
+            )
 
     def is_pinned(self, transfer_id: str, num_blocks: int) -> bool:
         """The transfer still pins at least `num_blocks` blocks (any thread): a read of them was not raced."""

@@ -53,9 +53,13 @@ class KVPullLink:
         self._threads = ThreadPoolExecutor(max_workers=MAX_PARALLEL_PULLS, thread_name_prefix="kvyard-kv-pull")
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        self,
+        handle: TransferHandle,
+        root_key: bytes,
+        keys: Sequence[bytes],
+        first_block: int,
         block_ids: Sequence[int] | None = None,
-    ) -> Future[Sequence[DecodedBlock]]:  # fmt: skip
+    ) -> Future[Sequence[DecodedBlock]]:
         with self._lock:
             future = self._in_flight.get((handle.source, handle.transfer_id))
             if future is None:
@@ -82,9 +86,13 @@ class KVPullLink:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _pull(
-        self, handle: TransferHandle, root_key: bytes, keys: list[bytes], first_block: int,
+        self,
+        handle: TransferHandle,
+        root_key: bytes,
+        keys: list[bytes],
+        first_block: int,
         writer: _InPlaceWriter | None,
-    ) -> PulledBlocks:  # fmt: skip
+    ) -> PulledBlocks:
         sink = writer.add if writer is not None else None
         try:
             result = pull_blocks(handle, root_key, keys, first_block, self.device.format, self.limits, sink)

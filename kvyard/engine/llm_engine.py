@@ -68,9 +68,11 @@ class LLMEngine(EngineCore):
         fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
         bf16_matmul = matmul_in_bf16(config.matmul_dtype, scheme) and fast_paths_possible
         if bf16_matmul and not cpu_has_fast_bf16():
-            _LOG.warning("--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: bf16 matmuls are emulated "
-                         "here (by oneDNN, or by PyTorch where oneDNN has no bf16 path), likely slower than "
-                         "float32")  # fmt: skip
+            _LOG.warning(
+                "--matmul-dtype bfloat16 on a CPU without AMX or AVX512-BF16: bf16 matmuls are emulated "
+                "here (by oneDNN, or by PyTorch where oneDNN has no bf16 path), likely slower than "
+                "float32"
+            )
         digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_format)
@@ -82,12 +84,26 @@ class LLMEngine(EngineCore):
             dtype=self.kv_format.namespace_dtype(self.dtype),
             block_size=config.block_size,
         )
-        self.runner: ModelRunner = ModelRunner(model, num_kv_blocks, config.block_size, self.dtype, self.device,
-                                               config.attention_backend, config.kv_cache_dtype,
-                                               bf16_matmul, kv_buffers)  # fmt: skip
+        self.runner: ModelRunner = ModelRunner(
+            model,
+            num_kv_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            config.kv_cache_dtype,
+            bf16_matmul,
+            kv_buffers,
+        )
         proposer = self._model_proposer(max_model_len, num_kv_blocks, tokenizer)
-        super().__init__(core_config_of(config, limits), namespace, self.runner, tokenizer,
-                         eos_token_ids(self.model_config, tokenizer), proposer)  # fmt: skip
+        super().__init__(
+            core_config_of(config, limits),
+            namespace,
+            self.runner,
+            tokenizer,
+            eos_token_ids(self.model_config, tokenizer),
+            proposer,
+        )
         if isinstance(proposer, SelfDraftProposer):
             proposer.use_block_pool(self.block_pool)
         self.device_blocks = DeviceBlocks(self.runner.kv_caches, config.block_size, self.kv_format.codec_name)
@@ -101,9 +117,11 @@ class LLMEngine(EngineCore):
         engine's runner was built on (`kv_buffers`), from its next step on; call it on the engine thread, between
         steps. The two must agree on everything a block key or a block id means."""
         if (started.namespace, started.limits) != (self.namespace, self.limits):
-            raise RuntimeError(f"the PyTorch engine cannot take over: its namespace and limits "
-                               f"{self.namespace}, {self.limits} differ from the fast-start engine's "
-                               f"{started.namespace}, {started.limits}")  # fmt: skip
+            raise RuntimeError(
+                f"the PyTorch engine cannot take over: its namespace and limits "
+                f"{self.namespace}, {self.limits} differ from the fast-start engine's "
+                f"{started.namespace}, {started.limits}"
+            )
         self.adopt_core_state(started)
         # Its tier and puller move over with its KV manager; their device sides read and write the same memory.
         self.kv_tier, started.kv_tier = started.kv_tier, None
@@ -116,8 +134,10 @@ class LLMEngine(EngineCore):
         if is_package(config.model):
             info = read_info(config.model)
             if config.quantization not in ("none", info.weights):
-                raise ValueError(f"{config.model} is a package of {info.weights} weights; quantization "
-                                 f"{config.quantization!r} cannot apply to it")  # fmt: skip
+                raise ValueError(
+                    f"{config.model} is a package of {info.weights} weights; quantization "
+                    f"{config.quantization!r} cannot apply to it"
+                )
             model = load_package(config.model, self.dtype, self.device, max_model_len)
             return model, info.weights_digest, info.weights
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
@@ -134,12 +154,28 @@ class LLMEngine(EngineCore):
         if spec.method not in MODEL_METHODS:
             return None
         draft_tokenizer = load_tokenizer(spec.draft_model) if spec.draft_model else None
-        model = load_draft_model(spec.method, spec.draft_model, config.model, self.model_config, config.quantization,
-                                 max_model_len, self.dtype, self.device, (tokenizer, draft_tokenizer))  # fmt: skip
+        model = load_draft_model(
+            spec.method,
+            spec.draft_model,
+            config.model,
+            self.model_config,
+            config.quantization,
+            max_model_len,
+            self.dtype,
+            self.device,
+            (tokenizer, draft_tokenizer),
+        )
         if spec.method != "draft":
             return SelfDraftProposer(model, self.runner)
-        return DraftModelProposer(model, num_kv_blocks, config.block_size, self.device, config.attention_backend,
-                                  spec.max_draft_catch_up, config.kv_cache_dtype)  # fmt: skip
+        return DraftModelProposer(
+            model,
+            num_kv_blocks,
+            config.block_size,
+            self.device,
+            config.attention_backend,
+            spec.max_draft_catch_up,
+            config.kv_cache_dtype,
+        )
 
     @property
     def num_kv_blocks(self) -> int:

@@ -98,11 +98,15 @@ class PagedModel:
         if len(buffers) != config.num_layers:
             raise ValueError(f"{len(buffers)} KV buffers for {config.num_layers} layers")
         if kv_caches is not None:
-            fits = [cache.shape == shape and cache.dtype == storage and cache.device.type == device.type
-                    for cache in kv_caches]  # fmt: skip
+            fits = [
+                cache.shape == shape and cache.dtype == storage and cache.device.type == device.type
+                for cache in kv_caches
+            ]
             if len(fits) != config.num_layers or not all(fits):
-                raise ValueError(f"the shared KV caches are not {config.num_layers} caches of shape {shape} "
-                                 f"and dtype {storage} on {device}")  # fmt: skip
+                raise ValueError(
+                    f"the shared KV caches are not {config.num_layers} caches of shape {shape} "
+                    f"and dtype {storage} on {device}"
+                )
             self.kv_caches = list(kv_caches)
         else:
             self.kv_caches = [zeroed_cache(shape, storage, device, buffer) for buffer in buffers]
@@ -123,8 +127,16 @@ class PagedModel:
     ) -> torch.Tensor:
         """The final hidden states of a step's tokens (sequences with a single query token first), whose keys and
         values it writes into the cache."""
-        meta = build_attention_metadata(self.attention_backend, block_tables, context_lens, query_lens,
-                                        self.block_size, self.dtype, self.device, self._keys_from_cache)  # fmt: skip
+        meta = build_attention_metadata(
+            self.attention_backend,
+            block_tables,
+            context_lens,
+            query_lens,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self._keys_from_cache,
+        )
         ids = torch.tensor(input_ids, device=self.device)
         return self.model(ids, torch.tensor(positions, device=self.device), self.kv_caches, meta)
 
@@ -143,8 +155,9 @@ class ModelRunner(PagedModel):
         batch = self.forward(scheduled)
         if not batch.sampling:
             return batch.pooled
-        rows = [self._sampling_row(item, ahead) for item in batch.sampling
-                for ahead in range(1 + len(item.spec_token_ids))]  # fmt: skip
+        rows = [
+            self._sampling_row(item, ahead) for item in batch.sampling for ahead in range(1 + len(item.spec_token_ids))
+        ]
         _constrain(rows, batch.sampling)
         token_ids, logprobs = sample(batch.logits, rows, self.argmax)
         sampled: list[SampledToken] = []
@@ -153,8 +166,9 @@ class ModelRunner(PagedModel):
             spec = item.spec_token_ids
             if spec:  # the i-th emitted token was sampled from row + i, after the i kept guesses before it
                 emitted = accept_greedy(spec, token_ids[row : row + 1 + len(spec)])
-                sampled += [SampledToken(item.request, token_id, logprobs[row + i])
-                            for i, token_id in enumerate(emitted)]  # fmt: skip
+                sampled += [
+                    SampledToken(item.request, token_id, logprobs[row + i]) for i, token_id in enumerate(emitted)
+                ]
             else:
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)
@@ -290,9 +304,11 @@ def _scored_token(log_probs: torch.Tensor, token_id: int, num_top: int) -> Token
     logprob = log_probs[token_id]
     top = log_probs.topk(num_top) if num_top else None
     return TokenLogprobs(
-        token_id, float(logprob), dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
+        token_id,
+        float(logprob),
+        dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
         int((log_probs >= logprob).sum()),
-    )  # fmt: skip
+    )
 
 
 def _constrain(rows: list[SamplingRow], sampling: list[ScheduledRequest]) -> None:

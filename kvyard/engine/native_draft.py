@@ -53,16 +53,27 @@ class NativeGuesser:
             return None
         tensors = {name: _numpy_view(tensor) for name, tensor in model.state_dict().items()}
         bf16 = any(tensor.dtype == torch.bfloat16 for tensor in model.state_dict().values())
-        native = NativeModel(model.config, tensors, "bf16" if bf16 else "int8", model.rotary.max_positions,
-                             kernel_functions(), paged.kernels.decode_layer.num_threads)  # fmt: skip
+        native = NativeModel(
+            model.config,
+            tensors,
+            "bf16" if bf16 else "int8",
+            model.rotary.max_positions,
+            kernel_functions(),
+            paged.kernels.decode_layer.num_threads,
+        )
         caches = paged.kv_caches
         layers = [(cache.data_ptr(), cache.data_ptr() + cache.stride(0) * cache.element_size()) for cache in caches]
         code = KV_CODES_BY_ELEMENT[str(caches[0].dtype).removeprefix("torch.")]
         kv = KVPointers(layers, caches[0].stride(1) * caches[0].element_size(), code)
         return cls(native, kv, paged.block_size)
 
-    def run_pass(self, token_ids: Sequence[list[int]], starts: Sequence[int], block_tables: Sequence[list[int]],
-                 wants_guess: Sequence[bool]) -> list[int]:  # fmt: skip
+    def run_pass(
+        self,
+        token_ids: Sequence[list[int]],
+        starts: Sequence[int],
+        block_tables: Sequence[list[int]],
+        wants_guess: Sequence[bool],
+    ) -> list[int]:
         """One pass over queries (single-token ones first): query i feeds `token_ids[i]` from position `starts[i]`
         (their KV written); the greedy next token of each query that wants a guess, in order."""
         if all(len(tokens) == 1 for tokens in token_ids) and all(wants_guess):

@@ -30,8 +30,14 @@ PIECE_ROWS = 64  # prompt rows per native call: the int8 kernels' few-rows range
 def runs_natively(params: SamplingParams) -> bool:
     """Whether the native runner samples these params as the PyTorch runner does (else the request waits)."""
     unseeded = params.is_greedy or params.seed is None
-    return (unseeded and not params.has_penalties and not params.logit_bias and params.logprobs is None
-            and params.prompt_logprobs is None and params.structured is None)  # fmt: skip
+    return (
+        unseeded
+        and not params.has_penalties
+        and not params.logit_bias
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.structured is None
+    )
 
 
 class NativeRunner:
@@ -59,16 +65,19 @@ class NativeRunner:
         if not sampled:
             return []
         logits = self.model.logits(np.stack([hidden for _, hidden in sampled]))
-        return [SampledToken(request, token_id) for (request, _), token_id in
-                zip(sampled, self._sample(logits, [request for request, _ in sampled]))]  # fmt: skip
+        return [
+            SampledToken(request, token_id)
+            for (request, _), token_id in zip(sampled, self._sample(logits, [request for request, _ in sampled]))
+        ]
 
     def release(self, request: Request) -> None:
         pass
 
     def _run_decodes(self, decodes: list[ScheduledRequest]) -> np.ndarray:
         starts = [item.request.num_computed_tokens for item in decodes]
-        step = NativeStep.of_queries(starts, [1] * len(decodes), [item.request.block_table for item in decodes],
-                                     self.block_size)  # fmt: skip
+        step = NativeStep.of_queries(
+            starts, [1] * len(decodes), [item.request.block_table for item in decodes], self.block_size
+        )
         input_ids = np.array([item.request.all_token_ids[start] for item, start in zip(decodes, starts)])
         return self.model.forward(input_ids, step, self.kv)
 

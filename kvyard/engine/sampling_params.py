@@ -22,28 +22,40 @@ class SamplingParams:
     stop_token_ids: list[int] = setting(default_factory=list, help="stop at this token id (repeatable)")
     ignore_eos: bool = setting(False, help="keep generating past the end-of-sequence token")
     include_stop_str_in_output: bool = setting(False, help="keep the matched stop string in the text")
-    skip_special_tokens: bool = setting(True, help="leave special tokens (end-of-turn markers and the like) out of "
-                                        "the output text")  # fmt: skip
-    logprobs: int | None = setting(None, help="return the log-probability of each sampled token and of this many "
-                                   "top alternatives (0-20)")  # fmt: skip
-    prompt_logprobs: int | None = setting(None, help="return the log-probability of each prompt token (after "
-                                          "the first) and of this many top alternatives (0-20); the prompt is "
-                                          "then computed whole, not taken from the prefix cache")  # fmt: skip
+    skip_special_tokens: bool = setting(
+        True, help="leave special tokens (end-of-turn markers and the like) out of the output text"
+    )
+    logprobs: int | None = setting(
+        None, help="return the log-probability of each sampled token and of this many top alternatives (0-20)"
+    )
+    prompt_logprobs: int | None = setting(
+        None,
+        help="return the log-probability of each prompt token (after "
+        "the first) and of this many top alternatives (0-20); the prompt is "
+        "then computed whole, not taken from the prefix cache",
+    )
     min_tokens: int = setting(0, help="tokens to generate before EOS or a stop token may end the output")
-    presence_penalty: float = setting(0.0, help="subtract this from the logit of every token already in the "
-                                      "output (-2 to 2)")  # fmt: skip
-    frequency_penalty: float = setting(0.0, help="subtract this times its count in the output from each token's "
-                                       "logit (-2 to 2)")  # fmt: skip
-    repetition_penalty: float = setting(1.0, help="divide positive (multiply negative) logits of tokens in the "
-                                        "prompt or output by this; 1 is off")  # fmt: skip
+    presence_penalty: float = setting(
+        0.0, help="subtract this from the logit of every token already in the output (-2 to 2)"
+    )
+    frequency_penalty: float = setting(
+        0.0, help="subtract this times its count in the output from each token's logit (-2 to 2)"
+    )
+    repetition_penalty: float = setting(
+        1.0, help="divide positive (multiply negative) logits of tokens in the prompt or output by this; 1 is off"
+    )
     # token id -> bias (-100 to 100) added to its logit; a JSONL record's or API body's string keys are ids too
     logit_bias: dict[int, float] = field(default_factory=dict)
-    bad_words: list[str] = setting(default_factory=list, help="a word never to generate (repeatable): the last of "
-                                   "its tokens, with and without a leading space, is banned wherever the output "
-                                   "ends with the ones before it (vLLM's bad_words)")  # fmt: skip
+    bad_words: list[str] = setting(
+        default_factory=list,
+        help="a word never to generate (repeatable): the last of "
+        "its tokens, with and without a leading space, is banned wherever the output "
+        "ends with the ones before it (vLLM's bad_words)",
+    )
     structured: StructuredOutput | None = None  # what the output must match (constrained decoding)
-    speculate: bool = setting(True, help="let speculative decoding propose tokens for this request, when the "
-                              "engine has it on (--speculative)")  # fmt: skip
+    speculate: bool = setting(
+        True, help="let speculative decoding propose tokens for this request, when the engine has it on (--speculative)"
+    )
     priority: int = 0  # lower is served first, under the engine's scheduling_policy "priority" (else it must be 0)
 
     def __post_init__(self) -> None:

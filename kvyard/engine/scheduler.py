@@ -43,24 +43,36 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = setting(2048, help="token budget of one step: decode tokens plus prefill chunks")
     max_num_seqs: int = setting(256, help="requests computed at once; more wait in the queue")
-    prefill_only_step_tokens: int = setting(0, help="token budget of a step while no running request streams "
-                                            "(has output or its whole prompt computed), so that no client waits on "
-                                            "it, as on a prefill replica; 0: max_num_batched_tokens")  # fmt: skip
-    prefill_order: str = setting("fcfs", choices=PREFILL_ORDERS, help="which prompts a step computes first, once "
-                                 "the decodes are served: fcfs, oldest first; shortest, the fewest tokens left to "
-                                 "compute first (prefix-cache hits and pulled blocks not counted), so a long prompt "
-                                 "being computed yields to shorter ones that arrive meanwhile; a prompt passed over "
-                                 f"{MAX_STEPS_PASSED_OVER} steps goes first")  # fmt: skip
-    scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES, help="which requests go first: fcfs, "
-                                     "by age (the newest running request is preempted when blocks run out); "
-                                     "priority, by each request's priority, lower first, then by age (the "
-                                     "lowest-priority running request is preempted); under fcfs a request with a "
-                                     "priority other than 0 is refused")  # fmt: skip
+    prefill_only_step_tokens: int = setting(
+        0,
+        help="token budget of a step while no running request streams "
+        "(has output or its whole prompt computed), so that no client waits on "
+        "it, as on a prefill replica; 0: max_num_batched_tokens",
+    )
+    prefill_order: str = setting(
+        "fcfs",
+        choices=PREFILL_ORDERS,
+        help="which prompts a step computes first, once "
+        "the decodes are served: fcfs, oldest first; shortest, the fewest tokens left to "
+        "compute first (prefix-cache hits and pulled blocks not counted), so a long prompt "
+        "being computed yields to shorter ones that arrive meanwhile; a prompt passed over "
+        f"{MAX_STEPS_PASSED_OVER} steps goes first",
+    )
+    scheduling_policy: str = setting(
+        "fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="which requests go first: fcfs, "
+        "by age (the newest running request is preempted when blocks run out); "
+        "priority, by each request's priority, lower first, then by age (the "
+        "lowest-priority running request is preempted); under fcfs a request with a "
+        "priority other than 0 is refused",
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
-                             f"{self.scheduling_policy!r}")  # fmt: skip
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
         if self.max_num_batched_tokens < 1:

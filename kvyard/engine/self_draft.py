@@ -44,9 +44,18 @@ class SelfDraftProposer:
     def __init__(self, model: CausalLM, target: PagedModel) -> None:
         """`model`: the served model with converted weights; `target`: the served model's PagedModel, whose cache
         and block size it uses."""
-        self.passes = DraftPasses(PagedModel(model, target.num_blocks, target.block_size, target.dtype,
-                                             target.device, target.attention_backend.name, target.kv_format.name,
-                                             kv_caches=target.kv_caches))  # fmt: skip
+        self.passes = DraftPasses(
+            PagedModel(
+                model,
+                target.num_blocks,
+                target.block_size,
+                target.dtype,
+                target.device,
+                target.attention_backend.name,
+                target.kv_format.name,
+                kv_caches=target.kv_caches,
+            )
+        )
         self.block_size = target.block_size
         self.pool: BlockPool | None = None
 
@@ -69,16 +78,23 @@ class SelfDraftProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in requests]
-        borrowing = [item for index, (request, room) in enumerate(zip(requests, rooms)) if room > 0
-                     and (item := self._borrow(index, request, room)) is not None]  # fmt: skip
+        borrowing = [
+            item
+            for index, (request, room) in enumerate(zip(requests, rooms))
+            if room > 0 and (item := self._borrow(index, request, room)) is not None
+        ]
         try:
             self._copy_partial_blocks(borrowing, requests)
             for ahead in range(max((item.room for item in borrowing), default=0)):
                 # each pass feeds what the last one guessed; the first, the request's last token
                 guessing = [item for item in borrowing if item.room > ahead]
                 tokens = [guesses[item.index][-1:] or requests[item.index].all_token_ids[-1:] for item in guessing]
-                passed = self.passes.run(tokens, [item.start + ahead for item in guessing],
-                                         [item.block_table for item in guessing], [True] * len(guessing))  # fmt: skip
+                passed = self.passes.run(
+                    tokens,
+                    [item.start + ahead for item in guessing],
+                    [item.block_table for item in guessing],
+                    [True] * len(guessing),
+                )
                 for item, token_id in zip(guessing, passed, strict=True):
                     guesses[item.index].append(token_id)
         finally:
@@ -106,8 +122,9 @@ class SelfDraftProposer:
             if num_partial:
                 source = requests[item.index].block_table[item.start // self.block_size] * self.block_size
                 sources += range(source, source + num_partial)
-                destinations += range(item.borrowed[0] * self.block_size, item.borrowed[0] * self.block_size
-                                      + num_partial)  # fmt: skip
+                destinations += range(
+                    item.borrowed[0] * self.block_size, item.borrowed[0] * self.block_size + num_partial
+                )
         if not sources:
             return
         device = self.passes.paged.device

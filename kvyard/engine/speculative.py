@@ -45,23 +45,38 @@ ACCEPTANCE_WEIGHT = 0.3  # how far one step's outcome moves a request's acceptan
 class SpeculativeConfig:
     """Speculative decoding: who proposes tokens, and how many per step."""
 
-    method: str | None = setting(None, flag="--speculative", choices=METHODS, help="propose tokens for the model "
-                                 "to verify in one pass: ngram (prompt lookup), draft (a smaller model with the same "
-                                 "vocabulary: --draft-model), self-int8 / self-fp16 (the model's own weights in int8 "
-                                 "or fp16)",
-                                 default_text="none: off")  # fmt: skip
+    method: str | None = setting(
+        None,
+        flag="--speculative",
+        choices=METHODS,
+        help="propose tokens for the model "
+        "to verify in one pass: ngram (prompt lookup), draft (a smaller model with the same "
+        "vocabulary: --draft-model), self-int8 / self-fp16 (the model's own weights in int8 "
+        "or fp16)",
+        default_text="none: off",
+    )
     num_speculative_tokens: int = setting(4, help="tokens proposed per decode step of a request")
     ngram_min: int = setting(1, help="ngram: shortest suffix looked up in the sequence")
     ngram_max: int = setting(4, help="ngram: longest suffix looked up in the sequence")
-    draft_model: str | None = setting(None, help="draft: the model directory that proposes (same tokenizer and "
-                                      "vocabulary as the served model)")  # fmt: skip
-    max_draft_catch_up: int = setting(512, help="draft: prompt tokens the draft model may prefill per step (a new "
-                                      "request's prompt is caught up over several steps; a self-draft reads the "
-                                      "model's KV and has none to catch up)")  # fmt: skip
-    adaptive: bool = setting(True, flag="--spec-adaptive", help="propose fewer tokens (down to none) for a "
-                             "request whose guesses are often wrong")  # fmt: skip
-    verify_token_cost: float = setting(0.1, help="what verifying one more token adds to a decode step, as a fraction "
-                                       "of it, until the engine has measured its steps")  # fmt: skip
+    draft_model: str | None = setting(
+        None, help="draft: the model directory that proposes (same tokenizer and vocabulary as the served model)"
+    )
+    max_draft_catch_up: int = setting(
+        512,
+        help="draft: prompt tokens the draft model may prefill per step (a new "
+        "request's prompt is caught up over several steps; a self-draft reads the "
+        "model's KV and has none to catch up)",
+    )
+    adaptive: bool = setting(
+        True,
+        flag="--spec-adaptive",
+        help="propose fewer tokens (down to none) for a request whose guesses are often wrong",
+    )
+    verify_token_cost: float = setting(
+        0.1,
+        help="what verifying one more token adds to a decode step, as a fraction "
+        "of it, until the engine has measured its steps",
+    )
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -71,8 +86,11 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError("--speculative draft needs --draft-model DIR" if self.method == "draft" else
-                             "--draft-model is used only with --speculative draft")  # fmt: skip
+            raise ValueError(
+                "--speculative draft needs --draft-model DIR"
+                if self.method == "draft"
+                else "--draft-model is used only with --speculative draft"
+            )
         if self.max_draft_catch_up < 1:
             raise ValueError(f"max_draft_catch_up must be at least 1, got {self.max_draft_catch_up}")
 
@@ -221,6 +239,10 @@ def can_speculate(request: Request) -> bool:
     """Requests that allow it (`speculate`), decoding one token at a time, with no token banned right now and no
     grammar (those change what a position samples). Logprobs are fine: each position's row yields its own."""
     params = request.sampling_params
-    return (params.speculate and request.num_tokens - request.num_computed_tokens == 1
-            and not request.banned_token_ids() and request.kv_transfer is None
-            and request.grammar is None)  # fmt: skip
+    return (
+        params.speculate
+        and request.num_tokens - request.num_computed_tokens == 1
+        and not request.banned_token_ids()
+        and request.kv_transfer is None
+        and request.grammar is None
+    )

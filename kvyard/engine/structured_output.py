@@ -211,8 +211,9 @@ def _literal(text: str) -> str:
 def _grammar_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of the vocabulary, built from the tokenizer.json pipeline either kind of tokenizer holds."""
     if isinstance(tokenizer, PlainTokenizer):
-        return llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size,
-                                      eos_token=tokenizer.eos_token_id)  # fmt: skip
+        return llguidance.LLTokenizer(
+            tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
+        )
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)

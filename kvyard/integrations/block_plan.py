@@ -132,8 +132,13 @@ class BlockPlanner:
         assert state.load is not None
         first, count = state.load
         end = first + count
-        return BlockCopy(request_id, state.root_key, tuple(state.keys[first:end]), tuple(block_ids[first:end]),
-                         tuple(range(first, end)))  # fmt: skip
+        return BlockCopy(
+            request_id,
+            state.root_key,
+            tuple(state.keys[first:end]),
+            tuple(block_ids[first:end]),
+            tuple(range(first, end)),
+        )
 
     def _save(
         self,
@@ -149,12 +154,16 @@ class BlockPlanner:
         full = min(full, len(token_ids) // self.block_size)
         state.extend(token_ids, self.block_size, full)
         block_ids = block_ids_of(request.request_id)
-        chosen = [index for index in range(state.saved, min(full, len(block_ids)))
-                  if not self.presence.held_locally(state.keys[index])]  # fmt: skip
+        chosen = [
+            index
+            for index in range(state.saved, min(full, len(block_ids)))
+            if not self.presence.held_locally(state.keys[index])
+        ]
         state.saved = max(state.saved, full)
         if not chosen:
             return None
         keys = tuple(state.keys[index] for index in chosen)
         self.presence.expect(keys)
-        return BlockCopy(request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen),
-                         tuple(chosen))  # fmt: skip
+        return BlockCopy(
+            request.request_id, state.root_key, keys, tuple(block_ids[index] for index in chosen), tuple(chosen)
+        )

@@ -96,9 +96,12 @@ class KvyardWorkerMeta(KVConnectorWorkerMetadata):
         if not isinstance(other, KvyardWorkerMeta):
             return self
         first = other if other.snapshot else self
-        return KvyardWorkerMeta(first.stored + (other.stored if first is self else []),
-                                first.removed + (other.removed if first is self else []), first.snapshot,
-                                self.missing + other.missing)  # fmt: skip
+        return KvyardWorkerMeta(
+            first.stored + (other.stored if first is self else []),
+            first.removed + (other.removed if first is self else []),
+            first.snapshot,
+            self.missing + other.missing,
+        )
 
 
 def vllm_namespace(vllm_config: VllmConfig) -> KeyNamespace:
@@ -109,8 +112,13 @@ def vllm_namespace(vllm_config: VllmConfig) -> KeyNamespace:
     model = vllm_config.model_config
     model_dir = Path(model.model)
     digest = model_digest(model_dir) if (model_dir / "config.json").is_file() else f"{model.model}@{model.revision}"
-    dtype = ":".join((f"vllm-{vllm_config.device_config.device_type}", str(model.dtype).removeprefix("torch."),
-                      str(vllm_config.cache_config.cache_dtype)))  # fmt: skip
+    dtype = ":".join(
+        (
+            f"vllm-{vllm_config.device_config.device_type}",
+            str(model.dtype).removeprefix("torch."),
+            str(vllm_config.cache_config.cache_dtype),
+        )
+    )
     return KeyNamespace(model_dir.name, digest, dtype, vllm_config.cache_config.block_size)
 
 
@@ -135,8 +143,11 @@ class KvyardConnector(KVConnectorBase_V1):
             self._init_scheduler(transfer.is_kv_consumer, transfer.is_kv_producer)
             if transfer.kv_load_failure_policy != "recompute":
                 policy = transfer.kv_load_failure_policy
-                log.warning("kvyard connector: kv_load_failure_policy is %r, so a tier block that fails to load "
-                            "fails its request; 'recompute' computes it instead", policy)  # fmt: skip
+                log.warning(
+                    "kvyard connector: kv_load_failure_policy is %r, so a tier block that fails to load "
+                    "fails its request; 'recompute' computes it instead",
+                    policy,
+                )
         else:
             self._init_worker()
 
@@ -198,9 +209,14 @@ class KvyardConnector(KVConnectorBase_V1):
         if available >= wanted or now >= wait.deadline:
             wait.over = True
             if available < wanted:
-                log.warning("kvyard connector: request %s: %d of %d prompt tokens came from the prefill replica in "
-                            "%.0f s; the rest is computed here", request.request_id, available, wanted,
-                            self._remote_prefill_wait_s)  # fmt: skip
+                log.warning(
+                    "kvyard connector: request %s: %d of %d prompt tokens came from the prefill replica in "
+                    "%.0f s; the rest is computed here",
+                    request.request_id,
+                    available,
+                    wanted,
+                    self._remote_prefill_wait_s,
+                )
             return False
         wait.next_look = now + PREFILL_POLL_S
         return True
@@ -211,8 +227,11 @@ class KvyardConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         counts = Counter(self._planner.sources(request.request_id, num_external_tokens))
         by_source = {_HIT_SOURCES[source]: blocks * self._planner.block_size for source, blocks in counts.items()}
-        return by_source if sum(by_source.values()) == num_external_tokens else super().get_external_cache_hit_sources(
-            request, num_external_tokens)  # fmt: skip
+        return (
+            by_source
+            if sum(by_source.values()) == num_external_tokens
+            else super().get_external_cache_hit_sources(request, num_external_tokens)
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
@@ -239,8 +258,9 @@ class KvyardConnector(KVConnectorBase_V1):
 
         scheduled = [after(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
-        scheduled += [after(request_id, computed) for request_id, computed in
-                      zip(cached.req_ids, cached.num_computed_tokens)]  # fmt: skip
+        scheduled += [
+            after(request_id, computed) for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens)
+        ]
         return [request for request in scheduled if request.request_id in self._requests]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -274,8 +294,13 @@ class KvyardConnector(KVConnectorBase_V1):
         self._blocks = PagedBlocks(kv_caches, self._num_blocks)
         self._store = self._tier_config.build(writer_cpus=self._writer_cpus)
         self._store.events = self._events
-        log.info("kvyard connector: %d layers, %s blocks of %d bytes; tiers %s", len(self._blocks.layers),
-                 self._blocks.format.dtype, self._blocks.block_bytes, self._tier_config.describe())  # fmt: skip
+        log.info(
+            "kvyard connector: %d layers, %s blocks of %d bytes; tiers %s",
+            len(self._blocks.layers),
+            self._blocks.format.dtype,
+            self._blocks.block_bytes,
+            self._tier_config.describe(),
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -292,8 +317,12 @@ class KvyardConnector(KVConnectorBase_V1):
             if len(found) < len(load.keys):
                 self._load_errors.update(load.block_ids[len(found) :])
                 self._missing.extend(load.keys[len(found) :])
-                log.warning("kvyard connector: request %s: %d of %d blocks loaded, the rest is computed",
-                            load.request_id, len(found), len(load.keys))  # fmt: skip
+                log.warning(
+                    "kvyard connector: request %s: %d of %d blocks loaded, the rest is computed",
+                    load.request_id,
+                    len(found),
+                    len(load.keys),
+                )
             else:
                 log.debug("kvyard connector: request %s: loaded %d blocks", load.request_id, len(found))
 
@@ -310,8 +339,9 @@ class KvyardConnector(KVConnectorBase_V1):
         block_ids = [block_id for save in plan.saves for block_id in save.block_ids]
         payloads = iter(self._blocks.read(block_ids))
         fmt = self._blocks.format
-        writes = [BlockWrite(save.root_key, key, fmt, payload=next(payloads))
-                  for save in plan.saves for key in save.keys]  # fmt: skip
+        writes = [
+            BlockWrite(save.root_key, key, fmt, payload=next(payloads)) for save in plan.saves for key in save.keys
+        ]
         self._store.submit(writes)
         if len(self._unwritten) > MAX_UNWRITTEN:
             self._unwritten.clear()  # only a wait before some load is lost: that load finds fewer blocks

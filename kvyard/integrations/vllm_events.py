@@ -80,11 +80,18 @@ class TierEvents:
             if block is None or key in self._held:
                 continue
             self._held[key] = block.block_hash
-            self._events.append(BlockStored(
-                block_hashes=[block.block_hash], parent_block_hash=block.parent_hash, token_ids=block.token_ids,
-                block_size=self.block_size, lora_id=block.lora_id, medium=MEDIUM, lora_name=block.lora_name,
-                extra_keys=block.extra_keys,
-            ))  # fmt: skip
+            self._events.append(
+                BlockStored(
+                    block_hashes=[block.block_hash],
+                    parent_block_hash=block.parent_hash,
+                    token_ids=block.token_ids,
+                    block_size=self.block_size,
+                    lora_id=block.lora_id,
+                    medium=MEDIUM,
+                    lora_name=block.lora_name,
+                    extra_keys=block.extra_keys,
+                )
+            )
         gone = [block_hash for key in removed if (block_hash := self._held.pop(key, None)) is not None]
         if gone:
             self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))

@@ -16,8 +16,13 @@ from typing import Any
 
 from kvyard.kernels.header import CType, Prototype, parse_prototypes
 
-_SCALARS: dict[str, type[Any]] = {"int": ctypes.c_int, "float": ctypes.c_float, "int64_t": ctypes.c_int64,
-                                  "int8_t": ctypes.c_int8, "uint16_t": ctypes.c_uint16}  # fmt: skip
+_SCALARS: dict[str, type[Any]] = {
+    "int": ctypes.c_int,
+    "float": ctypes.c_float,
+    "int64_t": ctypes.c_int64,
+    "int8_t": ctypes.c_int8,
+    "uint16_t": ctypes.c_uint16,
+}
 
 
 class KernelBindingError(RuntimeError):

@@ -67,8 +67,9 @@ def _native_else_portable(compiler: str) -> Path:
     try:
         return _cached_build(compiler, NATIVE_FLAGS)
     except subprocess.CalledProcessError as error:
-        logger.warning("native CPU kernels failed to build with -march=native; trying portable flags:\n%s",
-                       _stderr(error))  # fmt: skip
+        logger.warning(
+            "native CPU kernels failed to build with -march=native; trying portable flags:\n%s", _stderr(error)
+        )
     return _cached_build(compiler, PORTABLE_FLAGS)
 
 

@@ -57,11 +57,24 @@ class PagedDecodeKernel:
         out = torch.empty_like(q)
         workspace = torch.empty(self.num_threads * num_heads * max(1, max_context))
         self.function(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype], _ptr(block_tables),
-            _ptr(context_lens), _ptr(out),
-            _ptr(workspace), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-            max_context, scale, self.num_threads,
-        )  # fmt: skip
+            _ptr(q),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            KV_DTYPE_CODES[k_cache.dtype],
+            _ptr(block_tables),
+            _ptr(context_lens),
+            _ptr(out),
+            _ptr(workspace),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            max_context,
+            scale,
+            self.num_threads,
+        )
         return out
 
 
@@ -101,10 +114,23 @@ class PagedPrefillKernel:
         _check_cache(k_cache, v_cache, head_dim)
         out = q.new_empty(query_len, num_heads, head_dim)
         status = self.function(
-            _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype],
-            k_cache.stride(0) * k_cache.element_size(), _ptr(block_table), block_size,
-            query_len, context_len, num_heads, k_cache.shape[1], head_dim, scale, _ptr(out), self.num_threads,
-        )  # fmt: skip
+            _ptr(q),
+            q.stride(0),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            KV_DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0) * k_cache.element_size(),
+            _ptr(block_table),
+            block_size,
+            query_len,
+            context_len,
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale,
+            _ptr(out),
+            self.num_threads,
+        )
         if status != 0:
             raise MemoryError("prefill attention kernel could not allocate its scratch")
         return out
@@ -138,13 +164,25 @@ class StoreKVKernel:
         num_tokens, num_kv_heads, head_dim = k.shape
         _check_cache(k_cache, v_cache, head_dim)
         if v.shape != k.shape or slots.shape != (num_tokens,) or k_cache.shape[1] != num_kv_heads:
-            raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and slots {tuple(slots.shape)} do not match "
-                             f"a cache of {tuple(k_cache.shape)}")  # fmt: skip
+            raise ValueError(
+                f"k {tuple(k.shape)}, v {tuple(v.shape)} and slots {tuple(slots.shape)} do not match "
+                f"a cache of {tuple(k_cache.shape)}"
+            )
         self.function(
-            _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(slots), num_tokens, num_kv_heads, head_dim,
-            _ptr(k_cache), _ptr(v_cache), KV_DTYPE_CODES[k_cache.dtype], k_cache.stride(0) * k_cache.element_size(),
+            _ptr(k),
+            k.stride(0),
+            _ptr(v),
+            v.stride(0),
+            _ptr(slots),
+            num_tokens,
+            num_kv_heads,
+            head_dim,
+            _ptr(k_cache),
+            _ptr(v_cache),
+            KV_DTYPE_CODES[k_cache.dtype],
+            k_cache.stride(0) * k_cache.element_size(),
             self.num_threads,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +201,15 @@ class SmallLinearKernel:
         x = x.contiguous()
         out = x.new_empty(x.shape[0], weight.shape[0])
         self.function(
-            _ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out), x.shape[0], weight.shape[0],
-            weight.shape[1], self.num_threads,
-        )  # fmt: skip
+            _ptr(x),
+            _ptr(weight),
+            None if bias is None else _ptr(bias),
+            _ptr(out),
+            x.shape[0],
+            weight.shape[0],
+            weight.shape[1],
+            self.num_threads,
+        )
         return out
 
 
@@ -188,9 +232,16 @@ class SmallLinearInt8Kernel:
         x = x.contiguous()
         out = x.new_empty(x.shape[0], qweight.shape[0])
         self.function(
-            _ptr(x), _ptr(qweight), _ptr(scales), None if bias is None else _ptr(bias), _ptr(out), x.shape[0],
-            qweight.shape[0], qweight.shape[1], self.num_threads,
-        )  # fmt: skip
+            _ptr(x),
+            _ptr(qweight),
+            _ptr(scales),
+            None if bias is None else _ptr(bias),
+            _ptr(out),
+            x.shape[0],
+            qweight.shape[0],
+            qweight.shape[1],
+            self.num_threads,
+        )
         return out
 
 
@@ -212,9 +263,16 @@ class SmallLinearHalfKernel:
         x, weight = x.contiguous(), weight.contiguous()
         out = x.new_empty(x.shape[0], weight.shape[0])
         self.function(
-            _ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out), x.shape[0], weight.shape[0],
-            weight.shape[1], int(weight.dtype == torch.bfloat16), self.num_threads,
-        )  # fmt: skip
+            _ptr(x),
+            _ptr(weight),
+            None if bias is None else _ptr(bias),
+            _ptr(out),
+            x.shape[0],
+            weight.shape[0],
+            weight.shape[1],
+            int(weight.dtype == torch.bfloat16),
+            self.num_threads,
+        )
         return out
 
 
@@ -339,10 +397,15 @@ class DecodeLayerKernel:
     num_threads: int
 
     def layer_args(
-        self, shape: tuple[int, int, int, int, int], eps: float, norms: tuple[torch.Tensor, ...],
-        qk_norms: tuple[torch.Tensor, torch.Tensor] | None, linears: tuple[DecodeLayerWeights, ...],
-        rotary_tables: tuple[torch.Tensor, torch.Tensor], scale: float,
-    ) -> tuple[Any, ...]:  # fmt: skip
+        self,
+        shape: tuple[int, int, int, int, int],
+        eps: float,
+        norms: tuple[torch.Tensor, ...],
+        qk_norms: tuple[torch.Tensor, torch.Tensor] | None,
+        linears: tuple[DecodeLayerWeights, ...],
+        rotary_tables: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> tuple[Any, ...]:
         """shape: (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim); norms: the input and
         post-attention norm weights; qk_norms: Qwen3's per-head query and key norm weights; linears: qkv, o,
         gate_up, down (only qkv may have a bias); rotary_tables: cos, sin [max_positions, head_dim / 2]."""
@@ -359,30 +422,59 @@ class DecodeLayerKernel:
         qkv, o, gate_up, down = linears
         q_norm, k_norm = (_ptr(qk_norms[0]), _ptr(qk_norms[1])) if qk_norms is not None else (None, None)
         return (
-            hidden, inter, num_heads, num_kv_heads, head_dim, eps, _ptr(norms[0]), _ptr(norms[1]), q_norm, k_norm,
-            *_weight_args(qkv), _optional_ptr(qkv.bias), *_weight_args(o), *_weight_args(gate_up),
-            *_weight_args(down), _ptr(rotary_tables[0]), _ptr(rotary_tables[1]), scale, self.num_threads,
-        )  # fmt: skip
+            hidden,
+            inter,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            eps,
+            _ptr(norms[0]),
+            _ptr(norms[1]),
+            q_norm,
+            k_norm,
+            *_weight_args(qkv),
+            _optional_ptr(qkv.bias),
+            *_weight_args(o),
+            *_weight_args(gate_up),
+            *_weight_args(down),
+            _ptr(rotary_tables[0]),
+            _ptr(rotary_tables[1]),
+            scale,
+            self.num_threads,
+        )
 
     def scratch(self, rows: int, shape: tuple[int, int, int, int, int], max_context: int) -> torch.Tensor:
         """The scratch buffer one step's layers share."""
         hidden, inter, num_heads, num_kv_heads, head_dim = shape
-        floats = self.scratch_floats_function(rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context,
-                                              self.num_threads)  # fmt: skip
+        floats = self.scratch_floats_function(
+            rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context, self.num_threads
+        )
         return torch.empty(floats)
 
     def __call__(
-        self, x: torch.Tensor | None, residual: torch.Tensor, out: torch.Tensor, step: DecodeStepArgs,
-        kv_cache: torch.Tensor, layer_args: tuple[Any, ...],
-    ) -> None:  # fmt: skip
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        out: torch.Tensor,
+        step: DecodeStepArgs,
+        kv_cache: torch.Tensor,
+        layer_args: tuple[Any, ...],
+    ) -> None:
         """residual += x (x None: the first layer); out = the layer's MLP output ([m, hidden]; may be x).
         kv_cache: [2, num_slots, Hkv, row], checked by `DecodeStepArgs.check_cache`."""
         k_cache = kv_cache.data_ptr()
         v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size()
         status = self.function(
-            None if x is None else _ptr(x), _ptr(residual), _ptr(out), step.rows, step.positions, k_cache, v_cache,
-            *step.rest, *layer_args,
-        )  # fmt: skip
+            None if x is None else _ptr(x),
+            _ptr(residual),
+            _ptr(out),
+            step.rows,
+            step.positions,
+            k_cache,
+            v_cache,
+            *step.rest,
+            *layer_args,
+        )
         if status != 0:
             raise MemoryError("prefill attention kernel could not allocate its scratch")
 
@@ -400,26 +492,50 @@ class DecodeStepArgs:
 
     @classmethod
     def of(
-        cls, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-        chunks: torch.Tensor, chunk_tables: torch.Tensor, block_size: int, kv_cache: torch.Tensor,
+        cls,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        chunks: torch.Tensor,
+        chunk_tables: torch.Tensor,
+        block_size: int,
+        kv_cache: torch.Tensor,
         scratch: torch.Tensor,
-    ) -> DecodeStepArgs:  # fmt: skip
+    ) -> DecodeStepArgs:
         """block_tables, context_lens: the decodes' ([num_decodes, max_blocks], [num_decodes]); chunks: [num_chunks,
         4] (first row, rows, context length, offset of its table in chunk_tables or -1), rows after the decodes."""
         rows, num_decodes, num_chunks = positions.shape[0], context_lens.shape[0], chunks.shape[0]
         max_blocks = block_tables.shape[-1]
-        for name, tensor, shape in (("positions", positions, (rows,)), ("slots", slots, (rows,)),
-                                    ("context_lens", context_lens, (num_decodes,)),
-                                    ("block_tables", block_tables, (num_decodes, max_blocks)),
-                                    ("chunks", chunks, (num_chunks, 4)),
-                                    ("chunk_tables", chunk_tables, (chunk_tables.shape[0],))):  # fmt: skip
+        for name, tensor, shape in (
+            ("positions", positions, (rows,)),
+            ("slots", slots, (rows,)),
+            ("context_lens", context_lens, (num_decodes,)),
+            ("block_tables", block_tables, (num_decodes, max_blocks)),
+            ("chunks", chunks, (num_chunks, 4)),
+            ("chunk_tables", chunk_tables, (chunk_tables.shape[0],)),
+        ):
             if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tuple(tensor.shape) != shape:
-                raise ValueError(f"{name} must be a contiguous int64 tensor of shape {shape}, got "
-                                 f"{tensor.dtype} {tuple(tensor.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{name} must be a contiguous int64 tensor of shape {shape}, got "
+                    f"{tensor.dtype} {tuple(tensor.shape)}"
+                )
         _check_chunks(chunks.tolist(), num_decodes, rows, chunk_tables.shape[0], block_size)
-        rest = (KV_DTYPE_CODES[kv_cache.dtype], kv_cache.stride(1) * kv_cache.element_size(), _ptr(slots), num_decodes,
-                _ptr(block_tables), _ptr(context_lens), block_size, max_blocks, max_blocks * block_size, num_chunks,
-                _ptr(chunks), _ptr(chunk_tables), _ptr(scratch))  # fmt: skip
+        rest = (
+            KV_DTYPE_CODES[kv_cache.dtype],
+            kv_cache.stride(1) * kv_cache.element_size(),
+            _ptr(slots),
+            num_decodes,
+            _ptr(block_tables),
+            _ptr(context_lens),
+            block_size,
+            max_blocks,
+            max_blocks * block_size,
+            num_chunks,
+            _ptr(chunks),
+            _ptr(chunk_tables),
+            _ptr(scratch),
+        )
         tensors = (positions, slots, block_tables, context_lens, chunks, chunk_tables, scratch)
         return cls(rows, _ptr(positions), rest, tensors)
 
@@ -427,8 +543,9 @@ class DecodeStepArgs:
     def check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
         """A layer's cache [2, num_slots, Hkv, row] as the kernel walks it: K and V halves alike, contiguous."""
         if kv_cache.dim() != 4 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-            raise ValueError(f"a fused decode layer needs a contiguous [2, slots, heads, row] cache, got "
-                             f"{tuple(kv_cache.shape)}")  # fmt: skip
+            raise ValueError(
+                f"a fused decode layer needs a contiguous [2, slots, heads, row] cache, got {tuple(kv_cache.shape)}"
+            )
         _check_cache(kv_cache[0], kv_cache[1], head_dim)
 
 
@@ -441,8 +558,10 @@ def _check_chunks(
         blocks = -(-context // block_size)
         covered = table + blocks <= num_table_entries if table >= 0 else context == length
         if start != next_row or length < 1 or context < length or not covered:
-            raise ValueError(f"chunk (first row {start}, {length} rows, context {context}, table at {table}) does not "
-                             f"follow row {next_row} or its table of {num_table_entries} entries")  # fmt: skip
+            raise ValueError(
+                f"chunk (first row {start}, {length} rows, context {context}, table at {table}) does not "
+                f"follow row {next_row} or its table of {num_table_entries} entries"
+            )
         next_row += length
     if next_row != rows:
         raise ValueError(f"the decodes and chunks cover {next_row} rows of {rows}")
@@ -451,8 +570,10 @@ def _check_chunks(
 def _check_linear(linear: DecodeLayerWeights, rows: int, columns: int) -> None:
     weight = linear.weight
     if WEIGHT_KINDS.get(weight.dtype) != linear.kind or tuple(weight.shape) != (rows, columns):
-        raise ValueError(f"a weight of kind {linear.kind} and shape {(rows, columns)} was expected, got "
-                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"a weight of kind {linear.kind} and shape {(rows, columns)} was expected, got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
     if not weight.is_contiguous() or weight.device.type != "cpu":
         raise ValueError("fused decode weights must be contiguous CPU tensors")
     if linear.kind == WEIGHT_KINDS[torch.int8]:
@@ -502,8 +623,17 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
     """Wrap a built kernel library's functions, after checking the wrappers' prototypes against the header.
 
     `header_text` defaults to the header the library was built from; tests pass an altered one."""
-    wrappers = (PagedDecodeKernel, PagedPrefillKernel, SmallLinearKernel, ElementwiseKernels, SmallLinearInt8Kernel,
-                SmallLinearHalfKernel, Int8ToBf16Kernel, StoreKVKernel, DecodeLayerKernel)  # fmt: skip
+    wrappers = (
+        PagedDecodeKernel,
+        PagedPrefillKernel,
+        SmallLinearKernel,
+        ElementwiseKernels,
+        SmallLinearInt8Kernel,
+        SmallLinearHalfKernel,
+        Int8ToBf16Kernel,
+        StoreKVKernel,
+        DecodeLayerKernel,
+    )
     header = HEADER.read_text() if header_text is None else header_text
     functions = bind_functions(library, header, "".join(wrapper.PROTOTYPES for wrapper in wrappers))
     return NativeKernels(
@@ -535,13 +665,16 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) ->
     """The kernels walk the caches by raw pointer: a format, row width or layout they do not expect must stop here,
     not read or write past a buffer."""
     if k_cache.dtype not in KV_DTYPE_CODES or v_cache.dtype != k_cache.dtype or k_cache.device.type != "cpu":
-        raise TypeError(f"a KV cache of {k_cache.dtype}/{v_cache.dtype} on {k_cache.device} is not one the "
-                        "kernels read")  # fmt: skip
+        raise TypeError(
+            f"a KV cache of {k_cache.dtype}/{v_cache.dtype} on {k_cache.device} is not one the kernels read"
+        )
     row_width = head_dim + INT8_ROW_SCALE_BYTES if k_cache.dtype == torch.uint8 else head_dim
     for cache in (k_cache, v_cache):
         if cache.dim() != 3 or cache.shape[2] != row_width or cache.stride(2) != 1 or cache.stride(1) != row_width:
-            raise ValueError(f"KV cache {tuple(cache.shape)} (strides {cache.stride()}) does not hold rows of "
-                             f"{row_width} for head_dim {head_dim}")  # fmt: skip
+            raise ValueError(
+                f"KV cache {tuple(cache.shape)} (strides {cache.stride()}) does not hold rows of "
+                f"{row_width} for head_dim {head_dim}"
+            )
 
 
 def _ptr(tensor: torch.Tensor) -> int:

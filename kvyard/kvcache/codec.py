@@ -65,9 +65,17 @@ def encode_block(root_key: bytes, key: bytes, fmt: BlockFormat, payload: memoryv
     view = memoryview(payload).cast("B")
     shape = tuple(fmt.shape) + (0,) * (MAX_DIMS - len(fmt.shape))
     header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, KV_LAYOUT_VERSION, root_key, key, fmt.dtype.encode(),
-        len(fmt.shape), *shape, view.nbytes, 0,
-    )  # fmt: skip
+        MAGIC,
+        FORMAT_VERSION,
+        KV_LAYOUT_VERSION,
+        root_key,
+        key,
+        fmt.dtype.encode(),
+        len(fmt.shape),
+        *shape,
+        view.nbytes,
+        0,
+    )
     crc = zlib.crc32(view, zlib.crc32(header[:_CRC_OFFSET]))
     return b"".join((header[:_CRC_OFFSET], crc.to_bytes(4, "little"), view))
 

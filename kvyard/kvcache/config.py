@@ -25,27 +25,46 @@ class KVTierConfig:
     """KV tier: a persistent prefix cache below the device cache (host memory, local disk, Redis/Valkey)."""
 
     tiers: tuple[str, ...] | None = setting(
-        None, flag="--kv-tier", metavar="TIERS", help="comma-separated tiers from memory,disk,redis; none turns "
-        "the tier off", default_text="memory, plus disk when --kv-disk-dir is given and redis when --kv-redis-url is",
-    )  # fmt: skip
+        None,
+        flag="--kv-tier",
+        metavar="TIERS",
+        help="comma-separated tiers from memory,disk,redis; none turns the tier off",
+        default_text="memory, plus disk when --kv-disk-dir is given and redis when --kv-redis-url is",
+    )
     memory_gb: float = setting(2.0, flag="--kv-memory-gb", help="budget of the host-memory tier")
-    disk_dir: str | None = setting(None, flag="--kv-disk-dir", help="directory of the disk tier (none: kv-blocks "
-                                   "under $KVYARD_CACHE_DIR, by default ~/.cache/kvyard)")  # fmt: skip
+    disk_dir: str | None = setting(
+        None,
+        flag="--kv-disk-dir",
+        help="directory of the disk tier (none: kv-blocks under $KVYARD_CACHE_DIR, by default ~/.cache/kvyard)",
+    )
     disk_gb: float = setting(32.0, flag="--kv-disk-gb", help="budget of the disk tier")
-    disk_fsync: bool = setting(False, flag="--kv-disk-fsync", help="fsync each block file (a file torn by a power "
-                               "loss is caught by its checksum anyway)")  # fmt: skip
+    disk_fsync: bool = setting(
+        False,
+        flag="--kv-disk-fsync",
+        help="fsync each block file (a file torn by a power loss is caught by its checksum anyway)",
+    )
     redis_url: str | None = setting(
-        None, flag="--kv-redis-url", help="Redis/Valkey URL, e.g. redis://127.0.0.1:6379/0; with a password and "
-        "TLS: rediss://:PASSWORD@HOST:PORT/0?ssl_ca_certs=CA.pem", secret=True,
-    )  # fmt: skip
+        None,
+        flag="--kv-redis-url",
+        help="Redis/Valkey URL, e.g. redis://127.0.0.1:6379/0; with a password and "
+        "TLS: rediss://:PASSWORD@HOST:PORT/0?ssl_ca_certs=CA.pem",
+        secret=True,
+    )
     redis_cluster: bool = setting(False, flag="--kv-redis-cluster", help="the Redis URL points at a Redis Cluster")
     redis_ttl_s: int = setting(24 * 3600, flag="--kv-redis-ttl-s", help="expiry of blocks in Redis, in seconds")
     redis_timeout_s: float = setting(1.0, flag="--kv-redis-timeout-s", help="longest wait for one Redis operation")
-    load_deadline_s: float = setting(2.0, flag="--kv-load-deadline-s", help="longest wait for blocks at admission; "
-                                     "what has not arrived by then is recomputed")  # fmt: skip
-    load_min_speedup: float = setting(2.0, flag="--kv-load-min-speedup", help="a load keeps going past its deadline "
-                                      "while it brings blocks at least this many times faster than the replica "
-                                      "computes them (its measured prefill rate); 0: stop at the deadline")  # fmt: skip
+    load_deadline_s: float = setting(
+        2.0,
+        flag="--kv-load-deadline-s",
+        help="longest wait for blocks at admission; what has not arrived by then is recomputed",
+    )
+    load_min_speedup: float = setting(
+        2.0,
+        flag="--kv-load-min-speedup",
+        help="a load keeps going past its deadline "
+        "while it brings blocks at least this many times faster than the replica "
+        "computes them (its measured prefill rate); 0: stop at the deadline",
+    )
     queue_bytes: int = 512 << 20  # blocks waiting to be written beyond this are dropped (counted)
 
     def __post_init__(self) -> None:
@@ -86,7 +105,7 @@ class KVTierConfig:
             "disk": f"disk ({self.disk_dir or default_disk_dir()}, {self.disk_gb:g} GB)",
             "redis": f"redis ({_without_password(self.redis_url or '')}, expiring after {self.redis_ttl_s} s)",
         }
-        return " -> ".join(parts[name] for name in TIER_NAMES if name in self.active_tiers)  # fmt: skip
+        return " -> ".join(parts[name] for name in TIER_NAMES if name in self.active_tiers)
 
     def build(self, writer_cpus: frozenset[int] | None = None) -> TieredStore:
         order = {name: index for index, name in enumerate(TIER_NAMES)}
@@ -108,12 +127,17 @@ class KVTierConfig:
 class KVTransferConfig:
     """KV transfer: leases on a prefill replica, limits of a pull on a decode replica."""
 
-    kv_lease_s: float = setting(30.0, help="how long a prefilled request's blocks stay pinned for a decode replica "
-                                "that has not released them")  # fmt: skip
-    kv_transfer_timeout_s: float = setting(120.0, help="longest a decode replica waits for a transfer, remote "
-                                           "prefill included; what has not arrived is computed here")  # fmt: skip
-    kv_transfer_idle_s: float = setting(5.0, help="a prefill replica silent this long during a transfer (it sends "
-                                        "heartbeats every second) is given up")  # fmt: skip
+    kv_lease_s: float = setting(
+        30.0, help="how long a prefilled request's blocks stay pinned for a decode replica that has not released them"
+    )
+    kv_transfer_timeout_s: float = setting(
+        120.0,
+        help="longest a decode replica waits for a transfer, remote "
+        "prefill included; what has not arrived is computed here",
+    )
+    kv_transfer_idle_s: float = setting(
+        5.0, help="a prefill replica silent this long during a transfer (it sends heartbeats every second) is given up"
+    )
 
     def __post_init__(self) -> None:
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "kv_transfer_idle_s"):

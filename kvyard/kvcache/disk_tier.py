@@ -134,8 +134,12 @@ class DiskTier:
             written += len(blob)
             result.stored.append(key)
             result.evicted.extend(self._evict_over_budget())
-        self.stats.add(stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
-                       blocks_written=len(result.stored))  # fmt: skip
+        self.stats.add(
+            stores=1,
+            store_seconds=time.perf_counter() - start,
+            bytes_written=written,
+            blocks_written=len(result.stored),
+        )
         if result.evicted:
             gone = set(result.evicted)
             result.stored = [key for key in result.stored if key not in gone]

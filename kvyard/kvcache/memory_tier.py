@@ -76,9 +76,12 @@ class MemoryTier:
                     self._bytes -= len(dropped)
                     result.evicted.append(dropped_key)
         self.stats.add(
-            stores=1, store_seconds=time.perf_counter() - start, bytes_written=written,
-            blocks_written=len(result.stored), evictions=len(result.evicted),
-        )  # fmt: skip
+            stores=1,
+            store_seconds=time.perf_counter() - start,
+            bytes_written=written,
+            blocks_written=len(result.stored),
+            evictions=len(result.evicted),
+        )
         if result.evicted:
             gone = set(result.evicted)
             result.stored = [key for key in result.stored if key not in gone]

@@ -180,8 +180,13 @@ class RedisTier:
     def _mark_down(self, error: BaseException) -> None:
         with self._lock:
             self._down_until = time.monotonic() + self._backoff_s
-            log.warning("kv redis tier %s: %s: %s; treating as misses for %.0f s", self.log_url,
-                        type(error).__name__, error, self._backoff_s)  # fmt: skip
+            log.warning(
+                "kv redis tier %s: %s: %s; treating as misses for %.0f s",
+                self.log_url,
+                type(error).__name__,
+                error,
+                self._backoff_s,
+            )
             self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
         self.stats.add(errors=1)
 

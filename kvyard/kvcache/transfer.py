@@ -95,9 +95,14 @@ BlockSink = Callable[[int, DecodedBlock], None]  # (index among the pulled block
 
 
 def pull_blocks(
-    handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int, fmt: BlockFormat,
-    limits: PullLimits, on_block: BlockSink | None = None,
-) -> PulledBlocks:  # fmt: skip
+    handle: TransferHandle,
+    root_key: bytes,
+    keys: Sequence[bytes],
+    first_block: int,
+    fmt: BlockFormat,
+    limits: PullLimits,
+    on_block: BlockSink | None = None,
+) -> PulledBlocks:
     """Blocks `first_block`, `first_block + 1`, ... of a transfer, verified against `keys` (the keys of those
     blocks), until all of `keys` are in or the transfer ends; never raises for a transfer that fails.
     `on_block` sees each verified block as it arrives (to write it into the cache at once)."""
@@ -128,9 +133,14 @@ def pull_blocks(
 
 
 def _read_frames(
-    response: http.client.HTTPResponse, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, deadline: float,
-    result: PulledBlocks, on_block: BlockSink | None,
-) -> None:  # fmt: skip
+    response: http.client.HTTPResponse,
+    root_key: bytes,
+    keys: Sequence[bytes],
+    fmt: BlockFormat,
+    deadline: float,
+    result: PulledBlocks,
+    on_block: BlockSink | None,
+) -> None:
     while len(result) < len(keys):
         if time.monotonic() > deadline:
             result.failure = "timeout"
@@ -196,6 +206,7 @@ def _connect(base_url: str, timeout_s: float) -> http.client.HTTPConnection:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {base_url!r}")
     if parts.scheme == "https":
-        return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout_s,
-                                           context=ssl.create_default_context())  # fmt: skip
+        return http.client.HTTPSConnection(
+            parts.hostname, parts.port, timeout=timeout_s, context=ssl.create_default_context()
+        )
     return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)

@@ -63,9 +63,14 @@ class TorchSDPABackend:
             mask = span.mask
         # SDPA takes its fused CPU kernel only for 4-D inputs, hence the leading batch dim of 1.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1)
 
 
@@ -87,9 +92,15 @@ class CPUNativeBackend:
         _require_fp32_cpu(q)
         max_context = int(meta.decode_block_tables.shape[1]) * meta.block_size
         return self.kernels.paged_decode(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, max_context,
-            meta.block_size, scale,
-        )  # fmt: skip
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            max_context,
+            meta.block_size,
+            scale,
+        )
 
     def prefill(
         self,

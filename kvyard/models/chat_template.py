@@ -104,9 +104,12 @@ def render_chat_template(
     chat = _alias_reasoning([_without_none(message) for message in plain_template_data(list(messages))])
     continued = _tag_final_message(chat, continue_final_message, source) if continue_final_message else None
     rendered: str = template.render(
-        messages=chat, tools=plain_template_data(tools), documents=plain_template_data(documents),
-        add_generation_prompt=add_generation_prompt, **plain_template_data(dict(variables or {})),
-    )  # fmt: skip
+        messages=chat,
+        tools=plain_template_data(tools),
+        documents=plain_template_data(documents),
+        add_generation_prompt=add_generation_prompt,
+        **plain_template_data(dict(variables or {})),
+    )
     return _cut_after_final_message(rendered, continued) if continued is not None else rendered
 
 
@@ -158,8 +161,9 @@ def _tag_final_message(chat: list[dict[str, Any]], continue_final_message: bool 
     if field in REASONING_FIELDS:  # reasoning goes by several names: the template may read any of them
         fields = [name for name in REASONING_FIELDS if chat[-1].get(name) == final]
     if not any(name in source for name in fields):
-        raise ValueError(f'continue_final_message is set to "{field}" but this is not an accepted field in the '
-                         "chat_template")  # fmt: skip
+        raise ValueError(
+            f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
+        )
     if isinstance(final, (list, tuple)):
         for part in reversed(final):
             if "text" in part:
@@ -175,8 +179,10 @@ def _tag_final_message(chat: list[dict[str, Any]], continue_final_message: bool 
 def _cut_after_final_message(rendered: str, final_text: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if final_text.strip() not in rendered or tag not in rendered:
-        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
-                         "applying the chat template")  # fmt: skip
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the chat after "
+            "applying the chat template"
+        )
     at = rendered.rindex(tag)
     if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
@@ -192,8 +198,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

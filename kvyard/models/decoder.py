@@ -94,8 +94,9 @@ class DecoderBody(nn.Module):
         super().__init__()
         # Given its (uninitialised) weight, the embedding skips drawing random values, which on the meta device
         # the loader builds on imports torch._dynamo: about 3 s of start-up. The checkpoint overwrites it anyway.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))  # fmt: skip
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -156,8 +157,9 @@ class CausalLM(nn.Module):
         keep_bf16 = bf16_matmul and fits_in_half_of_memory(sum(2 * m.qweight.numel() for m in int8_layers))
         to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
         for int8_layer in int8_layers:
-            int8_layer.use_native_kernel(kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16,
-                                         keep_bf16)  # fmt: skip
+            int8_layer.use_native_kernel(
+                kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16, keep_bf16
+            )
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)

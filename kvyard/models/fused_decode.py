@@ -64,8 +64,17 @@ class FusedDecode:
         tables = meta.decode_block_tables
         scratch = self.kernel.scratch(rows, self.shape, tables.shape[1] * meta.block_size)
         chunks, chunk_tables = _chunks(meta)
-        step = DecodeStepArgs.of(positions, meta.slot_mapping, tables, meta.decode_context_lens, chunks, chunk_tables,
-                                 meta.block_size, kv_caches[0], scratch)  # fmt: skip
+        step = DecodeStepArgs.of(
+            positions,
+            meta.slot_mapping,
+            tables,
+            meta.decode_context_lens,
+            chunks,
+            chunk_tables,
+            meta.block_size,
+            kv_caches[0],
+            scratch,
+        )
         residual = hidden.contiguous()  # the embeddings become the residual stream, updated in place
         out = torch.empty_like(residual)
         x: torch.Tensor | None = None
@@ -112,8 +121,9 @@ def _layer_args(
         return None
     norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
     rotary = (model.rotary.cos_table, model.rotary.sin_table)
-    return kernel.layer_args(shape, layer.input_layernorm.eps, norms, qk_norms, (qkv, o, gate_up, down), rotary,
-                             attn.scale)  # fmt: skip
+    return kernel.layer_args(
+        shape, layer.input_layernorm.eps, norms, qk_norms, (qkv, o, gate_up, down), rotary, attn.scale
+    )
 
 
 def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:

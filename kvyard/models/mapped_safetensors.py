@@ -15,8 +15,16 @@ from pathlib import Path
 import numpy as np
 
 # bfloat16 has no numpy dtype: its 16-bit patterns are read as uint16, as the native kernels take them.
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "U8": np.uint8,
-           "I32": np.int32, "I64": np.int64, "F64": np.float64}  # fmt: skip
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "I32": np.int32,
+    "I64": np.int64,
+    "F64": np.float64,
+}
 
 
 class MappedTensorsError(ValueError):

@@ -26,8 +26,12 @@ from kvyard.models.package_info import PackageError, checked_tensors_file, read_
 from kvyard.models.rope_tables import rotary_tables
 
 # KV formats the kernels store (kv_rows.h): numpy storage dtype, the kernels' code, extra bytes per row.
-KV_STORAGE = {"fp32": (np.float32, 0, 0), "fp16": (np.float16, 1, 0), "bf16": (np.uint16, 2, 0),
-              "int8": (np.uint8, 3, 4)}  # fmt: skip
+KV_STORAGE = {
+    "fp32": (np.float32, 0, 0),
+    "fp16": (np.float16, 1, 0),
+    "bf16": (np.uint16, 2, 0),
+    "int8": (np.uint8, 3, 4),
+}
 # The same codes by the name of the cache tensor's element type (PyTorch's, "torch." left off).
 KV_CODES_BY_ELEMENT = {"float32": 0, "float16": 1, "bfloat16": 2, "uint8": 3}
 FP16_KIND, BF16_KIND = 2, 3
@@ -64,8 +68,15 @@ class Weights:
 class NativeModel:
     """The package's model: embeddings, one native call per decoder layer, the final norm, the LM head."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], weights_scheme: str, max_positions: int,
-                 functions: dict[str, Any], num_threads: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        weights_scheme: str,
+        max_positions: int,
+        functions: dict[str, Any],
+        num_threads: int,
+    ) -> None:
         """`tensors`: the model's own, by their names in a package (a PyTorch model's state dict, as numpy views, has
         the same names); `weights_scheme`: int8, fp16, bf16 (16-bit patterns as uint16) or none (fp32)."""
         self.config = config
@@ -78,13 +89,19 @@ class NativeModel:
         lm_head = self._weights("lm_head")
         self.lm_head = lm_head if lm_head is not None else Weights(0, self.embed, None, None)  # tied embeddings
         self.cos_table, self.sin_table = rotary_tables(config.rope, config.head_dim, max_positions)
-        self.shape = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                      config.head_dim)  # fmt: skip
+        self.shape = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.layer_args = [self._layer_args(index) for index in range(config.num_layers)]
 
     @classmethod
-    def from_package(cls, package_dir: str | Path, max_positions: int, functions: dict[str, Any],
-                     num_threads: int) -> NativeModel:  # fmt: skip
+    def from_package(
+        cls, package_dir: str | Path, max_positions: int, functions: dict[str, Any], num_threads: int
+    ) -> NativeModel:
         """The package's model over its memory-mapped tensors, once their SHA-256 matches its description."""
         info = read_info(package_dir)
         tensors = map_tensors(checked_tensors_file(package_dir, info))
@@ -127,12 +144,24 @@ class NativeModel:
         if config.qk_norm:
             q_norm = _ptr(self._tensor(f"{prefix}.self_attn.q_norm.weight"))
             k_norm = _ptr(self._tensor(f"{prefix}.self_attn.k_norm.weight"))
-        return (*self.shape[:2], *self.shape[2:], config.rms_norm_eps,
-                _ptr(self._tensor(f"{prefix}.input_layernorm.weight")),
-                _ptr(self._tensor(f"{prefix}.post_attention_layernorm.weight")), q_norm, k_norm,
-                *_weight_args(qkv), _optional_ptr(qkv.bias), *_weight_args(o), *_weight_args(gate_up),
-                *_weight_args(down), _ptr(self.cos_table), _ptr(self.sin_table), config.head_dim**-0.5,
-                self.num_threads)  # fmt: skip
+        return (
+            *self.shape[:2],
+            *self.shape[2:],
+            config.rms_norm_eps,
+            _ptr(self._tensor(f"{prefix}.input_layernorm.weight")),
+            _ptr(self._tensor(f"{prefix}.post_attention_layernorm.weight")),
+            q_norm,
+            k_norm,
+            *_weight_args(qkv),
+            _optional_ptr(qkv.bias),
+            *_weight_args(o),
+            *_weight_args(gate_up),
+            *_weight_args(down),
+            _ptr(self.cos_table),
+            _ptr(self.sin_table),
+            config.head_dim**-0.5,
+            self.num_threads,
+        )
 
     def forward(self, input_ids: np.ndarray, step: NativeStep, kv: KVPointers) -> np.ndarray:
         """The final hidden states [rows, hidden] of a step's tokens, whose keys and values go into the caches."""
@@ -144,17 +173,44 @@ class NativeModel:
         rows = step.positions.shape[0]
         hidden, inter, num_heads, num_kv_heads, head_dim = self.shape
         max_context = step.max_blocks * step.block_size
-        scratch = np.empty(self.functions["kvyard_decode_layer_scratch_floats"](
-            rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context, self.num_threads),
-            dtype=np.float32)  # fmt: skip
+        scratch = np.empty(
+            self.functions["kvyard_decode_layer_scratch_floats"](
+                rows, hidden, num_heads, num_kv_heads, head_dim, inter, max_context, self.num_threads
+            ),
+            dtype=np.float32,
+        )
         residual = np.empty((rows, hidden), dtype=np.float32)
         out, normed = np.empty_like(residual), np.empty_like(residual)
-        step_args = (kv.code, kv.slot_bytes, _ptr(step.slots), step.num_decodes, _ptr(step.block_tables),
-                     _ptr(step.context_lens), step.block_size, step.max_blocks, max_context, step.chunks.shape[0],
-                     _ptr(step.chunks), _ptr(step.chunk_tables), _ptr(scratch))  # fmt: skip
+        step_args = (
+            kv.code,
+            kv.slot_bytes,
+            _ptr(step.slots),
+            step.num_decodes,
+            _ptr(step.block_tables),
+            _ptr(step.context_lens),
+            step.block_size,
+            step.max_blocks,
+            max_context,
+            step.chunks.shape[0],
+            _ptr(step.chunks),
+            _ptr(step.chunk_tables),
+            _ptr(scratch),
+        )
         layers = enumerate(zip(self.layer_args, kv.layers, strict=True))
-        calls = [(None if index == 0 else _ptr(out), _ptr(residual), _ptr(out), rows, _ptr(step.positions), k_cache,
-                  v_cache, *step_args, *args) for index, (args, (k_cache, v_cache)) in layers]  # fmt: skip
+        calls = [
+            (
+                None if index == 0 else _ptr(out),
+                _ptr(residual),
+                _ptr(out),
+                rows,
+                _ptr(step.positions),
+                k_cache,
+                v_cache,
+                *step_args,
+                *args,
+            )
+            for index, (args, (k_cache, v_cache)) in layers
+        ]
         norm = (_ptr(out), _ptr(residual), _ptr(self.final_norm), _ptr(normed), rows, hidden, self.config.rms_norm_eps)
         # Converted to C values once: a call of 47 Python values cost about 6 us more than one of C values.
         layer_types = self.functions["kvyard_decode_layer"].argtypes
@@ -172,8 +228,9 @@ class NativeModel:
         if head.kind == 1:
             self.functions["kvyard_small_linear_int8"](x, w, _ptr(head.scales), None, y, rows, n, k, self.num_threads)
         elif head.kind in (FP16_KIND, BF16_KIND):
-            self.functions["kvyard_small_linear_half"](x, w, None, y, rows, n, k, int(head.kind == BF16_KIND),
-                                                       self.num_threads)  # fmt: skip
+            self.functions["kvyard_small_linear_half"](
+                x, w, None, y, rows, n, k, int(head.kind == BF16_KIND), self.num_threads
+            )
         else:
             self.functions["kvyard_small_linear"](x, w, None, y, rows, n, k, self.num_threads)
         return out
@@ -203,8 +260,9 @@ class NativeStep:
     max_blocks: int
 
     @classmethod
-    def of_queries(cls, starts: Sequence[int], lengths: Sequence[int], block_tables: Sequence[Sequence[int]],
-                   block_size: int) -> NativeStep:  # fmt: skip
+    def of_queries(
+        cls, starts: Sequence[int], lengths: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+    ) -> NativeStep:
         """The step of queries in the engine's order, single-token ones first: query i computes `lengths[i]` tokens
         from position `starts[i]` in the blocks of `block_tables[i]`. A single-token query goes through decode
         attention (its table padded with block 0, which holds zeros); a longer one is a chunk reading its earlier
@@ -226,9 +284,17 @@ class NativeStep:
                 positions.append(position)
                 slots.append(table[position // block_size] * block_size + position % block_size)
         context_lens = np.array([start + 1 for start in starts[:num_decodes]], dtype=np.int64)
-        return cls(np.array(positions, dtype=np.int64), np.array(slots, dtype=np.int64), num_decodes, tables,
-                   context_lens, np.array(chunks, dtype=np.int64).reshape(-1, 4),
-                   np.array(chunk_tables, dtype=np.int64), block_size, max_blocks)  # fmt: skip
+        return cls(
+            np.array(positions, dtype=np.int64),
+            np.array(slots, dtype=np.int64),
+            num_decodes,
+            tables,
+            context_lens,
+            np.array(chunks, dtype=np.int64).reshape(-1, 4),
+            np.array(chunk_tables, dtype=np.int64),
+            block_size,
+            max_blocks,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,8 +41,16 @@ from kvyard.models.quantization import quantize_model
 
 __all__ = ["PackageError", "PackageInfo", "convert", "is_package", "load_package", "read_info"]
 
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> PackageInfo:
@@ -60,8 +68,14 @@ def convert(model_dir: str | Path, weights: str, out_dir: str | Path) -> Package
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
-    info = PackageInfo(PACKAGE_FORMAT, FORMAT_VERSION, weights, group_size(weights), model_digest(source),
-                       sha256_of(out / TENSORS_FILE))  # fmt: skip
+    info = PackageInfo(
+        PACKAGE_FORMAT,
+        FORMAT_VERSION,
+        weights,
+        group_size(weights),
+        model_digest(source),
+        sha256_of(out / TENSORS_FILE),
+    )
     (out / PACKAGE_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
 
@@ -97,8 +111,10 @@ def _load_tensors(model: CausalLM, path: Path, tied: bool) -> None:
                     raise PackageError(f"{path}: tensor {name!r} has no place in this model")
                 tensor = reader.get_tensor(name)
                 if tensor.shape != targets[name].shape:
-                    raise PackageError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                                       f"{tuple(targets[name].shape)}")  # fmt: skip
+                    raise PackageError(
+                        f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                        f"{tuple(targets[name].shape)}"
+                    )
                 targets[name].data.copy_(tensor)
                 loaded.add(name)
     except SafetensorError as error:

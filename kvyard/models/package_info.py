@@ -63,12 +63,16 @@ def read_info(package_dir: str | Path) -> PackageInfo:
     if info.format != PACKAGE_FORMAT:
         raise PackageError(f"{path}: format {info.format!r} is not {PACKAGE_FORMAT!r}")
     if info.format_version != FORMAT_VERSION:
-        raise PackageError(f"{path}: format version {info.format_version} is not the one this kvyard reads "
-                           f"({FORMAT_VERSION}); convert the model again with this version")  # fmt: skip
+        raise PackageError(
+            f"{path}: format version {info.format_version} is not the one this kvyard reads "
+            f"({FORMAT_VERSION}); convert the model again with this version"
+        )
     if info.weights not in PACKAGE_SCHEMES or info.group_size != group_size(info.weights):
-        raise PackageError(f"{path}: weights {info.weights!r} with groups of {info.group_size} cannot run here "
-                           f"(this kvyard runs {', '.join(PACKAGE_SCHEMES)}; int8 with groups of "
-                           f"{GROUP_SIZE})")  # fmt: skip
+        raise PackageError(
+            f"{path}: weights {info.weights!r} with groups of {info.group_size} cannot run here "
+            f"(this kvyard runs {', '.join(PACKAGE_SCHEMES)}; int8 with groups of "
+            f"{GROUP_SIZE})"
+        )
     return info
 
 
@@ -78,8 +82,9 @@ def checked_tensors_file(package_dir: str | Path, info: PackageInfo) -> Path:
     if not tensors_path.is_file():
         raise PackageError(f"{tensors_path} is missing")
     if sha256_of(tensors_path) != info.tensors_sha256:
-        raise PackageError(f"{tensors_path} does not match its SHA-256 in {PACKAGE_FILE}: the file is corrupt or "
-                           "truncated")  # fmt: skip
+        raise PackageError(
+            f"{tensors_path} does not match its SHA-256 in {PACKAGE_FILE}: the file is corrupt or truncated"
+        )
     return tensors_path
 
 

@@ -33,8 +33,15 @@ class ScreenedHead:
 
     __slots__ = ("_scratch", "_screened", "error_norms", "is_bf16", "qweight", "row_norms", "scales", "weight16")
 
-    def __init__(self, weight16: np.ndarray, is_bf16: bool, qweight: np.ndarray, scales: np.ndarray,
-                 error_norms: np.ndarray, row_norms: np.ndarray) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight16: np.ndarray,
+        is_bf16: bool,
+        qweight: np.ndarray,
+        scales: np.ndarray,
+        error_norms: np.ndarray,
+        row_norms: np.ndarray,
+    ) -> None:
         self.weight16 = weight16  # [vocab, k] fp16 or bf16 bit patterns (uint16 for bf16)
         self.is_bf16 = is_bf16
         self.qweight = qweight  # [vocab, k] int8
@@ -72,8 +79,17 @@ class ScreenedHead:
         if self._screened.shape[0] < rows:
             self._screened = np.empty((rows, vocab), dtype=np.float32)
         screened = self._screened
-        functions["kvyard_small_linear_int8"](hidden.ctypes.data, self.qweight.ctypes.data, self.scales.ctypes.data,
-                                              None, screened.ctypes.data, rows, vocab, k, num_threads)  # fmt: skip
+        functions["kvyard_small_linear_int8"](
+            hidden.ctypes.data,
+            self.qweight.ctypes.data,
+            self.scales.ctypes.data,
+            None,
+            screened.ctypes.data,
+            rows,
+            vocab,
+            k,
+            num_threads,
+        )
         tokens = np.empty(rows, dtype=np.int64)
         best = np.empty(1, dtype=np.int64)
         for row in range(rows):
@@ -102,13 +118,23 @@ class ScreenedHead:
         np.add(screened, bound, out=other)
         return np.flatnonzero(other >= largest_lower)
 
-    def _logits16(self, x: np.ndarray, candidates: np.ndarray | None, functions: dict[str, Any],
-                  num_threads: int) -> np.ndarray:  # fmt: skip
+    def _logits16(
+        self, x: np.ndarray, candidates: np.ndarray | None, functions: dict[str, Any], num_threads: int
+    ) -> np.ndarray:
         """The 16-bit logits [1, candidates] of x [1, k] for the candidate tokens (None: all)."""
         rows = self.weight16 if candidates is None else np.ascontiguousarray(self.weight16[candidates])
         out = np.empty((1, rows.shape[0]), dtype=np.float32)
-        functions["kvyard_small_linear_half"](x.ctypes.data, rows.ctypes.data, None, out.ctypes.data, 1, rows.shape[0],
-                                              x.shape[1], int(self.is_bf16), num_threads)  # fmt: skip
+        functions["kvyard_small_linear_half"](
+            x.ctypes.data,
+            rows.ctypes.data,
+            None,
+            out.ctypes.data,
+            1,
+            rows.shape[0],
+            x.shape[1],
+            int(self.is_bf16),
+            num_threads,
+        )
         return out
 
 

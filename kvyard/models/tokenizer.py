@@ -42,8 +42,9 @@ class Loaded:
 class PlainTokenizer:
     """tokenizer.json and the chat template of one checkpoint, with Hugging Face's tokenizer results."""
 
-    def __init__(self, backend: Tokenizer, special_tokens: Mapping[str, str],
-                 chat_template: str | dict[str, str] | None) -> None:  # fmt: skip
+    def __init__(
+        self, backend: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | dict[str, str] | None
+    ) -> None:
         self.backend_tokenizer = backend
         self.special_tokens_map = dict(special_tokens)
         self.chat_template = chat_template
@@ -122,8 +123,16 @@ class PlainTokenizer:
         template = self._compiled.get(source)
         if template is None:
             template = self._compiled.setdefault(source, compile_chat_template(source))
-        text = render_chat_template(template, source, conversation, tools, documents, add_generation_prompt,
-                                    continue_final_message, {**self.special_tokens_map, **kwargs})  # fmt: skip
+        text = render_chat_template(
+            template,
+            source,
+            conversation,
+            tools,
+            documents,
+            add_generation_prompt,
+            continue_final_message,
+            {**self.special_tokens_map, **kwargs},
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template_source(self, chat_template: str | None, tools: object) -> str:
@@ -133,8 +142,9 @@ class PlainTokenizer:
                 return templates.get(chat_template, chat_template)
             name = "tool_use" if tools is not None and "tool_use" in templates else "default"
             if name not in templates:
-                raise ValueError(f"this model has several chat templates and none is the default: name one of "
-                                 f"{sorted(templates)}")  # fmt: skip
+                raise ValueError(
+                    f"this model has several chat templates and none is the default: name one of {sorted(templates)}"
+                )
             return templates[name]
         if chat_template is not None:
             return chat_template
@@ -154,8 +164,9 @@ class PlainTokenizer:
         return token_id
 
 
-def _why_not_plain(root: Path, config: dict[str, Any], tokenizer_json: dict[str, Any],
-                   model_config: dict[str, Any]) -> str:  # fmt: skip
+def _why_not_plain(
+    root: Path, config: dict[str, Any], tokenizer_json: dict[str, Any], model_config: dict[str, Any]
+) -> str:
     if config.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES:
         return f"tokenizer_class {config.get('tokenizer_class')!r} has its own code in transformers"
     if model_config.get("model_type") in PATCHED_MODEL_TYPES:

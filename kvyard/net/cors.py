@@ -42,14 +42,20 @@ class CorsPolicy:
 
     def answer_headers(self, origin: str) -> list[tuple[str, str]]:
         """Headers for the answer to an allowed origin's request."""
-        return [("Access-Control-Allow-Origin", "*" if self.any_origin else origin), ("Vary", "Origin"),
-                ("Access-Control-Expose-Headers", "*")]  # fmt: skip
+        return [
+            ("Access-Control-Allow-Origin", "*" if self.any_origin else origin),
+            ("Vary", "Origin"),
+            ("Access-Control-Expose-Headers", "*"),
+        ]
 
     def preflight_headers(self, origin: str, requested_headers: str | None) -> list[tuple[str, str]]:
         """Headers for the answer to an allowed origin's preflight: the methods served, the headers it asked for."""
-        headers = [("Access-Control-Allow-Origin", "*" if self.any_origin else origin), ("Vary", "Origin"),
-                   ("Access-Control-Allow-Methods", ALLOWED_METHODS),
-                   ("Access-Control-Max-Age", str(PREFLIGHT_MAX_AGE_S))]  # fmt: skip
+        headers = [
+            ("Access-Control-Allow-Origin", "*" if self.any_origin else origin),
+            ("Vary", "Origin"),
+            ("Access-Control-Allow-Methods", ALLOWED_METHODS),
+            ("Access-Control-Max-Age", str(PREFLIGHT_MAX_AGE_S)),
+        ]
         if requested_headers:
             headers.append(("Access-Control-Allow-Headers", requested_headers))
         return headers

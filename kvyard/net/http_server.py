@@ -77,8 +77,7 @@ class Responder:
     The head of a streamed response goes out with its first body bytes: one socket write, not two.
     """
 
-    __slots__ = ("_chunked", "_connection", "_head", "extra_headers", "finished", "head_only", "keep_alive",
-                 "started")  # fmt: skip
+    __slots__ = ("_chunked", "_connection", "_head", "extra_headers", "finished", "head_only", "keep_alive", "started")
 
     def __init__(self, connection: _Connection, keep_alive: bool, head_only: bool = False) -> None:
         """`head_only`: the answer to a HEAD request, whose status line and headers go out and body never does
@@ -92,8 +91,9 @@ class Responder:
         self._head = b""
         self.extra_headers: list[tuple[str, str]] = []  # added to whatever answer the handler gives (CORS)
 
-    def send(self, status: int, body: bytes, headers: Headers | None = None,
-             content_type: str = "application/json") -> None:  # fmt: skip
+    def send(
+        self, status: int, body: bytes, headers: Headers | None = None, content_type: str = "application/json"
+    ) -> None:
         framing = f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         self._connection.write(self._make_head(status, headers, framing) + (b"" if self.head_only else body))
         self._finish()
@@ -427,19 +427,30 @@ class HttpServerConfig:
     """HTTP: TLS, and what one client may ask of the server."""
 
     max_body_mb: float = setting(4.0, help="the largest request body accepted; a larger one gets 413")
-    request_read_timeout_s: float = setting(30.0, help="a request whose head and body have not arrived this long "
-                                            "after its first byte gets 408 and its connection closed")  # fmt: skip
+    request_read_timeout_s: float = setting(
+        30.0,
+        help="a request whose head and body have not arrived this long "
+        "after its first byte gets 408 and its connection closed",
+    )
     idle_timeout_s: float = setting(75.0, help="a keep-alive connection idle this long between requests is closed")
-    backlog: int = setting(2048, help="connections the kernel holds for the server while it is busy (capped by "
-                           "net.core.somaxconn); past it, new clients wait on SYN retries or fail")  # fmt: skip
-    ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (PEM)",
-                                       default_text="none: plain HTTP")  # fmt: skip
-    ssl_keyfile: str | None = setting(None, help="the private key of --ssl-certfile (PEM; default: in the "
-                                      "certificate file)", default_text="none")  # fmt: skip
-    allowed_origins: str | None = setting(None, help="web pages allowed to call this server from a browser on "
-                                          "another origin (CORS): comma-separated origins such as "
-                                          "https://app.example.com, or * for any", default_text="none: no CORS "
-                                          "headers, browsers refuse cross-origin calls")  # fmt: skip
+    backlog: int = setting(
+        2048,
+        help="connections the kernel holds for the server while it is busy (capped by "
+        "net.core.somaxconn); past it, new clients wait on SYN retries or fail",
+    )
+    ssl_certfile: str | None = setting(
+        None, help="serve HTTPS with this certificate chain (PEM)", default_text="none: plain HTTP"
+    )
+    ssl_keyfile: str | None = setting(
+        None, help="the private key of --ssl-certfile (PEM; default: in the certificate file)", default_text="none"
+    )
+    allowed_origins: str | None = setting(
+        None,
+        help="web pages allowed to call this server from a browser on "
+        "another origin (CORS): comma-separated origins such as "
+        "https://app.example.com, or * for any",
+        default_text="none: no CORS headers, browsers refuse cross-origin calls",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_body_mb", "request_read_timeout_s", "idle_timeout_s", "backlog"):
@@ -475,8 +486,9 @@ class HttpServer:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         context = self.config.ssl_context()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                ssl=context, backlog=self.config.backlog)  # fmt: skip
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True, ssl=context, backlog=self.config.backlog
+        )
 
     @property
     def port(self) -> int:

@@ -74,8 +74,18 @@ class Router:
         admin_key = AdminKey.from_settings(config.access.admin_key)
         limiter = RateLimiter(config.access.requests_per_min, config.access.tokens_per_min)
         shared, holders = registry.shared_stores, registry.holders
-        return cls(config, metrics, registry, make_policy(config, shared, holders), tokenizer, forwarder,
-                   keys, admin_key, limiter, PDPlanner.create(config, shared, holders))  # fmt: skip
+        return cls(
+            config,
+            metrics,
+            registry,
+            make_policy(config, shared, holders),
+            tokenizer,
+            forwarder,
+            keys,
+            admin_key,
+            limiter,
+            PDPlanner.create(config, shared, holders),
+        )
 
     async def close(self) -> None:
         await self.registry.close()
@@ -121,9 +131,13 @@ class Router:
         cached = self._candidates
         if not exclude and kinds is None and cached is not None and cached[0] is routable and cached[1] == model:
             return cached[2]
-        chosen = [replica for replica in routable if replica.url not in exclude and
-                  (model is None or not replica.model_ids or model in replica.model_ids) and
-                  (kinds is None or replica.kind in kinds)]  # fmt: skip
+        chosen = [
+            replica
+            for replica in routable
+            if replica.url not in exclude
+            and (model is None or not replica.model_ids or model in replica.model_ids)
+            and (kinds is None or replica.kind in kinds)
+        ]
         if not exclude and kinds is None:
             self._candidates = (routable, model, chosen)
         return chosen
@@ -134,8 +148,12 @@ class Router:
         self.limiter.admit(caller, estimated_tokens_asked(kind, body) if self.limiter.tokens_per_min else 0)
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, f"router queue is full ({self.in_flight} requests in flight); retry later",
-                           code="overloaded", retry_after=1)  # fmt: skip
+            raise APIError(
+                429,
+                f"router queue is full ({self.in_flight} requests in flight); retry later",
+                code="overloaded",
+                retry_after=1,
+            )
         model = body.get("model")
         self._check_model(model)
         upstream_body = self._with_tenant_salt(request, body)
@@ -162,9 +180,15 @@ class Router:
             raise bad_request("request body is nested too deeply", "body") from None
 
     async def _attempts(
-        self, request: HttpRequest, responder: Responder, kind: str, path: str, body: dict[str, Any],
-        model: str | None, upstream_body: bytes,
-    ) -> None:  # fmt: skip
+        self,
+        request: HttpRequest,
+        responder: Responder,
+        kind: str,
+        path: str,
+        body: dict[str, Any],
+        model: str | None,
+        upstream_body: bytes,
+    ) -> None:
         tried: set[str] = set()
         last: Retry | None = None
         stream = body.get("stream") is True
@@ -196,8 +220,9 @@ class Router:
             else:
                 attempt_body = upstream_body if attempt is body else orjson.dumps(attempt)
             attempt_path = follower.upstream_path(path) if follower is not None else path
-            outcome = await self.forwarder.forward(request, responder, attempt_path, decision, stream, attempt_body,
-                                                   follower)  # fmt: skip
+            outcome = await self.forwarder.forward(
+                request, responder, attempt_path, decision, stream, attempt_body, follower
+            )
             if outcome is None:
                 return
             last = outcome
@@ -210,8 +235,7 @@ class Router:
             responder.send(stored.status, stored.body, stored.headers, stored.content_type)
             return
         self.metrics.rejected.labels("no_replica").inc()
-        raise APIError(503, "no healthy replica could take the request; retry later", code="no_replica",
-                       retry_after=1)  # fmt: skip
+        raise APIError(503, "no healthy replica could take the request; retry later", code="no_replica", retry_after=1)
 
     def _disaggregated(self, candidates: list[Replica]) -> bool:
         """Prefill replicas are among the candidates, and the router holds the admin key PD legs need (for them)."""
@@ -251,16 +275,21 @@ class Router:
         if self.config.policy == "cache_aware" or disaggregate:
             token_ids = await self.tokenizer.token_ids(kind, body, candidates)
         salt = body.get("cache_salt")
-        return RouteRequest(kind, body, str(session_key) if session_key else None, token_ids,
-                            salt if isinstance(salt, str) else None)  # fmt: skip
+        return RouteRequest(
+            kind, body, str(session_key) if session_key else None, token_ids, salt if isinstance(salt, str) else None
+        )
 
     def _check_model(self, model: str | None) -> None:
         if model is None:
             return
         known = {model_id for replica in self.registry.replicas.values() for model_id in replica.model_ids}
         if known and model not in known:
-            raise APIError(404, f"model {model!r} is not served here; available: {', '.join(sorted(known))}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; available: {', '.join(sorted(known))}",
+                param="model",
+                code="model_not_found",
+            )
 
 
 def _follower(kind: str, body: dict[str, Any], replica: Replica) -> Follower | None:
@@ -301,9 +330,11 @@ def _describe_plan(plan: PDPlan, request: RouteRequest) -> str:
     tokens = len(request.token_ids) if request.token_ids is not None else None
     decode, prefill = plan.decode, plan.prefill
     remote = f" prefill {prefill.replica.url} cached {prefill.predicted_cached_tokens}" if prefill else ""
-    return (f"pd {plan.reason}: session {request.session_key} prompt {tokens} tokens; decode {decode.replica.url} "
-            f"cached {decode.predicted_cached_tokens} cost {decode.prefill_cost:.0f} load {decode.load_s:.3f}s"
-            f"{remote}")  # fmt: skip
+    return (
+        f"pd {plan.reason}: session {request.session_key} prompt {tokens} tokens; decode {decode.replica.url} "
+        f"cached {decode.predicted_cached_tokens} cost {decode.prefill_cost:.0f} load {decode.load_s:.3f}s"
+        f"{remote}"
+    )
 
 
 def _parse_request(raw: bytes, kind: str) -> dict[str, Any]:
@@ -358,8 +389,12 @@ def _fleet_card(cards: list[ModelCard]) -> dict[str, Any]:
     created = [card.created for card in cards if card.created is not None]
     lengths = [card.max_model_len for card in cards if card.max_model_len is not None]
     owners = [card.owned_by for card in cards if card.owned_by]
-    body: dict[str, Any] = {"id": cards[0].id, "object": "model", "created": min(created, default=0),
-                            "owned_by": owners[0] if owners else "kvyard"}  # fmt: skip
+    body: dict[str, Any] = {
+        "id": cards[0].id,
+        "object": "model",
+        "created": min(created, default=0),
+        "owned_by": owners[0] if owners else "kvyard",
+    }
     if lengths:
         body["max_model_len"] = min(lengths)
     return body
@@ -407,8 +442,12 @@ async def _pooling(router: Router, request: HttpRequest, responder: Responder) -
     router.limiter.admit(caller, 0)
     if router.in_flight >= router.config.max_in_flight:
         router.metrics.rejected.labels("queue_full").inc()
-        raise APIError(429, f"router queue is full ({router.in_flight} requests in flight); retry later",
-                       code="overloaded", retry_after=1)  # fmt: skip
+        raise APIError(
+            429,
+            f"router queue is full ({router.in_flight} requests in flight); retry later",
+            code="overloaded",
+            retry_after=1,
+        )
     body = json_object(request.body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -440,12 +479,15 @@ async def _load(router: Router, request: HttpRequest, responder: Responder) -> N
     on one replica."""
     loads = [replica.load for replica in router.registry.routable()]
     speeds = sorted(load.prefill_s_per_token for load in loads if load.prefill_s_per_token > 0)
-    report = LoadReport(num_waiting=sum(load.num_waiting for load in loads),
-                        num_running=sum(load.num_running for load in loads), in_flight_requests=router.in_flight,
-                        kv_blocks_used=sum(load.kv_blocks_used for load in loads),
-                        kv_blocks_total=sum(load.kv_blocks_total for load in loads),
-                        tokens_in_flight=sum(load.tokens_in_flight for load in loads),
-                        prefill_s_per_token=speeds[len(speeds) // 2] if speeds else 0.0)  # fmt: skip
+    report = LoadReport(
+        num_waiting=sum(load.num_waiting for load in loads),
+        num_running=sum(load.num_running for load in loads),
+        in_flight_requests=router.in_flight,
+        kv_blocks_used=sum(load.kv_blocks_used for load in loads),
+        kv_blocks_total=sum(load.kv_blocks_total for load in loads),
+        tokens_in_flight=sum(load.tokens_in_flight for load in loads),
+        prefill_s_per_token=speeds[len(speeds) // 2] if speeds else 0.0,
+    )
     responder.send_json(200, report.to_json())
 
 
@@ -566,9 +608,14 @@ _ACCESS: dict[str, Access] = {
 
 
 async def serve(
-    config: RouterConfig, replica_urls: Sequence[str], host: str, port: int, prefill_urls: Sequence[str] = (),
-    decode_urls: Sequence[str] = (), replica_events: Sequence[EventEndpoints | None] = (),
-) -> None:  # fmt: skip
+    config: RouterConfig,
+    replica_urls: Sequence[str],
+    host: str,
+    port: int,
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
+    replica_events: Sequence[EventEndpoints | None] = (),
+) -> None:
     """Run the router until SIGINT/SIGTERM, then let requests in progress finish. `replica_events[i]` is where the
     vLLM or SGLang replica `replica_urls[i]` publishes its KV events."""
     router = Router.create(config)
@@ -583,13 +630,19 @@ async def serve(
     await server.start(host, port)
     scheme = "https" if config.http.ssl_certfile else "http"
     replicas = ", ".join(replica_urls) or "none yet (add them with POST /admin/replicas)"
-    _say(f"listening on {scheme}://{host}:{server.port}, policy {config.policy}, {len(replica_urls)} replica(s): "
-         f"{replicas}")  # fmt: skip
+    _say(
+        f"listening on {scheme}://{host}:{server.port}, policy {config.policy}, {len(replica_urls)} replica(s): "
+        f"{replicas}"
+    )
     if prefill_urls or decode_urls:
-        _say(f"disaggregation {config.disaggregation}: prefill {', '.join(prefill_urls) or 'none'}; decode "
-             f"{', '.join(decode_urls) or 'those reporting role decode'}")  # fmt: skip
-    _say(f"API keys {'required' if router.keys.enabled else 'not required'}; admin plane "
-         f"{'on' if router.admin_key.digest is not None else 'off (no --admin-key)'}")  # fmt: skip
+        _say(
+            f"disaggregation {config.disaggregation}: prefill {', '.join(prefill_urls) or 'none'}; decode "
+            f"{', '.join(decode_urls) or 'those reporting role decode'}"
+        )
+    _say(
+        f"API keys {'required' if router.keys.enabled else 'not required'}; admin plane "
+        f"{'on' if router.admin_key.digest is not None else 'off (no --admin-key)'}"
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -19,67 +19,99 @@ class RouterConfig:
 
     policy: str = setting("cache_aware", choices=POLICIES, help="how a replica is chosen")
     health_interval_s: float = setting(0.5, help="seconds between health checks of each replica")
-    max_health_checks_per_s: float = setting(200.0, help="health checks of all replicas together per second at "
-                                             "most: a large fleet's are spread out (1,000 replicas: each every "
-                                             "5 s); a failed request still ejects a replica at once")  # fmt: skip
+    max_health_checks_per_s: float = setting(
+        200.0,
+        help="health checks of all replicas together per second at "
+        "most: a large fleet's are spread out (1,000 replicas: each every "
+        "5 s); a failed request still ejects a replica at once",
+    )
     health_timeout_s: float = setting(2.0, help="a health check slower than this fails")
     eject_after_failures: int = setting(2, help="failed health checks in a row before a replica is ejected")
     # When most of a fleet fails its checks at once, the likelier cause is overload slowing the checks (or the
     # checks' own path), not most replicas dying together; ejecting them all would turn slowness into an outage.
-    panic_threshold: float = setting(0.5, help="below this fraction of replicas healthy (drained ones aside), route "
-                                     "to ejected replicas too, as if all were healthy; requests that fail on one "
-                                     "are retried on another (0: never)")  # fmt: skip
+    panic_threshold: float = setting(
+        0.5,
+        help="below this fraction of replicas healthy (drained ones aside), route "
+        "to ejected replicas too, as if all were healthy; requests that fail on one "
+        "are retried on another (0: never)",
+    )
     connect_timeout_s: float = setting(3.0, help="longest wait to connect to a replica")
     max_in_flight: int = setting(4096, help="requests proxied at once; beyond it, 429 with Retry-After")
     max_attempts: int = setting(3, help="replicas tried for one request before its first byte")
-    session_header: str = setting("x-session-id", help="header that names a session (policy session; the "
-                                  "request's 'user' field otherwise)")  # fmt: skip
+    session_header: str = setting(
+        "x-session-id", help="header that names a session (policy session; the request's 'user' field otherwise)"
+    )
     # cache_aware cost model, in prefill-token equivalents. Prefilling n new tokens after c cached ones costs
     # n + attention_pair_cost * (n*c + n*n/2): linear layers plus causal attention. The default is the ratio of
     # kvyard's attention-pair to prefill-token time on a CPU (sim cost model, calibrated from the engine); for
     # a GPU engine it is smaller. A running request slows a new prefill as much as `running_request_cost`
     # tokens of prefill, a waiting request of unknown size as much as `waiting_request_cost`.
-    attention_pair_cost: float = setting(3.5e-4, help="cache_aware: cost of one (query, key) pair of prefill "
-                                         "attention, in prefill-token equivalents")  # fmt: skip
-    running_request_cost: float = setting(16.0, help="cache_aware: how much a running request slows a new "
-                                          "prefill, in prefill tokens")  # fmt: skip
-    waiting_request_cost: float = setting(512.0, help="cache_aware: the same for a waiting request of unknown "
-                                          "size")  # fmt: skip
+    attention_pair_cost: float = setting(
+        3.5e-4, help="cache_aware: cost of one (query, key) pair of prefill attention, in prefill-token equivalents"
+    )
+    running_request_cost: float = setting(
+        16.0, help="cache_aware: how much a running request slows a new prefill, in prefill tokens"
+    )
+    waiting_request_cost: float = setting(512.0, help="cache_aware: the same for a waiting request of unknown size")
     # Prefill work a choice adds to the fleet beyond the cheapest replica's (cache it forgoes) is charged this
     # many times over: under load, every replica's extra work delays the requests queued behind it.
-    recompute_weight: float = setting(1.0, help="cache_aware: weight of the prefill work a replica adds to the "
-                                      "fleet by not reusing another's cache")  # fmt: skip
+    recompute_weight: float = setting(
+        1.0, help="cache_aware: weight of the prefill work a replica adds to the fleet by not reusing another's cache"
+    )
     # Moving a session away from the replica of its last turn is charged this many times the prefill work
     # that replica would have saved (its history is needed again next turn; a copy evicts others' histories).
-    session_recompute_weight: float = setting(300.0, help="cache_aware: the same for moving a session away from "
-                                              "the replica that served its last turn")  # fmt: skip
+    session_recompute_weight: float = setting(
+        300.0, help="cache_aware: the same for moving a session away from the replica that served its last turn"
+    )
     # A conversation's later turns follow its history: placing its turn also places them (router.conversations).
-    conversation_weight: float = setting(1.0, help="cache_aware: weight of the queueing a placement commits a "
-                                         "conversation's later turns to (the conversations already at home on "
-                                         "the replica; 0: place each request for itself)")  # fmt: skip
-    disaggregation: str = setting("conditional", choices=DISAGGREGATION, help="with prefill replicas: send every "
-                                  "request's prefill to one (always), or only when the decode replica would have more "
-                                  "than --pd-local-prefill-tokens to compute, unless it would start the prompt sooner "
-                                  "than the prefill pool within --pd-decode-prefill-budget (conditional)")  # fmt: skip
-    pd_local_prefill_tokens: int = setting(512, help="conditional disaggregation: a decode replica with at most this "
-                                           "many prompt tokens to compute prefills them itself")  # fmt: skip
+    conversation_weight: float = setting(
+        1.0,
+        help="cache_aware: weight of the queueing a placement commits a "
+        "conversation's later turns to (the conversations already at home on "
+        "the replica; 0: place each request for itself)",
+    )
+    disaggregation: str = setting(
+        "conditional",
+        choices=DISAGGREGATION,
+        help="with prefill replicas: send every "
+        "request's prefill to one (always), or only when the decode replica would have more "
+        "than --pd-local-prefill-tokens to compute, unless it would start the prompt sooner "
+        "than the prefill pool within --pd-decode-prefill-budget (conditional)",
+    )
+    pd_local_prefill_tokens: int = setting(
+        512,
+        help="conditional disaggregation: a decode replica with at most this "
+        "many prompt tokens to compute prefills them itself",
+    )
     # Each 2,048 tokens of prefill queued on a decode replica cost its streams about one chunk-sized step.
-    pd_decode_prefill_budget: int = setting(16384, help="conditional disaggregation: a decode replica that runs "
-                                            "decodes prefills a prompt itself when it would start there sooner "
-                                            "than in the prefill pool, as long as the prefill work queued on it "
-                                            "stays within this many tokens (0: only an idle one does)")  # fmt: skip
+    pd_decode_prefill_budget: int = setting(
+        16384,
+        help="conditional disaggregation: a decode replica that runs "
+        "decodes prefills a prompt itself when it would start there sooner "
+        "than in the prefill pool, as long as the prefill work queued on it "
+        "stays within this many tokens (0: only an idle one does)",
+    )
     # A running request takes a share of every decode step for the rest of its output: ~64 more steps of one
     # sequence weigh as much as 256 prefill tokens in the sim cost model (1.8 ms per sequence, 0.43 per token).
-    pd_decode_request_cost: float = setting(256.0, help="disaggregated requests: how much a request running on a "
-                                            "decode replica weighs, in prefill tokens, against the tokens a "
-                                            "replica would have to pull")  # fmt: skip
-    replica_api_key: str | None = setting(None, help="the key the router sends to replicas (also "
-                                          "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
-                                          default_text="none", secret=True)  # fmt: skip
-    replica_admin_key: str | None = setting(None, help="the replicas' admin key, to follow their KV events (also "
-                                            "$KVYARD_REPLICA_ADMIN_KEY)", default_text="none: each replica's "
-                                            "cache index is learned from the prompts routed to it",
-                                            secret=True)  # fmt: skip
+    pd_decode_request_cost: float = setting(
+        256.0,
+        help="disaggregated requests: how much a request running on a "
+        "decode replica weighs, in prefill tokens, against the tokens a "
+        "replica would have to pull",
+    )
+    replica_api_key: str | None = setting(
+        None,
+        help="the key the router sends to replicas (also "
+        "$KVYARD_REPLICA_API_KEY); a client's own key never goes upstream",
+        default_text="none",
+        secret=True,
+    )
+    replica_admin_key: str | None = setting(
+        None,
+        help="the replicas' admin key, to follow their KV events (also $KVYARD_REPLICA_ADMIN_KEY)",
+        default_text="none: each replica's cache index is learned from the prompts routed to it",
+        secret=True,
+    )
     access: AccessConfig = field(default_factory=AccessConfig)  # admin plane here: /admin/*
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
     prefill_s_per_token: float = 1e-4  # cache_aware's guess until replicas report their own (GET /load)
@@ -89,9 +121,12 @@ class RouterConfig:
     # cache_aware scores every candidate up to this many; beyond, a shortlist (policies.CacheAware._shortlist).
     full_scan_replicas: int = 64
     tokenize_cache_entries: int = 8192
-    shared_index_keys: int = setting(MAX_KEYS_PER_STORE, help="block keys remembered per shared store (about 100 "
-                                     "bytes each); beyond, the oldest are forgotten: a miss predicted, never a "
-                                     "wrong hit")  # fmt: skip
+    shared_index_keys: int = setting(
+        MAX_KEYS_PER_STORE,
+        help="block keys remembered per shared store (about 100 "
+        "bytes each); beyond, the oldest are forgotten: a miss predicted, never a "
+        "wrong hit",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

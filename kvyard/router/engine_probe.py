@@ -82,9 +82,16 @@ class EngineMetrics:
                     info = dict(sample.labels)
                 elif sample.name == "process_start_time_seconds":
                     started_at = sample.value
-        return cls(int(running), int(waiting), sum(usages) / len(usages) if usages else 0.0,
-                   _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"),
-                   info.get("cache_dtype"), started_at, has_load)  # fmt: skip
+        return cls(
+            int(running),
+            int(waiting),
+            sum(usages) / len(usages) if usages else 0.0,
+            _int_label(info, "block_size"),
+            _int_label(info, "num_gpu_blocks"),
+            info.get("cache_dtype"),
+            started_at,
+            has_load,
+        )
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:

@@ -81,8 +81,12 @@ class EngineEventSync:
                     await self._drain(sub)
                 if warn_at is not None and (self.live or time.monotonic() > warn_at):
                     if not self.live:
-                        _LOG.warning("KV events of %s: nothing answers at %s yet; it is routed by its load and the "
-                                     "prompts sent to it until it does", self.replica.url, self.endpoints)  # fmt: skip
+                        _LOG.warning(
+                            "KV events of %s: nothing answers at %s yet; it is routed by its load and the "
+                            "prompts sent to it until it does",
+                            self.replica.url,
+                            self.endpoints,
+                        )
                     warn_at = None
         finally:
             sub.disable_monitor()
@@ -95,8 +99,11 @@ class EngineEventSync:
             _LOG.info("following the KV events of %s at %s", self.replica.url, self.endpoints)
             await self.rebuild("connect")
         elif message["event"] == zmq.EVENT_DISCONNECTED and self.live:
-            _LOG.warning("KV events of %s: publisher %s went away; routing it without its index until it is back",
-                         self.replica.url, self.endpoints.publisher)  # fmt: skip
+            _LOG.warning(
+                "KV events of %s: publisher %s went away; routing it without its index until it is back",
+                self.replica.url,
+                self.endpoints.publisher,
+            )
             self._drop()
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
@@ -198,8 +205,9 @@ class EngineEventSync:
                 if len(frames) >= 2 and int.from_bytes(frames[1], "big", signed=True) == END_OF_REPLAY:
                     return batches
                 batches.append(self.decoder.decode(frames))
-            _LOG.warning("KV events of %s: replay from %s at %s timed out", self.replica.url, start,
-                         self.endpoints.replay)  # fmt: skip
+            _LOG.warning(
+                "KV events of %s: replay from %s at %s timed out", self.replica.url, start, self.endpoints.replay
+            )
             return None
         except (EventFormatError, zmq.ZMQError) as error:
             _LOG.warning("KV events of %s: replay failed: %s", self.replica.url, error)

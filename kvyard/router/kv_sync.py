@@ -63,8 +63,11 @@ class KVSync:
         response = await self.replica.http.request("GET", "/kv/snapshot", timeout=SNAPSHOT_TIMEOUT_S, headers=headers)
         if response.status in (401, 403, 404):  # no events, or not for us: learn from routed prompts instead
             if response.status != 404:
-                _LOG.warning("KV events of %s refused (%d): give the router --replica-admin-key",
-                             self.replica.url, response.status)  # fmt: skip
+                _LOG.warning(
+                    "KV events of %s refused (%d): give the router --replica-admin-key",
+                    self.replica.url,
+                    response.status,
+                )
             index.forget_events()
             return False
         if response.status != 200:

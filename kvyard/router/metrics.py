@@ -67,8 +67,12 @@ class RouterMetrics:
             registry=r,
         )
         self.cached_error = Counter(
-            "kvyard_router_cached_tokens_error", "Sum over requests of |predicted - reported| cached prompt tokens "
-            "(every source together; 0 when the router's index is exact)", ["replica"], registry=r)  # fmt: skip
+            "kvyard_router_cached_tokens_error",
+            "Sum over requests of |predicted - reported| cached prompt tokens "
+            "(every source together; 0 when the router's index is exact)",
+            ["replica"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvyard_router_prompt_tokens", "usage.prompt_tokens as reported by the replica", ["replica"], registry=r
         )
@@ -76,46 +80,75 @@ class RouterMetrics:
         # over- and under-predictions cannot cancel in.
         by_source = ["replica", "source"]
         self.predicted_by_source = Counter(
-            "kvyard_router_predicted_cached_tokens_by_source", "Predicted cached prompt tokens, by source (device, "
+            "kvyard_router_predicted_cached_tokens_by_source",
+            "Predicted cached prompt tokens, by source (device, "
             "local tiers, shared store), for requests whose usage says where its cached tokens came from",
-            by_source, registry=r)  # fmt: skip
+            by_source,
+            registry=r,
+        )
         self.reported_by_source = Counter(
-            "kvyard_router_reported_cached_tokens_by_source", "usage.prompt_tokens_details.cached_tokens_by_source "
-            "as reported by the replica", by_source, registry=r)  # fmt: skip
+            "kvyard_router_reported_cached_tokens_by_source",
+            "usage.prompt_tokens_details.cached_tokens_by_source as reported by the replica",
+            by_source,
+            registry=r,
+        )
         self.error_by_source = Counter(
-            "kvyard_router_cached_tokens_abs_error", "Sum over requests of |predicted - reported| cached prompt "
-            "tokens, by source", by_source, registry=r)  # fmt: skip
+            "kvyard_router_cached_tokens_abs_error",
+            "Sum over requests of |predicted - reported| cached prompt tokens, by source",
+            by_source,
+            registry=r,
+        )
         self.decision_latency = Histogram(
-            "kvyard_router_decision_seconds", "Time to pick a replica (tokens, keys, scoring)",
-            buckets=_DECISION_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvyard_router_decision_seconds",
+            "Time to pick a replica (tokens, keys, scoring)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
         self.retries = Counter("kvyard_router_retries", "Requests retried on another replica", ["reason"], registry=r)
         self.ejections = Counter("kvyard_router_ejections", "Replicas ejected", ["replica", "reason"], registry=r)
         self.resyncs = Counter(
-            "kvyard_router_index_resyncs", "Cache-index rebuilds, by reason: a kvyard replica's /kv/snapshot loaded "
-            "again, or a vLLM or SGLang replica's events replayed or started over", ["replica", "reason"],
-            registry=r)  # fmt: skip
-        self.rejected = Counter("kvyard_router_rejected", "Requests answered 429/503 by the router", ["reason"],
-                                registry=r)  # fmt: skip
+            "kvyard_router_index_resyncs",
+            "Cache-index rebuilds, by reason: a kvyard replica's /kv/snapshot loaded "
+            "again, or a vLLM or SGLang replica's events replayed or started over",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvyard_router_rejected", "Requests answered 429/503 by the router", ["reason"], registry=r
+        )
         self.in_flight = Gauge("kvyard_router_in_flight_requests", "Requests being proxied", registry=r)
         self.healthy = Gauge("kvyard_router_healthy_replicas", "Replicas passing their health checks", registry=r)
-        self.panic = Gauge("kvyard_router_panic", "1 while too few replicas are healthy (--panic-threshold) and "
-                           "ejected ones receive requests too", registry=r)  # fmt: skip
-        self.pd_routes = Counter("kvyard_router_pd_requests", "Requests routed with prefill/decode replicas, by how: "
-                                 "remote (a prefill replica prefilled), short, prefill_busy or no_prefill_replica "
-                                 "(the decode replica prefilled), decode_full (a prefill replica ran it whole)",
-                                 ["path"], registry=r)  # fmt: skip
-        self.pd_prefills = Counter("kvyard_router_pd_prefill_legs", "Prefill legs, by outcome (ok, status_N, "
-                                   "connect, broken)", ["outcome"], registry=r)  # fmt: skip
+        self.panic = Gauge(
+            "kvyard_router_panic",
+            "1 while too few replicas are healthy (--panic-threshold) and ejected ones receive requests too",
+            registry=r,
+        )
+        self.pd_routes = Counter(
+            "kvyard_router_pd_requests",
+            "Requests routed with prefill/decode replicas, by how: "
+            "remote (a prefill replica prefilled), short, prefill_busy or no_prefill_replica "
+            "(the decode replica prefilled), decode_full (a prefill replica ran it whole)",
+            ["path"],
+            registry=r,
+        )
+        self.pd_prefills = Counter(
+            "kvyard_router_pd_prefill_legs",
+            "Prefill legs, by outcome (ok, status_N, connect, broken)",
+            ["outcome"],
+            registry=r,
+        )
 
     def replica(self, url: str) -> ReplicaMetrics:
         children = self._replicas.get(url)
         if children is None:
             children = self._replicas[url] = ReplicaMetrics(
-                self.routed.labels(url), self.predicted_cached.labels(url), self.reported_cached.labels(url),
-                self.cached_error.labels(url), self.prompt_tokens.labels(url),
+                self.routed.labels(url),
+                self.predicted_cached.labels(url),
+                self.reported_cached.labels(url),
+                self.cached_error.labels(url),
+                self.prompt_tokens.labels(url),
                 {source: self.predicted_by_source.labels(url, source) for source in SOURCES},
                 {source: self.reported_by_source.labels(url, source) for source in SOURCES},
                 {source: self.error_by_source.labels(url, source) for source in SOURCES},
-            )  # fmt: skip
+            )
         return children

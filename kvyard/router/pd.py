@@ -54,8 +54,12 @@ class PDPlan:
     def decode_fields(self) -> dict[str, Any]:
         """`kv_transfer_params` of the decode leg."""
         assert self.prefill is not None
-        return {"do_remote_prefill": True, "transfer_id": self.transfer_id, "source": self.prefill.replica.url,
-                "transfer_token": self.transfer_token}  # fmt: skip
+        return {
+            "do_remote_prefill": True,
+            "transfer_id": self.transfer_id,
+            "source": self.prefill.replica.url,
+            "transfer_token": self.transfer_token,
+        }
 
 
 @dataclass(slots=True)
@@ -71,8 +75,12 @@ class PDPlanner:
     ) -> PDPlanner:
         shared_stores = shared_stores if shared_stores is not None else SharedStores()
         remote = dataclasses.replace(config, running_request_cost=config.pd_decode_request_cost)
-        return cls(config, CacheAware(config, shared_stores, holders), CacheAware(remote, shared_stores, holders),
-                   CacheAware(config, shared_stores, holders))  # fmt: skip
+        return cls(
+            config,
+            CacheAware(config, shared_stores, holders),
+            CacheAware(remote, shared_stores, holders),
+            CacheAware(config, shared_stores, holders),
+        )
 
     def plan(self, request: RouteRequest, candidates: list[Replica]) -> PDPlan:
         needed = kv_tokens_asked(request)
@@ -99,8 +107,9 @@ class PDPlanner:
             # The prompt is prefilled elsewhere: what a decode replica lacks costs it a transfer, not a prefill,
             # so decodes spread by load instead of crowding onto whichever replica holds a popular prefix.
             decode = self.remote_decode_policy.choose(request, decoders, self._pull_cost)
-        compatible = [r for r in prefillers
-                      if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)]  # fmt: skip
+        compatible = [
+            r for r in prefillers if r is not decode.replica and same_kv(r.namespace, decode.replica.namespace)
+        ]
         if not compatible:
             raise APIError(503, _mismatch_message(decode.replica, prefillers), code="pd_model_mismatch")
         if (
@@ -178,7 +187,11 @@ def same_kv(left: KeyNamespace | None, right: KeyNamespace | None) -> bool:
     if left is None or right is None:
         return False
     return (left.model_name, left.model_digest, left.dtype, left.block_size) == (
-        right.model_name, right.model_digest, right.dtype, right.block_size)  # fmt: skip
+        right.model_name,
+        right.model_digest,
+        right.dtype,
+        right.block_size,
+    )
 
 
 def _mismatch_message(decode: Replica, prefillers: list[Replica]) -> str:
@@ -188,9 +201,11 @@ def _mismatch_message(decode: Replica, prefillers: list[Replica]) -> str:
             return f"{replica.url} (namespace unknown: no KV snapshot yet, or no --replica-admin-key)"
         return f"{replica.url} ({ns.model_name}, weights {ns.model_digest[:12]}, {ns.dtype}, block {ns.block_size})"
 
-    return (f"no prefill replica serves the same KV as decode replica {describe(decode)}: "
-            f"{'; '.join(describe(r) for r in prefillers)}. Disaggregation needs the same model, weights, dtype "
-            "and block size on both sides")  # fmt: skip
+    return (
+        f"no prefill replica serves the same KV as decode replica {describe(decode)}: "
+        f"{'; '.join(describe(r) for r in prefillers)}. Disaggregation needs the same model, weights, dtype "
+        "and block size on both sides"
+    )
 
 
 def prefill_leg(kind: str, body: dict[str, Any], transfer_id: str, transfer_token: str) -> dict[str, Any]:

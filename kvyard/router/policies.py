@@ -224,15 +224,27 @@ class CacheAware:
             seconds = (self._queue_cost(replica) + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
             # A tie keeps a session home; equal replicas (e.g. idle ones for a new conversation) take turns: the least
             # recently chosen wins.
-            rank = (seconds, replica.url != home_url, -_tokens_of(held), replica.in_flight,
-                    self._last_chosen.get(replica.url, -1))  # fmt: skip
+            rank = (
+                seconds,
+                replica.url != home_url,
+                -_tokens_of(held),
+                replica.in_flight,
+                self._last_chosen.get(replica.url, -1),
+            )
             if best is None or rank < best:
                 best, best_option, best_load_s = rank, option, load_s
         replica, held, cost = best_option
         split = _split_of(held)
-        chosen = Decision(replica, split.total if split is not None else None, split, cost, best_load_s,
-                          prefill_ahead=self.prefill_ahead(replica), running=_running(replica),
-                          homed=self.conversations.homed(replica.url))  # fmt: skip
+        chosen = Decision(
+            replica,
+            split.total if split is not None else None,
+            split,
+            cost,
+            best_load_s,
+            prefill_ahead=self.prefill_ahead(replica),
+            running=_running(replica),
+            homed=self.conversations.homed(replica.url),
+        )
         self._last_chosen[replica.url] = next(self._decisions)
         prompt_keys = keys_by_root[self._root(request, replica)] if tokens else None
         keys = prompt_keys.all() if prompt_keys is not None else []
@@ -274,14 +286,18 @@ class CacheAware:
     def _fleet_view(self, candidates: list[Replica], now: float) -> _FleetView:
         fleet = self._fleet
         if fleet is None or fleet.candidates is not candidates or now - fleet.made_at > RATES_TTL_S:
-            fleet = self._fleet = _FleetView(candidates, set(candidates), {r.url: r for r in candidates},
-                                             self.fleet_rates(candidates), now)  # fmt: skip
+            fleet = self._fleet = _FleetView(
+                candidates, set(candidates), {r.url: r for r in candidates}, self.fleet_rates(candidates), now
+            )
         return fleet
 
     def _shortlist(
-        self, request: RouteRequest, fleet: _FleetView, keys_by_root: dict[Any, PromptKeys],
+        self,
+        request: RouteRequest,
+        fleet: _FleetView,
+        keys_by_root: dict[Any, PromptKeys],
         home_url: str | None,
-    ) -> list[Replica]:  # fmt: skip
+    ) -> list[Replica]:
         """The replicas a large fleet's decision scores: a few of those holding the prompt's longest cached prefix
         (the fleet's key -> holders index walks the prompt's keys once), a couple holding its first block, the
         session's last replica, and a random sample of the fleet for load. Whoever holds the most of the prompt is
@@ -375,15 +391,23 @@ class CacheAware:
         return num_new + self.config.attention_pair_cost * pairs
 
     def _cached_split(
-        self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys], now: float,
+        self,
+        request: RouteRequest,
+        replica: Replica,
+        keys_by_root: dict[Any, PromptKeys],
+        now: float,
         rates: TierRates,
-    ) -> CachedSplit | None:  # fmt: skip
+    ) -> CachedSplit | None:
         return _split_of(self._tokens_held(request, replica, keys_by_root, now, rates))
 
     def _tokens_held(
-        self, request: RouteRequest, replica: Replica, keys_by_root: dict[Any, PromptKeys], now: float,
+        self,
+        request: RouteRequest,
+        replica: Replica,
+        keys_by_root: dict[Any, PromptKeys],
+        now: float,
         rates: TierRates,
-    ) -> tuple[int, int, int] | None:  # fmt: skip
+    ) -> tuple[int, int, int] | None:
         """Prompt tokens the replica holds, by source, as the engine finds them: the device cache's prefix, then
         (one load) what its own tiers continue it with, then what the shared store does, as far as its loader gets
         before the deadline once the loads routed there ahead of this one are done. None when the prompt has no

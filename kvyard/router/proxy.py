@@ -103,9 +103,15 @@ class Forwarder:
     metrics: RouterMetrics
 
     async def forward(
-        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, stream: bool, body: bytes,
+        self,
+        request: HttpRequest,
+        responder: Responder,
+        path: str,
+        decision: Decision,
+        stream: bool,
+        body: bytes,
         follower: Follower | None = None,
-    ) -> Retry | None:  # fmt: skip
+    ) -> Retry | None:
         """Proxy the request (`body`: what the replica gets) to the decided replica; None once the client has
         its answer. `follower` follows a stream that another replica may have to resume."""
         replica = decision.replica
@@ -151,9 +157,14 @@ class Forwarder:
                 replica.streaming -= 1
 
     async def _exchange(
-        self, request: HttpRequest, responder: Responder, path: str, decision: Decision, body: bytes,
+        self,
+        request: HttpRequest,
+        responder: Responder,
+        path: str,
+        decision: Decision,
+        body: bytes,
         relay: _Relay | None,
-    ) -> Retry | None:  # fmt: skip
+    ) -> Retry | None:
         replica = decision.replica
         headers = {"Content-Type": "application/json", **replica.api_headers, **(decision.headers or {})}
         for name in _FORWARDED_HEADERS:
@@ -162,9 +173,13 @@ class Forwarder:
                 headers[name] = value
         try:
             response = await replica.http.request(
-                "POST", path, body, headers=headers,
-                sink=relay.on_body if relay else None, on_head=relay.on_head if relay else None,
-            )  # fmt: skip
+                "POST",
+                path,
+                body,
+                headers=headers,
+                sink=relay.on_body if relay else None,
+                on_head=relay.on_head if relay else None,
+            )
         except ConnectError:
             self.registry.report_failure(replica, "connect")
             return Retry("connect")

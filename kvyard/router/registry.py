@@ -61,9 +61,11 @@ class UpstreamAuth:
 
     @classmethod
     def of_keys(cls, api_key: str | None, admin_key: str | None) -> UpstreamAuth:
-        return cls({"Authorization": f"Bearer {api_key}"} if api_key else {},
-                   {"Authorization": f"Bearer {admin_key}"} if admin_key else {},
-                   {ADMIN_KEY_HEADER: admin_key} if admin_key else {})  # fmt: skip
+        return cls(
+            {"Authorization": f"Bearer {api_key}"} if api_key else {},
+            {"Authorization": f"Bearer {admin_key}"} if admin_key else {},
+            {ADMIN_KEY_HEADER: admin_key} if admin_key else {},
+        )
 
 
 @dataclass(slots=True)
@@ -102,9 +104,16 @@ class Registry:
             return replica
         index = CacheIndex(routed_capacity=self.config.approx_index_blocks, holders=self.holders)
         auth = auth or self.upstream
-        replica = Replica(url, configured_role=role, index=index, connect_timeout_s=self.config.connect_timeout_s,
-                          api_headers=auth.api_headers, admin_headers=auth.admin_headers, pd_headers=auth.pd_headers,
-                          events=events)  # fmt: skip
+        replica = Replica(
+            url,
+            configured_role=role,
+            index=index,
+            connect_timeout_s=self.config.connect_timeout_s,
+            api_headers=auth.api_headers,
+            admin_headers=auth.admin_headers,
+            pd_headers=auth.pd_headers,
+            events=events,
+        )
         index.owner = replica
         self.replicas[url] = replica
         # The index follows the replica's events once its health check has found what kind of server it is.
@@ -188,8 +197,12 @@ class Registry:
         was_panicking = self.panicking
         self.routable()
         if self.panicking != was_panicking:
-            _LOG.warning("%s: %d of %d replicas healthy", "panic, routing to ejected replicas too" if self.panicking
-                         else "out of panic", self.healthy_count(), len(self.replicas))  # fmt: skip
+            _LOG.warning(
+                "%s: %d of %d replicas healthy",
+                "panic, routing to ejected replicas too" if self.panicking else "out of panic",
+                self.healthy_count(),
+                len(self.replicas),
+            )
         self.metrics.healthy.set(self.healthy_count())
         self.metrics.panic.set(int(self.panicking))
 
@@ -259,8 +272,9 @@ class Registry:
         elif kind in ENGINE_KINDS and events is not None:
             self._tasks[url].append(asyncio.create_task(self._engine_sync(replica, events), name=f"kv-events {url}"))
         else:
-            _LOG.warning("%s is a %s server without --replica-events: routed by its load and the prompts sent to it",
-                         url, kind)  # fmt: skip
+            _LOG.warning(
+                "%s is a %s server without --replica-events: routed by its load and the prompts sent to it", url, kind
+            )
 
     async def _engine_sync(self, replica: Replica, events: EventEndpoints) -> None:
         if self._zmq is None:
@@ -296,17 +310,24 @@ class Registry:
         """vLLM's or SGLang's metrics as a load report, with the speed the router measured (TtftFit)."""
         if not metrics.has_load and replica.url not in self._warned:
             self._warned.add(replica.url)
-            _LOG.warning("%s publishes no load metrics (a vLLM started with --disable-log-stats?): it is scored by "
-                         "the requests the router sent it", replica.url)  # fmt: skip
+            _LOG.warning(
+                "%s publishes no load metrics (a vLLM started with --disable-log-stats?): it is scored by "
+                "the requests the router sent it",
+                replica.url,
+            )
         if replica.started_at is not None and metrics.started_at != replica.started_at and not replica.index.has_events:
             replica.index.clear()  # restarted with an empty cache (an index from events learns it from the events)
         replica.started_at = metrics.started_at
         if replica.namespace is None and metrics.block_size:  # without events: what PD pairs replicas by
             replica.namespace = engine_namespace(replica, metrics)
         total = metrics.num_blocks or 0
-        return LoadReport(num_waiting=metrics.waiting, num_running=metrics.running,
-                          kv_blocks_used=round(metrics.kv_usage * total), kv_blocks_total=total,
-                          prefill_s_per_token=replica.ttft.s_per_token)  # fmt: skip
+        return LoadReport(
+            num_waiting=metrics.waiting,
+            num_running=metrics.running,
+            kv_blocks_used=round(metrics.kv_usage * total),
+            kv_blocks_total=total,
+            prefill_s_per_token=replica.ttft.s_per_token,
+        )
 
     async def _health_only(self, replica: Replica, timeout: float) -> LoadReport:
         await _get(replica, "/health", timeout)
@@ -324,8 +345,12 @@ class Registry:
 def engine_namespace(replica: Replica, metrics: EngineMetrics) -> KeyNamespace:
     """The block namespace of a vLLM or SGLang replica: its model, engine, KV dtype and block size (16 until known)."""
     model = replica.model_cards[0] if replica.model_cards else None
-    return KeyNamespace(model.id if model else "", f"{replica.kind}:{model.root if model else ''}",
-                        metrics.cache_dtype or "auto", metrics.block_size or 16)  # fmt: skip
+    return KeyNamespace(
+        model.id if model else "",
+        f"{replica.kind}:{model.root if model else ''}",
+        metrics.cache_dtype or "auto",
+        metrics.block_size or 16,
+    )
 
 
 async def _get(replica: Replica, path: str, timeout: float, headers: dict[str, str] | None = None) -> Response:

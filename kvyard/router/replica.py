@@ -41,8 +41,9 @@ class ModelCard:
             value = card.get(name)
             return value if isinstance(value, str) else None
 
-        return cls(str(card["id"]), number("created"), text("owned_by"), number("max_model_len"), text("parent"),
-                   text("root"))  # fmt: skip
+        return cls(
+            str(card["id"]), number("created"), text("owned_by"), number("max_model_len"), text("parent"), text("root")
+        )
 
 
 @dataclass(slots=True, eq=False)  # identity: replicas are keys of the fleet's key -> holders index

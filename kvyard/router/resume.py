@@ -132,5 +132,9 @@ class StreamFollower:
             if ids:
                 token_ids.extend(map(int, ids.split(b",")))
         first = orjson.loads(self._first_chunk.removeprefix(b"data: ")) if self._first_chunk else {}
-        return {"token_ids": token_ids, "sent_chars": sent_chars, "id": first.get("id"),
-                "created": first.get("created")}  # fmt: skip
+        return {
+            "token_ids": token_ids,
+            "sent_chars": sent_chars,
+            "id": first.get("id"),
+            "created": first.get("created"),
+        }

@@ -25,13 +25,47 @@ _EVENT_END = b"\n\n"
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 # Request fields that mean the same in a completion request and carry over to the resumed one.
-_CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-            "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-            "bad_words", "cache_salt", "stream_options", "user", "priority", "vllm_xargs")  # fmt: skip
-_NOT_FOLLOWED = ("tools", "functions", "response_format", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "structured_outputs", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
-                 "continue_final_message", "suffix")  # fmt: skip
+_CARRIED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "cache_salt",
+    "stream_options",
+    "user",
+    "priority",
+    "vllm_xargs",
+)
+_NOT_FOLLOWED = (
+    "tools",
+    "functions",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "continue_final_message",
+    "suffix",
+)
 
 
 @dataclass(slots=True)
@@ -136,8 +170,9 @@ class TokenFollower:
         prompt_ids = chunk.get("prompt_token_ids") if self.client_asked_ids else chunk.pop("prompt_token_ids", None)
         choices = chunk.get("choices") or []
         for choice in choices:
-            prompt_ids = prompt_ids or (choice.get("prompt_token_ids") if self.client_asked_ids else
-                                        choice.pop("prompt_token_ids", None))  # fmt: skip
+            prompt_ids = prompt_ids or (
+                choice.get("prompt_token_ids") if self.client_asked_ids else choice.pop("prompt_token_ids", None)
+            )
             token_ids = choice.get("token_ids") if self.client_asked_ids else choice.pop("token_ids", None)
             self.generated.extend(token_ids or ())
             self.answered = self.answered or choice.get("finish_reason") is not None
@@ -149,8 +184,12 @@ class TokenFollower:
 
     def _resumed_chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """A chunk of the resuming completion request, in the original stream's shape."""
-        out: dict[str, Any] = {"id": self.stream_id, "object": _OBJECT[self.kind], "created": self.created,
-                               "model": self.model or chunk.get("model")}  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self.stream_id,
+            "object": _OBJECT[self.kind],
+            "created": self.created,
+            "model": self.model or chunk.get("model"),
+        }
         choices = []
         for choice in chunk.get("choices") or ():
             token_ids = choice.get("token_ids") or []
@@ -179,12 +218,18 @@ class TokenFollower:
         """The whole answer's usage: the original prompt, and every token generated on either replica."""
         prompt_tokens = len(self.prompt_ids or ())
         completion = self.generated_before_resume + int(usage.get("completion_tokens") or 0)
-        counted = {**usage, "prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                   "total_tokens": prompt_tokens + completion}  # fmt: skip
+        counted = {
+            **usage,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            counted["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"],
-                                                                                prompt_tokens)}  # fmt: skip
+            counted["prompt_tokens_details"] = {
+                **details,
+                "cached_tokens": min(details["cached_tokens"], prompt_tokens),
+            }
         return counted
 
 

@@ -104,12 +104,14 @@ class ReplicaApp:
         self.routes = RouteTable()
         self.access: dict[str, Access] = {}
         self.add_routes(self._own_routes())
-        self.add_routes({("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot},
-                        Access.ADMIN)  # fmt: skip
+        self.add_routes(
+            {("GET", "/kv/events"): self.kv_events, ("GET", "/kv/snapshot"): self.kv_snapshot}, Access.ADMIN
+        )
         # A transfer's blocks: the admin, or the decode replica holding that transfer's token (_authorize_pull).
         self.transfer_tokens = TransferTokens()
-        self.add_routes({("GET", TRANSFER_PATH): self.kv_transfer, ("POST", RELEASE_PATH): self.kv_release},
-                        Access.PUBLIC)  # fmt: skip
+        self.add_routes(
+            {("GET", TRANSFER_PATH): self.kv_transfer, ("POST", RELEASE_PATH): self.kv_release}, Access.PUBLIC
+        )
         public = {("GET", path): self.health for path in ("/health", "/health_generate")}
         public["GET", "/version"] = self.version
         public["GET", "/openapi.json"] = self.openapi
@@ -283,16 +285,24 @@ class ReplicaApp:
         if token is None:
             self.admin_key.authorize(request.headers, request.path)
         elif not await self.transfer_tokens.matches(transfer_id, token, APPEAR_WAIT_S):
-            raise APIError(401, f"{request.path}: the transfer token does not match transfer {transfer_id!r}",
-                           "id", "invalid_transfer_token")  # fmt: skip
+            raise APIError(
+                401,
+                f"{request.path}: the transfer token does not match transfer {transfer_id!r}",
+                "id",
+                "invalid_transfer_token",
+            )
 
     def _cache_salt(self, request: HttpRequest, request_salt: str | None) -> str | None:
         return tenant_salt(self.caller_key(request), request_salt, self.options.access.cache_salt_per_api_key)
 
     async def _serve(
-        self, engine: ReplicaEngine, request: HttpRequest, prepared: PreparedRequest, responder: Responder,
+        self,
+        engine: ReplicaEngine,
+        request: HttpRequest,
+        prepared: PreparedRequest,
+        responder: Responder,
         headers: dict[str, str],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.limiter.admit(self.caller_key(request) or request.peer, prepared.num_tokens_asked)
         num_seqs = prepared.num_choices
         self._admit(engine, num_seqs)
@@ -314,12 +324,19 @@ class ReplicaApp:
             raise APIError(503, "server is shutting down", code="draining", retry_after=1)
         limit = engine.max_num_seqs + self.options.max_queued_seqs
         if num_seqs > limit:
-            raise bad_request(f"the request asks for {num_seqs} sequences (prompts × n); this server takes at most "
-                              f"{limit} at once", "n", "too_many_sequences")  # fmt: skip
+            raise bad_request(
+                f"the request asks for {num_seqs} sequences (prompts × n); this server takes at most {limit} at once",
+                "n",
+                "too_many_sequences",
+            )
         if self.in_flight_seqs + num_seqs > limit:
             self.metrics.requests.labels(outcome=REJECTED_OVERLOAD).inc()
-            raise APIError(429, f"too many sequences in flight ({self.in_flight_seqs} of {limit}); retry later",
-                           code="overloaded", retry_after=1)  # fmt: skip
+            raise APIError(
+                429,
+                f"too many sequences in flight ({self.in_flight_seqs} of {limit}); retry later",
+                code="overloaded",
+                retry_after=1,
+            )
         self.in_flight += 1
         self.in_flight_seqs += num_seqs
 
@@ -390,8 +407,9 @@ class ReplicaApp:
         if body.messages is not None:
             messages, generation = body.messages, body.add_generation_prompt
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-            tokens = await self._prepare(engine, request,
-                                         lambda: render_chat(engine, messages, generation, None, tools))  # fmt: skip
+            tokens = await self._prepare(
+                engine, request, lambda: render_chat(engine, messages, generation, None, tools)
+            )
         elif isinstance(body.prompt, str):
             vocabulary, text = vocabulary_of(engine, "prompt"), body.prompt
             tokens = await self._prepare(engine, request, lambda: vocabulary.encode(text, body.add_special_tokens))
@@ -430,8 +448,13 @@ class ReplicaApp:
 
     def _model_card(self) -> dict[str, object]:
         engine = self.ready()
-        return {"id": engine.model_name, "object": "model", "created": int(self.started),
-                "owned_by": self.options.owned_by, "max_model_len": engine.limits.max_model_len}  # fmt: skip
+        return {
+            "id": engine.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": self.options.owned_by,
+            "max_model_len": engine.limits.max_model_len,
+        }
 
     def load_report(self) -> LoadReport:
         stats = self.ready().stats()
@@ -457,9 +480,17 @@ class ReplicaApp:
     async def sglang_load(self, request: HttpRequest, responder: Responder) -> None:
         """The load as SGLang's routers read it."""
         load = self.load_report()
-        responder.send_json(200, {"dp_rank": 0, "num_reqs": load.num_waiting + load.num_running,
-                                  "num_waiting_reqs": load.num_waiting, "num_running_reqs": load.num_running,
-                                  "num_tokens": load.tokens_in_flight, "load": load.in_flight_requests})  # fmt: skip
+        responder.send_json(
+            200,
+            {
+                "dp_rank": 0,
+                "num_reqs": load.num_waiting + load.num_running,
+                "num_waiting_reqs": load.num_waiting,
+                "num_running_reqs": load.num_running,
+                "num_tokens": load.tokens_in_flight,
+                "load": load.in_flight_requests,
+            },
+        )
 
     def _engine_stats(self) -> EngineCounters | None:
         return self.engine.stats() if self.engine is not None else None
@@ -478,24 +509,34 @@ class ReplicaApp:
 
     async def model_info(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
-        responder.send_json(200, {"model_path": engine.model_name, "served_model_name": engine.model_name,
-                                  "tokenizer_path": None, "is_generation": True,
-                                  "max_model_len": engine.limits.max_model_len})  # fmt: skip
+        responder.send_json(
+            200,
+            {
+                "model_path": engine.model_name,
+                "served_model_name": engine.model_name,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "max_model_len": engine.limits.max_model_len,
+            },
+        )
 
     async def server_info(self, request: HttpRequest, responder: Responder) -> None:
         engine = self.ready()
         limits = engine.limits
-        responder.send_json(200, {
-            "model_path": engine.model_name,
-            "served_model_name": engine.model_name,
-            "version": __version__,
-            "page_size": limits.block_size,
-            "context_length": limits.max_model_len,
-            "max_total_num_tokens": limits.kv_capacity_tokens,
-            "max_running_requests": engine.max_num_seqs,
-            "role": self.options.role,
-            **engine.server_info(),
-        })  # fmt: skip
+        responder.send_json(
+            200,
+            {
+                "model_path": engine.model_name,
+                "served_model_name": engine.model_name,
+                "version": __version__,
+                "page_size": limits.block_size,
+                "context_length": limits.max_model_len,
+                "max_total_num_tokens": limits.kv_capacity_tokens,
+                "max_running_requests": engine.max_num_seqs,
+                "role": self.options.role,
+                **engine.server_info(),
+            },
+        )
 
     # ------------------------------------------------------------------ KV events (docs/contracts.md §3)
 
@@ -524,9 +565,17 @@ class ReplicaApp:
     async def kv_snapshot(self, request: HttpRequest, responder: Responder) -> None:
         self._event_log()
         snapshot = await self.ready().kv_snapshot()
-        responder.send_json(200, kv_events.snapshot_json(snapshot.seq, snapshot.block_keys, snapshot.namespace,
-                                                         snapshot.local_keys, snapshot.shared_store,
-                                                         self.options.access.cache_salt_per_api_key))  # fmt: skip
+        responder.send_json(
+            200,
+            kv_events.snapshot_json(
+                snapshot.seq,
+                snapshot.block_keys,
+                snapshot.namespace,
+                snapshot.local_keys,
+                snapshot.shared_store,
+                self.options.access.cache_salt_per_api_key,
+            ),
+        )
 
     # ------------------------------------------------------------------ KV transfer (docs/contracts.md §6)
 
@@ -570,8 +619,9 @@ async def _stream(responder: Responder, events: AsyncIterator[bytes]) -> None:
             responder.write(chunk)
     except Exception as error:  # a bug, not bad input (that is an error event already): say so, then end
         _LOG.exception("stream failed")
-        responder.write(b"data: " + orjson.dumps(error_body(500, f"internal error: {error}", code="internal_error"))
-                        + b"\n\n")  # fmt: skip
+        responder.write(
+            b"data: " + orjson.dumps(error_body(500, f"internal error: {error}", code="internal_error")) + b"\n\n"
+        )
     responder.end()
 
 

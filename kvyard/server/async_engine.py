@@ -188,8 +188,9 @@ class AsyncEngine:
     def fail_takeover(self, error: BaseException) -> None:
         """LLMEngine will not take over: requests waiting for it get a 503 saying why."""
         if self._takeover is not None and not self._takeover.done():
-            self._takeover.set_exception(APIError(503, f"the replica's PyTorch engine failed to load: {error}",
-                                                  code="engine_unavailable"))  # fmt: skip
+            self._takeover.set_exception(
+                APIError(503, f"the replica's PyTorch engine failed to load: {error}", code="engine_unavailable")
+            )
             self._takeover.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
     def abort(self, request_id: str) -> None:
@@ -224,8 +225,10 @@ class AsyncEngine:
         def puller_counters() -> Any:
             return self.engine.kv_puller.counters() if self.engine.kv_puller else None
 
-        return [KVTierCollector(lambda: self.engine.kv_tier_snapshot(), self.model_name),
-                KVTransferCollector(lambda: self.engine.kv_exports, puller_counters, self.model_name)]  # fmt: skip
+        return [
+            KVTierCollector(lambda: self.engine.kv_tier_snapshot(), self.model_name),
+            KVTransferCollector(lambda: self.engine.kv_exports, puller_counters, self.model_name),
+        ]
 
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.engine.engine_config.model, "dtype": str(self.engine.dtype).removeprefix("torch.")}

@@ -32,9 +32,12 @@ class Vocabulary(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         """The prompt of a chat (with the functions it may call); raises `InputError` when the template cannot
         render these messages."""
         ...

@@ -91,9 +91,14 @@ class CompletionRunner:
         request_id = f"{prepared.request_id}-{choice.index}"
         resumed = prepared.resume.token_ids if prepared.resume is not None else ()
         outputs = self.engine.generate(
-            request_id, prompt, params, prepared.cache_salt, final_only=not prepared.stream,
-            resumed_output_ids=resumed, kv_transfer=prepared.kv_transfer,
-        )  # fmt: skip
+            request_id,
+            prompt,
+            params,
+            prepared.cache_salt,
+            final_only=not prepared.stream,
+            resumed_output_ids=resumed,
+            kv_transfer=prepared.kv_transfer,
+        )
         async for output in outputs:
             self._record(choice, output)
             yield output
@@ -176,8 +181,11 @@ class CompletionRunner:
         return response
 
     def _full_choice(self, prepared: PreparedRequest, choice: ChoiceState) -> dict[str, Any]:
-        base: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
-                                "stop_reason": choice.stop_reason}  # fmt: skip
+        base: dict[str, Any] = {
+            "index": choice.index,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
         if prepared.kind != "chat":
             echo = self._echo(prepared, choice) if prepared.echo_texts is not None else ("", [])
             logprobs = None
@@ -236,8 +244,11 @@ class CompletionRunner:
         """vLLM's `continuous_usage_stats`: the choice's tokens so far, on every chunk."""
         prompt_tokens = len(prepared.prompts[choice.prompt_index])
         completion_tokens = len(choice.token_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def _delta_chunk(
         self, prepared: PreparedRequest, choice: ChoiceState, output: RequestOutput
@@ -261,9 +272,13 @@ class CompletionRunner:
         return self._chunk(prepared, choice.index, {"content": delta}, choice.finish_reason, logprobs)
 
     def _completion_delta_chunk(
-        self, prepared: PreparedRequest, choice: ChoiceState, limit: int, finished: bool,
+        self,
+        prepared: PreparedRequest,
+        choice: ChoiceState,
+        limit: int,
+        finished: bool,
         new_logprobs: list[TokenLogprobs],
-    ) -> dict[str, Any] | None:  # fmt: skip
+    ) -> dict[str, Any] | None:
         """A completion's next text, after the prompt on the first chunk of an echo."""
         echo_text, echo_entries = "", list[LogprobEntry]()
         if prepared.echo_texts is not None and not choice.echoed:

@@ -42,8 +42,9 @@ class KVTierCollector(Collector):
                 family.add_metric([model, tier], getattr(counters, attribute))
             yield family
         load = SummaryMetricFamily("kvyard_kv_tier_load_seconds", "Time of one lookup in the tier", labels=by_tier)
-        store = SummaryMetricFamily("kvyard_kv_tier_store_seconds", "Time of one batched write to the tier",
-                                    labels=by_tier)  # fmt: skip
+        store = SummaryMetricFamily(
+            "kvyard_kv_tier_store_seconds", "Time of one batched write to the tier", labels=by_tier
+        )
         for tier, counters in snap.tiers.items():
             load.add_metric([model, tier], counters.loads, counters.load_seconds)
             store.add_metric([model, tier], counters.stores, counters.store_seconds)
@@ -51,10 +52,18 @@ class KVTierCollector(Collector):
         yield store
         yield gauge_family("kvyard_kv_tier_queue_blocks", "Blocks waiting to be written", model, snap.queue_blocks)
         yield gauge_family("kvyard_kv_tier_queue_bytes", "Bytes waiting to be written", model, snap.queue_bytes)
-        yield counter_family("kvyard_kv_tier_queue_dropped_blocks", "Blocks not written because the write queue was "
-                             "full", model, snap.queue_dropped_blocks)  # fmt: skip
-        yield counter_family("kvyard_kv_tier_loaded_blocks", "Blocks loaded from the tier into the device cache",
-                             model, snap.loaded_blocks)  # fmt: skip
+        yield counter_family(
+            "kvyard_kv_tier_queue_dropped_blocks",
+            "Blocks not written because the write queue was full",
+            model,
+            snap.queue_dropped_blocks,
+        )
+        yield counter_family(
+            "kvyard_kv_tier_loaded_blocks",
+            "Blocks loaded from the tier into the device cache",
+            model,
+            snap.loaded_blocks,
+        )
 
 
 _EXPORT_COUNTERS = (
@@ -80,22 +89,29 @@ class KVTransferCollector(Collector):
         exports, model = self.exports(), self.model_name
         for attribute, name, documentation in _EXPORT_COUNTERS:
             yield counter_family(name, documentation, model, getattr(exports.counters, attribute))
-        yield gauge_family("kvyard_kv_transfer_leased_blocks", "Blocks pinned for transfers now", model,
-                           exports.num_pinned_blocks)  # fmt: skip
-        yield gauge_family("kvyard_kv_transfer_active_leases", "Transfers holding a lease now", model,
-                           exports.num_active)  # fmt: skip
+        yield gauge_family(
+            "kvyard_kv_transfer_leased_blocks", "Blocks pinned for transfers now", model, exports.num_pinned_blocks
+        )
+        yield gauge_family(
+            "kvyard_kv_transfer_active_leases", "Transfers holding a lease now", model, exports.num_active
+        )
         pulls = self.pulls()
         if pulls is None:
             return
         yield counter_family("kvyard_kv_transfer_pulls", "Transfers pulled from prefill replicas", model, pulls.pulls)
-        yield counter_family("kvyard_kv_transfer_pulls_complete", "Pulls that brought every block asked for", model,
-                             pulls.complete)  # fmt: skip
+        yield counter_family(
+            "kvyard_kv_transfer_pulls_complete", "Pulls that brought every block asked for", model, pulls.complete
+        )
         yield counter_family("kvyard_kv_transfer_pulled_blocks", "Blocks pulled and verified", model, pulls.blocks)
         yield counter_family("kvyard_kv_transfer_pulled_bytes", "Bytes of pulled blocks", model, pulls.bytes)
-        yield counter_family("kvyard_kv_transfer_pull_seconds", "Time spent pulling, waiting for prefill included",
-                             model, pulls.seconds)  # fmt: skip
-        fallbacks = CounterMetricFamily("kvyard_kv_transfer_fallbacks", "Pulls that fell short (the rest was "
-                                        "computed here), by reason", labels=[MODEL_NAME, "reason"])  # fmt: skip
+        yield counter_family(
+            "kvyard_kv_transfer_pull_seconds", "Time spent pulling, waiting for prefill included", model, pulls.seconds
+        )
+        fallbacks = CounterMetricFamily(
+            "kvyard_kv_transfer_fallbacks",
+            "Pulls that fell short (the rest was computed here), by reason",
+            labels=[MODEL_NAME, "reason"],
+        )
         for reason, count in sorted(pulls.fallbacks.items()):
             fallbacks.add_metric([model, reason], count)
         yield fallbacks

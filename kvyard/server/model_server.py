@@ -91,14 +91,18 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         say(f"PyTorch engine loaded and took over in {time.monotonic() - started:.1f} s")
         return
     _serve_with(app, engine, engine_box, pull_headers)
-    say(f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
-        f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready")  # fmt: skip
+    say(
+        f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
+        f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready"
+    )
 
 
 def _serve_with(
-    app: ReplicaApp, engine: LLMEngine | NativeStartEngine, engine_box: list[AsyncEngine],
+    app: ReplicaApp,
+    engine: LLMEngine | NativeStartEngine,
+    engine_box: list[AsyncEngine],
     pull_headers: dict[str, str] | None,
-) -> AsyncEngine:  # fmt: skip
+) -> AsyncEngine:
     """Start the engine on its thread and let the app serve it (its pulls enabled where the fleet has a key)."""
     if pull_headers is not None:
         engine.enable_pulls(pull_headers)
@@ -130,6 +134,8 @@ async def _native_start(
         say(f"no fast start: {error}")
         return None
     async_engine = _serve_with(app, engine, engine_box, pull_headers)
-    say(f"model {engine.model_name} ready in {time.monotonic() - started:.1f} s on the native kernels "
-        f"({engine.num_kv_blocks} KV blocks of {config.block_size} tokens); PyTorch loading")  # fmt: skip
+    say(
+        f"model {engine.model_name} ready in {time.monotonic() - started:.1f} s on the native kernels "
+        f"({engine.num_kv_blocks} KV blocks of {config.block_size} tokens); PyTorch loading"
+    )
     return async_engine

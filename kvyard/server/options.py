@@ -18,26 +18,45 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 class ServerOptions:
     """Server: the HTTP side of a replica."""
 
-    max_queued_seqs: int = setting(512, help="sequences (prompts × n) accepted beyond --max-num-seqs before "
-                                   "answering 429")  # fmt: skip
+    max_queued_seqs: int = setting(
+        512, help="sequences (prompts × n) accepted beyond --max-num-seqs before answering 429"
+    )
 
-    role: str = setting("unified", choices=ROLES, help="what the router sends here: whole requests (unified), "
-                        "prefills whose decode runs elsewhere (prefill), or decodes of prompts prefilled elsewhere "
-                        "(decode); every role still serves any request")  # fmt: skip
-    reject_unknown_fields: bool = setting(False, help="answer 400 to a request field kvyard does not know (by "
-                                          "default such fields are ignored with a logged warning and an "
-                                          "X-Kvyard-Ignored-Fields header, as vLLM ignores them)")  # fmt: skip
-    tool_call_parser: str = setting("auto", choices=TOOL_CALL_PARSERS, help="how tool calls are read from the "
-                                    "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
-                                    "Qwen), a bare JSON object (llama3_json), or the one the chat template "
-                                    "writes (auto)")  # fmt: skip
-    reasoning_parser: str | None = setting(None, choices=REASONING_PARSERS, help="a reasoning model's thinking "
-                                           "goes in reasoning_content, not content: qwen3 (an answer that opens "
-                                           "<think>), deepseek_r1 (the template opens it)",
-                                           default_text="none: thinking stays in content")  # fmt: skip
-    fast_start: bool = setting(True, help="serve a weight package or fp32 checkpoint from the native CPU kernels "
-                               "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
-                               "configurations it cannot run start as without it")  # fmt: skip
+    role: str = setting(
+        "unified",
+        choices=ROLES,
+        help="what the router sends here: whole requests (unified), "
+        "prefills whose decode runs elsewhere (prefill), or decodes of prompts prefilled elsewhere "
+        "(decode); every role still serves any request",
+    )
+    reject_unknown_fields: bool = setting(
+        False,
+        help="answer 400 to a request field kvyard does not know (by "
+        "default such fields are ignored with a logged warning and an "
+        "X-Kvyard-Ignored-Fields header, as vLLM ignores them)",
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are read from the "
+        "model's text under tool_choice auto: <tool_call> JSON tags (hermes: Hermes, "
+        "Qwen), a bare JSON object (llama3_json), or the one the chat template "
+        "writes (auto)",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        choices=REASONING_PARSERS,
+        help="a reasoning model's thinking "
+        "goes in reasoning_content, not content: qwen3 (an answer that opens "
+        "<think>), deepseek_r1 (the template opens it)",
+        default_text="none: thinking stays in content",
+    )
+    fast_start: bool = setting(
+        True,
+        help="serve a weight package or fp32 checkpoint from the native CPU kernels "
+        "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
+        "configurations it cannot run start as without it",
+    )
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")
     pooling: str = setting(
         "auto",

@@ -85,8 +85,10 @@ def prepare_completion(
     if body.echo:
         if body.resume is not None:
             raise bad_request("an echoed stream cannot be resumed", "resume")
-        prepared.echo_texts = [p if isinstance(p, str) and len(k) == len(t) else _decoded(engine, k)
-                               for p, t, k in zip(prompts, tokens, kept)]  # fmt: skip
+        prepared.echo_texts = [
+            p if isinstance(p, str) and len(k) == len(t) else _decoded(engine, k)
+            for p, t, k in zip(prompts, tokens, kept)
+        ]
         for params in prepared.params:
             if body.logprobs is not None:  # the echoed prompt's logprobs, and prompt_logprobs' if more were asked
                 params.prompt_logprobs = max(body.logprobs, params.prompt_logprobs or 0)
@@ -103,8 +105,11 @@ def truncated(
     room = limits.max_model_len - (max_tokens or 1)
     if keep > room or room < 1:
         wanted = f"max_tokens={max_tokens}" if max_tokens is not None else "one generated token"
-        raise bad_request(f"truncate_prompt_tokens={keep} leaves no room for {wanted} in the model's context of "
-                          f"{limits.max_model_len} tokens", "truncate_prompt_tokens")  # fmt: skip
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} leaves no room for {wanted} in the model's context of "
+            f"{limits.max_model_len} tokens",
+            "truncate_prompt_tokens",
+        )
     keep = room if keep == -1 else keep
     return [prompt[-keep:] for prompt in prompts]
 
@@ -131,14 +136,16 @@ def prepare_chat(
     template_kwargs = body.chat_template_kwargs
     if body.continue_final_message:
         template_kwargs = {**(template_kwargs or {}), "continue_final_message": True}
-    rendered = render_chat(engine, body.messages, body.adds_generation_prompt, template_kwargs,
-                           tools_for_template(body))  # fmt: skip
+    rendered = render_chat(
+        engine, body.messages, body.adds_generation_prompt, template_kwargs, tools_for_template(body)
+    )
     prompts = truncated([rendered], body.truncate_prompt_tokens, body.requested_max_tokens, engine.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # As vLLM: a required or named tool call's schema replaces response_format and structured_outputs; under
     # tool_choice auto they constrain the answer, from which calls are then read as usual.
-    prepared = _prepared("chat", engine, body, prompts, body.requested_max_tokens, logprobs, cache_salt,
-                         tool_constraint)  # fmt: skip
+    prepared = _prepared(
+        "chat", engine, body, prompts, body.requested_max_tokens, logprobs, cache_salt, tool_constraint
+    )
     prepared.tools = tool_plan
     prepared.reasoning = reasoning
     return prepared
@@ -264,8 +271,12 @@ def new_request_id(kind: str) -> str:
 
 def check_model(engine: ReplicaEngine, model: str | None) -> None:
     if model is not None and model != engine.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{engine.model_name}'",
-                       "model", "model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{engine.model_name}'",
+            "model",
+            "model_not_found",
+        )
 
 
 def check_priority(engine: ReplicaEngine, priority: int) -> None:
@@ -274,8 +285,11 @@ def check_priority(engine: ReplicaEngine, priority: int) -> None:
         return
     policy = engine.scheduling_policy
     if policy != "priority":
-        raise bad_request(f"priority {priority} needs the priority scheduling policy (kvyard serve "
-                          f"--scheduling-policy priority); this replica schedules {policy}", "priority")  # fmt: skip
+        raise bad_request(
+            f"priority {priority} needs the priority scheduling policy (kvyard serve "
+            f"--scheduling-policy priority); this replica schedules {policy}",
+            "priority",
+        )
 
 
 def vocabulary_of(engine: ReplicaEngine, param: str) -> Vocabulary:
@@ -285,9 +299,12 @@ def vocabulary_of(engine: ReplicaEngine, param: str) -> Vocabulary:
 
 
 def render_chat(
-    engine: ReplicaEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-    template_kwargs: dict[str, object] | None, tools: list[dict[str, Any]] | None = None,
-) -> list[int]:  # fmt: skip
+    engine: ReplicaEngine,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, object] | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     conversation = [_template_message(m) for m in messages]
     vocabulary = vocabulary_of(engine, "messages")
     tokens = vocabulary.render_chat(conversation, add_generation_prompt, template_kwargs, tools)
@@ -302,10 +319,13 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": call.type,
-             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
             for call in message.tool_calls
-        ]  # fmt: skip
+        ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered

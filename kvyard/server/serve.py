@@ -131,9 +131,12 @@ async def host_replicas(
 
 
 def serve_replicas(
-    make_specs: Callable[[], list[ReplicaSpec]], options: ServerOptions, host_name: str, port: int,
+    make_specs: Callable[[], list[ReplicaSpec]],
+    options: ServerOptions,
+    host_name: str,
+    port: int,
     ports_file: Path | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Serve the replicas until SIGINT/SIGTERM; prints (and writes to `ports_file`) their ports and URLs."""
     import uvloop
 

@@ -28,8 +28,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def json(self, index: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "type": "function",
-                                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        body: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return body if index is None else {"index": index, **body}
 
 
@@ -131,8 +134,13 @@ def _call_from_value(call: Any, arguments_key: str) -> ToolCall | None:
 def parser_for(name: str, chat_template: str | None) -> ToolParser:
     """The parser `name`, or for "auto" the one the chat template writes calls for."""
     if name == "auto":
-        name = "llama3_json" if chat_template and "<tool_call>" not in chat_template and (
-            "ipython" in chat_template or '"parameters"' in chat_template) else "hermes"  # fmt: skip
+        name = (
+            "llama3_json"
+            if chat_template
+            and "<tool_call>" not in chat_template
+            and ("ipython" in chat_template or '"parameters"' in chat_template)
+            else "hermes"
+        )
     if name == "hermes":
         return HermesParser()
     if name == "llama3_json":
@@ -169,8 +177,11 @@ def _calls_from_array(text: str) -> list[ToolCall] | None:
         return None
     if not isinstance(calls, list):
         return None
-    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls
-            if isinstance(c, dict) and isinstance(c.get("name"), str)]  # fmt: skip
+    return [
+        ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+        for c in calls
+        if isinstance(c, dict) and isinstance(c.get("name"), str)
+    ]
 
 
 def plan_tools(body: ChatCompletionRequest, parser: ToolParser) -> tuple[ToolPlan | None, StructuredOutput | None]:
@@ -195,12 +206,15 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser) -> tuple[ToolPla
 
 
 def _required_schema(functions: dict[str, Any], parallel: bool) -> StructuredOutput:
-    call_schemas = [{
-        "type": "object",
-        "properties": {"name": {"const": name}, "parameters": function.parameters or {"type": "object"}},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    } for name, function in functions.items()]  # fmt: skip
+    call_schemas = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": function.parameters or {"type": "object"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, function in functions.items()
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call_schemas}}
     if not parallel:
         schema["maxItems"] = 1

@@ -24,16 +24,22 @@ class HFVocabulary:
         return template if isinstance(template, str) else None
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError("this model has no chat template; use /v1/completions", "messages")
         try:
             text: str = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 **(template_kwargs or {}),
-            )  # fmt: skip
+            )
         except Exception as error:
             raise InputError(f"chat template failed on these messages: {error}", "messages") from error
         return self.encode(text, add_special_tokens=False)

@@ -146,8 +146,12 @@ def _replay_seconds(cost: CostModel, lengths: list[tuple[int, int]], max_num_bat
     """Wall time of the batch on the simulated engine: every prompt at once, a cache that holds them all."""
     total_tokens = sum(i + o for i, o in lengths)
     block_size = SimConfig().block_size
-    config = SimConfig(num_kv_blocks=-(-total_tokens // block_size) + len(lengths), cost=cost,
-                       scheduler=SchedulerConfig(max_num_batched_tokens), vocab_size=total_tokens + 1)  # fmt: skip
+    config = SimConfig(
+        num_kv_blocks=-(-total_tokens // block_size) + len(lengths),
+        cost=cost,
+        scheduler=SchedulerConfig(max_num_batched_tokens),
+        vocab_size=total_tokens + 1,
+    )
     arrivals, offset = [], 0
     for index, (input_len, output_len) in enumerate(lengths):
         prompt = list(range(offset, offset + input_len))  # distinct tokens: a cold cache, as measured

@@ -26,8 +26,9 @@ class CostRunner:
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
         self.num_steps += 1
         self.last_step_seconds = self.cost.step_seconds(step_shape(scheduled))
-        return [SampledToken(item.request, self._next_token(item.request)) for item in scheduled
-                if item.completes_sequence]  # fmt: skip
+        return [
+            SampledToken(item.request, self._next_token(item.request)) for item in scheduled if item.completes_sequence
+        ]
 
     def release(self, request: Request) -> None:
         self._seeds.pop(request.request_id, None)
@@ -35,8 +36,7 @@ class CostRunner:
     def _next_token(self, request: Request) -> int:
         seed = self._seeds.get(request.request_id)
         if seed is None:
-            seed = self._seeds[request.request_id] = output_seed(request.prompt_token_ids,
-                                                                  request.sampling_params.seed)  # fmt: skip
+            seed = self._seeds[request.request_id] = output_seed(request.prompt_token_ids, request.sampling_params.seed)
         return output_token(seed, request.num_output_tokens)
 
 

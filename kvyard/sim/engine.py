@@ -94,9 +94,13 @@ class SimEngine:
     of the process shares (see `tier.shared_store`), used when `config.shared_store_blocks` is set."""
 
     def __init__(
-        self, config: SimConfig, index: int = 0, admin_key: str | None = None,
-        collectors: Sequence[CollectorFactory] = (), shared_store: MemoryTier | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        config: SimConfig,
+        index: int = 0,
+        admin_key: str | None = None,
+        collectors: Sequence[CollectorFactory] = (),
+        shared_store: MemoryTier | None = None,
+    ) -> None:
         self.config = config
         self.index = index
         self.healthy = True  # False (set through the fault-injection API) answers 503
@@ -131,8 +135,9 @@ class SimEngine:
         if self._pull_headers is None:
             return None
         transfer = self.config.kv_transfer
-        limits = PullLimits(transfer.kv_transfer_timeout_s * self.config.time_scale, transfer.kv_transfer_idle_s,
-                            self._pull_headers)  # fmt: skip
+        limits = PullLimits(
+            transfer.kv_transfer_timeout_s * self.config.time_scale, transfer.kv_transfer_idle_s, self._pull_headers
+        )
         return ModeledPuller(KVPullLink(StandInBlocks(), limits), self.config)
 
     def pull_counters(self) -> PullCounters | None:
@@ -195,11 +200,15 @@ class SimEngine:
 
     def server_info(self) -> dict[str, Any]:
         config = self.config
-        return {"chunked_prefill_size": config.scheduler.max_num_batched_tokens,
-                "prefill_only_step_tokens": config.scheduler.prefill_only_step_tokens,
-                "prefill_order": config.scheduler.prefill_order, "simulated": True,
-                "replica_index": self.index, "time_scale": config.time_scale,
-                "cost_model": config.cost.to_json()}  # fmt: skip
+        return {
+            "chunked_prefill_size": config.scheduler.max_num_batched_tokens,
+            "prefill_only_step_tokens": config.scheduler.prefill_only_step_tokens,
+            "prefill_order": config.scheduler.prefill_order,
+            "simulated": True,
+            "replica_index": self.index,
+            "time_scale": config.time_scale,
+            "cost_model": config.cost.to_json(),
+        }
 
     async def generate(
         self,
@@ -310,27 +319,51 @@ class _SimCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         model = self.engine.model_name
-        yield gauge_family("kvyard_sim_lag_seconds", "Total time the simulated replica ran behind its cost model "
-                           "(the process could not keep up)", model, self.engine.clock.lag_s)  # fmt: skip
-        yield gauge_family("kvyard_sim_busy_seconds", "Total wall time the simulated replica spent on steps (cost "
-                           "model times time scale)", model, self.engine.clock.busy_s)  # fmt: skip
+        yield gauge_family(
+            "kvyard_sim_lag_seconds",
+            "Total time the simulated replica ran behind its cost model (the process could not keep up)",
+            model,
+            self.engine.clock.lag_s,
+        )
+        yield gauge_family(
+            "kvyard_sim_busy_seconds",
+            "Total wall time the simulated replica spent on steps (cost model times time scale)",
+            model,
+            self.engine.clock.busy_s,
+        )
         modeled = self.engine.modeled_transfers()
-        yield counter_family("kvyard_sim_transfer_model_bytes", "KV bytes the blocks pulled here would have moved "
-                             "in the simulated model", model, modeled.bytes)  # fmt: skip
-        yield counter_family("kvyard_sim_transfer_model_seconds", "Simulated seconds pulls were held back after "
-                             "their last block arrived (what a streamed transfer would still take)", model,
-                             modeled.seconds)  # fmt: skip
+        yield counter_family(
+            "kvyard_sim_transfer_model_bytes",
+            "KV bytes the blocks pulled here would have moved in the simulated model",
+            model,
+            modeled.bytes,
+        )
+        yield counter_family(
+            "kvyard_sim_transfer_model_seconds",
+            "Simulated seconds pulls were held back after "
+            "their last block arrived (what a streamed transfer would still take)",
+            model,
+            modeled.seconds,
+        )
         yield from self._tier_loads(model)
 
     def _tier_loads(self, model: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         loads, by_source = self.engine.modeled_tier_loads(), [MODEL_NAME, "source"]
-        tokens = CounterMetricFamily("kvyard_sim_tier_hit_tokens", "Prompt tokens loaded from the KV tier, by the "
-                                     "tier that served them (host, shared)", labels=by_source)  # fmt: skip
-        nbytes = CounterMetricFamily("kvyard_sim_tier_model_bytes", "KV bytes those loads would have moved in the "
-                                     "simulated model", labels=by_source)  # fmt: skip
-        seconds = CounterMetricFamily("kvyard_sim_tier_model_seconds", "Simulated seconds charged for tier "
-                                      "loads (latency plus bytes over bandwidth, misses included)",
-                                      labels=by_source)  # fmt: skip
+        tokens = CounterMetricFamily(
+            "kvyard_sim_tier_hit_tokens",
+            "Prompt tokens loaded from the KV tier, by the tier that served them (host, shared)",
+            labels=by_source,
+        )
+        nbytes = CounterMetricFamily(
+            "kvyard_sim_tier_model_bytes",
+            "KV bytes those loads would have moved in the simulated model",
+            labels=by_source,
+        )
+        seconds = CounterMetricFamily(
+            "kvyard_sim_tier_model_seconds",
+            "Simulated seconds charged for tier loads (latency plus bytes over bandwidth, misses included)",
+            labels=by_source,
+        )
         for source, modeled in sorted(loads.items()):
             tokens.add_metric([model, source], modeled.tokens)
             nbytes.add_metric([model, source], modeled.bytes)
@@ -338,5 +371,9 @@ class _SimCollector(Collector):
         yield from (tokens, nbytes, seconds)
         store = self.engine.shared_store
         if store is not None and self.engine.config.shared_store_blocks:
-            yield gauge_family("kvyard_sim_shared_store_blocks", "Blocks in the store the replicas of this process "
-                               "share", model, len(store))  # fmt: skip
+            yield gauge_family(
+                "kvyard_sim_shared_store_blocks",
+                "Blocks in the store the replicas of this process share",
+                model,
+                len(store),
+            )

@@ -82,26 +82,40 @@ def roofline_cost(model: ModelShape, device: Device) -> CostModel:
     )
 
 
-LLAMA3_8B_BF16 = ModelShape("Llama-3-8B bf16", parameters=8.03e9, layers=32, query_heads=32, kv_heads=8,
-                            head_dim=128, bytes_per_value=2)  # fmt: skip
+LLAMA3_8B_BF16 = ModelShape(
+    "Llama-3-8B bf16", parameters=8.03e9, layers=32, query_heads=32, kv_heads=8, head_dim=128, bytes_per_value=2
+)
 H100_SXM = Device("H100 SXM", peak_flops=989e12, bandwidth_bytes_per_s=3.35e12)
 H100_LLAMA3_8B = RooflinePreset(
-    "h100-llama3-8b", LLAMA3_8B_BF16, H100_SXM, transfer_gb_per_s=25.0,
+    "h100-llama3-8b",
+    LLAMA3_8B_BF16,
+    H100_SXM,
+    transfer_gb_per_s=25.0,
     transfer_note="one 200 Gb/s RDMA NIC per replica",
-)  # fmt: skip
+)
 # Measured on an NVIDIA H200 with PyTorch 2.11 (benchmarks/gpu_roofline_calibration.py,
 # results/gpu_roofline_calibration_2026-12-04_h200.json). Whole decode steps of the 32-layer model replayed from a
 # CUDA graph (launches included, so no separate launch overhead) fit a weight read at 0.68 of 4.8 TB/s and KV reads
 # at 0.87 (5.0 ms at 1 sequence, 21.4 ms at 128 with 4,096 tokens of KV each); one layer's linears over 2,048
 # prompt tokens ran at 0.78 of the dense bf16 peak, causal attention of an 8,192-token prompt at 0.59. Only the
 # link between replicas is still assumed.
-H200_SXM_MEASURED = Device("H200 SXM, efficiencies measured", peak_flops=989e12, bandwidth_bytes_per_s=4.8e12,
-                           compute_efficiency=0.78, attention_efficiency=0.59, bandwidth_efficiency=0.68,
-                           launch_overhead_s=0.0, kv_bandwidth_efficiency=0.87)  # fmt: skip
+H200_SXM_MEASURED = Device(
+    "H200 SXM, efficiencies measured",
+    peak_flops=989e12,
+    bandwidth_bytes_per_s=4.8e12,
+    compute_efficiency=0.78,
+    attention_efficiency=0.59,
+    bandwidth_efficiency=0.68,
+    launch_overhead_s=0.0,
+    kv_bandwidth_efficiency=0.87,
+)
 H200_LLAMA3_8B = RooflinePreset(
-    "h200-llama3-8b", LLAMA3_8B_BF16, H200_SXM_MEASURED, transfer_gb_per_s=25.0,
+    "h200-llama3-8b",
+    LLAMA3_8B_BF16,
+    H200_SXM_MEASURED,
+    transfer_gb_per_s=25.0,
     transfer_note="one 200 Gb/s RDMA NIC per replica (assumed, not measured)",
-)  # fmt: skip
+)
 ROOFLINE_PRESETS = (H100_LLAMA3_8B, H200_LLAMA3_8B)
 
 

@@ -87,8 +87,12 @@ class SharedStoreView:
         """What this replica's write stored and evicted: the replica publishes both (contract 7)."""
         start = time.perf_counter()
         result = self.store.put_many(items)
-        self.stats.add(stores=1, store_seconds=time.perf_counter() - start, blocks_written=len(items),
-                       bytes_written=sum(len(blob) for _, blob in items))  # fmt: skip
+        self.stats.add(
+            stores=1,
+            store_seconds=time.perf_counter() - start,
+            blocks_written=len(items),
+            bytes_written=sum(len(blob) for _, blob in items),
+        )
         return result
 
     def probe(self) -> None:
@@ -199,21 +203,30 @@ class ModeledTierLink(KVTierLink):
     def load_totals(self) -> dict[str, tuple[float, int]]:
         """The modeled seconds, in the simulated model's time like its steps (the real reads take microseconds)."""
         block_size = self.config.block_size
-        return {("shared" if source == SHARED else "local"): (loads.seconds, loads.tokens // block_size)
-                for source, loads in self.modeled().items()}  # fmt: skip
+        return {
+            ("shared" if source == SHARED else "local"): (loads.seconds, loads.tokens // block_size)
+            for source, loads in self.modeled().items()
+        }
 
     def _load(
-        self, root_key: bytes, keys: Sequence[bytes], submitted: float, extension_s_per_block: float,
+        self,
+        root_key: bytes,
+        keys: Sequence[bytes],
+        submitted: float,
+        extension_s_per_block: float,
         held: Future[Sequence[DecodedBlock]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         try:
             before = self._tier_counts()
             # The tiers are process memory, so the real read takes microseconds: the deadline is applied to the
             # modeled times, and the wall bound only guards against a stalled process.
             wall_deadline = submitted + max(self.load_deadline_s, WALL_GUARD_S) * max(1.0, self.config.time_scale)
             blocks = self.store.load_prefix(root_key, keys, self.format, wall_deadline)
-            served = [(timing, hits1 - hits0) for timing, (hits0, loads0), (hits1, loads1)
-                      in zip(self.timings, before, self._tier_counts()) if loads1 > loads0]  # fmt: skip
+            served = [
+                (timing, hits1 - hits0)
+                for timing, (hits0, loads0), (hits1, loads1) in zip(self.timings, before, self._tier_counts())
+                if loads1 > loads0
+            ]
             kept, release_at = self._charge(served, submitted, extension_s_per_block)
         except Exception as error:  # the engine logs it and computes the blocks: a miss, as on a real replica
             held.set_exception(error)
@@ -258,11 +271,16 @@ def build_tier_link(config: SimConfig, shared: MemoryTier | None) -> ModeledTier
     """The replica's tier link: its host tier, then the shared store (None: it has neither)."""
     tiers: list[tuple[Tier, TierTiming]] = []
     if config.host_tier_blocks:
-        tiers.append((MemoryTier(config.host_tier_blocks * STAND_IN_BLOB_BYTES),
-                      TierTiming(HOST, 0.0, config.host_tier_gb_per_s)))  # fmt: skip
+        tiers.append(
+            (
+                MemoryTier(config.host_tier_blocks * STAND_IN_BLOB_BYTES),
+                TierTiming(HOST, 0.0, config.host_tier_gb_per_s),
+            )
+        )
     if config.shared_store_blocks and shared is not None:
-        tiers.append((SharedStoreView(shared),
-                      TierTiming(SHARED, config.shared_store_latency_s, config.shared_store_gb_per_s)))  # fmt: skip
+        tiers.append(
+            (SharedStoreView(shared), TierTiming(SHARED, config.shared_store_latency_s, config.shared_store_gb_per_s))
+        )
     if not tiers:
         return None
     return ModeledTierLink(TieredStore([tier for tier, _ in tiers]), [timing for _, timing in tiers], config)

@@ -56,9 +56,12 @@ class ByteTokenizer:
         return encode(text)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         """The simulator's fixed chat format; tool definitions and calls are left out of it."""
         return encode(render_chat([(str(m["role"]), str(m["content"])) for m in messages], add_generation_prompt))
 

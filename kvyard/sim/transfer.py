@@ -60,9 +60,13 @@ class ModeledPuller:
         self._lock = threading.Lock()
 
     def start_pull(
-        self, handle: TransferHandle, root_key: bytes, keys: Sequence[bytes], first_block: int,
+        self,
+        handle: TransferHandle,
+        root_key: bytes,
+        keys: Sequence[bytes],
+        first_block: int,
         block_ids: Sequence[int] | None = None,
-    ) -> Future[Sequence[Any]]:  # fmt: skip
+    ) -> Future[Sequence[Any]]:
         pulled = self.link.start_pull(handle, root_key, keys, first_block, block_ids)
         with self._lock:
             modeled = self._held.get(pulled)

@@ -42,11 +42,15 @@ def sim_replica_specs(
         raise ValueError(f"{len(roles)} roles for {len(configs)} replicas")
     admin_key = admin_key_of(options.access.admin_key)
     store = shared_store(configs)
-    engines = [SimEngine(config, index, admin_key, (transfer_collector, tier_collector), store)
-               for index, config in enumerate(configs)]  # fmt: skip
+    engines = [
+        SimEngine(config, index, admin_key, (transfer_collector, tier_collector), store)
+        for index, config in enumerate(configs)
+    ]
     own: list[ServerOptions | None] = [dataclasses.replace(options, role=role) for role in roles]
-    return [ReplicaSpec(engine, engine.run, partial(fault_routes, engine), replica_options)
-            for engine, replica_options in zip(engines, own or [None] * len(engines))]  # fmt: skip
+    return [
+        ReplicaSpec(engine, engine.run, partial(fault_routes, engine), replica_options)
+        for engine, replica_options in zip(engines, own or [None] * len(engines))
+    ]
 
 
 def transfer_collector(engine: SimEngine) -> Collector:
@@ -64,8 +68,12 @@ def sim_server_options(
 ) -> ServerOptions:
     """`access`: AccessConfig settings (the admin key is TEST_ADMIN_KEY unless given)."""
     settings = {"admin_key": TEST_ADMIN_KEY, **access}
-    return ServerOptions(max_queued_seqs=max_queued_seqs, owned_by="kvyard-sim",
-                         access=AccessConfig(**settings), http=http or HttpServerConfig())  # type: ignore[arg-type]  # fmt: skip
+    return ServerOptions(
+        max_queued_seqs=max_queued_seqs,
+        owned_by="kvyard-sim",
+        access=AccessConfig(**settings),  # type: ignore[arg-type]
+        http=http or HttpServerConfig(),
+    )
 
 
 class SimCluster(ReplicaCluster):

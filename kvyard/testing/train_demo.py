@@ -54,8 +54,11 @@ class TrainSettings:
 def stdlib_sources(max_files: int | None = None) -> list[Path]:
     """The standard library's Python files, in a fixed order (tests and site-packages excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    paths = [p for p in sorted(root.rglob("*.py")) if not {"test", "tests", "site-packages", "idle_test"} &
-             set(p.relative_to(root).parts)]  # fmt: skip
+    paths = [
+        p
+        for p in sorted(root.rglob("*.py"))
+        if not {"test", "tests", "site-packages", "idle_test"} & set(p.relative_to(root).parts)
+    ]
     return paths[:max_files] if max_files is not None else paths
 
 
@@ -130,16 +133,23 @@ def train(out: Path, settings: TrainSettings) -> dict[str, Any]:
         train_rows = packed_rows(documents(tokenizer, train_paths), settings.seq_len, rng)
         held_rows = packed_rows(documents(tokenizer, [p for p in paths if held_out(p)]), settings.seq_len, rng)
         held_rows = held_rows[:64]
-        say(f"{train_rows.numel():,} training tokens, {held_rows.numel():,} held-out tokens; "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters")  # fmt: skip
+        say(
+            f"{train_rows.numel():,} training tokens, {held_rows.numel():,} held-out tokens; "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters"
+        )
         info = _run(model, train_rows, held_rows, settings)
         model.half().save_pretrained(out, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             if (start_dir / name).is_file():
                 (out / name).write_bytes((start_dir / name).read_bytes())
         end_on_both_ends(out, tokenizer)
-    info = {**info, "settings": asdict(settings), "python": sys.version.split()[0], "torch": torch.__version__,
-            "transformers": transformers.__version__}  # fmt: skip
+    info = {
+        **info,
+        "settings": asdict(settings),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -157,8 +167,9 @@ def end_on_both_ends(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> Non
 
 
 def _run(model: LlamaForCausalLM, rows: torch.Tensor, held: torch.Tensor, settings: TrainSettings) -> dict[str, Any]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=settings.weight_decay)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=settings.weight_decay
+    )
     budget_s = settings.minutes * 60
     started = time.monotonic()
     step = epoch_row = 0
@@ -194,8 +205,10 @@ def _run(model: LlamaForCausalLM, rows: torch.Tensor, held: torch.Tensor, settin
 
 def _report(step: int, losses: list[float], settings: TrainSettings, elapsed: float) -> None:
     tokens = step * settings.batch_size * settings.seq_len
-    say(f"step {step}: loss {sum(losses[-20:]) / 20:.3f}, {tokens:,} tokens, {tokens / elapsed:,.0f} tokens/s, "
-        f"{elapsed / 60:.1f} of {settings.minutes:g} min")  # fmt: skip
+    say(
+        f"step {step}: loss {sum(losses[-20:]) / 20:.3f}, {tokens:,} tokens, {tokens / elapsed:,.0f} tokens/s, "
+        f"{elapsed / 60:.1f} of {settings.minutes:g} min"
+    )
 
 
 _HELP = {
@@ -220,8 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = TrainSettings()
     for name, value in asdict(defaults).items():
         kind = int if name in ("max_files", "seq_len", "batch_size", "warmup_steps", "seed") else float
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value,
-                            help=f"{_HELP[name]} (default: {value if value is not None else 'all'})")  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=value,
+            help=f"{_HELP[name]} (default: {value if value is not None else 'all'})",
+        )
     args = parser.parse_args(argv)
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(defaults)})
     torch.set_num_threads(max(1, torch.get_num_threads()))

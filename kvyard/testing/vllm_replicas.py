@@ -87,11 +87,21 @@ class VllmReplica:
 
 
 def start_vllm(
-    model_dir: Path, log_dir: Path, *, served_name: str, port: int | None = None, events_port: int | None = None,
-    replay_port: int | None = None, events: bool = True, replay: bool = True, cpus: str = "auto",
-    kv_cache_gb: int = 1, extra: tuple[str, ...] = (), environment: dict[str, str] | None = None,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    served_name: str,
+    port: int | None = None,
+    events_port: int | None = None,
+    replay_port: int | None = None,
+    events: bool = True,
+    replay: bool = True,
+    cpus: str = "auto",
+    kv_cache_gb: int = 1,
+    extra: tuple[str, ...] = (),
+    environment: dict[str, str] | None = None,
     taskset: str | None = None,
-) -> VllmReplica:  # fmt: skip
+) -> VllmReplica:
     """Start a vLLM server (returns at once; `wait_ready` waits). `cpus` is VLLM_CPU_OMP_THREADS_BIND ("0", "1",
     "0-1", "auto"); KV events, when on, go to a PUB socket on `events_port` and a replay socket on `replay_port`;
     `environment` adds variables (VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache); `taskset`: a CPU list the
@@ -102,25 +112,48 @@ def start_vllm(
     port = port or free_port()
     events_port = (events_port or free_port()) if events else None
     replay_port = (replay_port or free_port()) if events and replay else None
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--block-size", str(VLLM_BLOCK_SIZE), "--enable-prompt-tokens-details", "--max-num-seqs", "32",
-               "--uvicorn-log-level", "warning"]  # fmt: skip
+    command = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(VLLM_BLOCK_SIZE),
+        "--enable-prompt-tokens-details",
+        "--max-num-seqs",
+        "32",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     if events_port is not None:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
         if replay_port is not None:
             config["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
         command += ["--kv-events-config", json.dumps(config)]
-    variables = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": cpus,
-                 **(environment or {})}  # fmt: skip
+    variables = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+        "VLLM_CPU_OMP_THREADS_BIND": cpus,
+        **(environment or {}),
+    }
     openmp = python.parent.parent / "lib" / "libiomp5.so"  # vLLM's CPU build runs on Intel's OpenMP
     if openmp.exists():
         variables["LD_PRELOAD"] = str(openmp)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
         bound = ["taskset", "-c", taskset] if taskset is not None else []
-        process = subprocess.Popen([*bound, *command, *extra], stdout=log, stderr=subprocess.STDOUT, env=variables,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            [*bound, *command, *extra], stdout=log, stderr=subprocess.STDOUT, env=variables, start_new_session=True
+        )
     return VllmReplica(process, port, events_port, replay_port, log_path)
 
 
