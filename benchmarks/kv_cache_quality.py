@@ -53,7 +53,7 @@ def kvyard_logits(model_dir: Path, prompts: list[list[int]], kv_cache_dtype: str
     """Logits at every position of each prompt, run as one prefill chunk over a cache in `kv_cache_dtype`."""
     import torch  # 1 s to import: not before --help has had its chance
 
-    from kvyard.engine.model_runner import PagedModel
+    from kvyard.engine.runners.model_runner import PagedModel
     from kvyard.models.loader import load_model
 
     longest = max(len(p) for p in prompts)

@@ -71,8 +71,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
     from kvyard.kvcache.codec import decode_block
+    from kvyard.kvcache.pd_stream import PullLimits, TransferHandle, pull_blocks
     from kvyard.kvcache.redis_tier import RedisTier
-    from kvyard.kvcache.transfer import PullLimits, TransferHandle, pull_blocks
     from kvyard.models.loader import model_digest
     from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 

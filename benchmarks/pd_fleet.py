@@ -73,7 +73,7 @@ from routing import (
 
 from kvyard.api.metrics import MODEL_NAME
 from kvyard.bench import provenance
-from kvyard.engine.scheduler import PREFILL_ORDERS
+from kvyard.engine.scheduling.scheduler import PREFILL_ORDERS
 from kvyard.router.config import RouterConfig
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs

@@ -73,7 +73,7 @@ def timed_generate(llm: LLM, batch: list[list[int]], params: SamplingParams) -> 
 def main() -> int:
     args = parse_args()
     from kvyard import LLM, SamplingParams  # PyTorch (1 s): after --help has been answered
-    from kvyard.engine.speculative import SpeculativeConfig
+    from kvyard.engine.speculative.policy import SpeculativeConfig
     from kvyard.testing.oracle_proposer import OracleProposer
 
     run = provenance.of_run()

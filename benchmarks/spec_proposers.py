@@ -43,7 +43,7 @@ from bench_args import parser_with_work_dir
 from weight_quality import PEERS, RUNNERS, llamacpp_gguf
 
 from kvyard.bench import provenance
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.testing.create_model import cached_model
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
 

@@ -27,7 +27,7 @@ from kvyard.testing.create_model import cached_model
 
 if TYPE_CHECKING:  # imported where used: PyTorch (1 s) only after --help has been answered
     from kvyard import LLM, SamplingParams
-    from kvyard.engine.structured_output import StructuredOutput
+    from kvyard.engine.sampling.structured_output import StructuredOutput
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -91,7 +91,7 @@ def params_for(count: int, max_tokens: int, structured: StructuredOutput | None)
 def main() -> int:
     args = parse_args()
     from kvyard import LLM
-    from kvyard.engine.structured_output import StructuredOutput
+    from kvyard.engine.sampling.structured_output import StructuredOutput
 
     llm = LLM(str(cached_model(args.work_dir)))
     results: list[dict[str, Any]] = []

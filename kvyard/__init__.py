@@ -9,8 +9,8 @@ if TYPE_CHECKING:
     from kvyard.engine.config import EngineConfig
     from kvyard.engine.llm import LLM
     from kvyard.engine.llm_engine import LLMEngine, RequestOutput
-    from kvyard.engine.pooling import PoolingParams
-    from kvyard.engine.sampling_params import SamplingParams
+    from kvyard.engine.pooling.params import PoolingParams
+    from kvyard.engine.sampling.params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
@@ -22,8 +22,8 @@ _LAZY = {
     "EngineConfig": "kvyard.engine.config",
     "LLMEngine": "kvyard.engine.llm_engine",
     "RequestOutput": "kvyard.engine.llm_engine",
-    "PoolingParams": "kvyard.engine.pooling",
-    "SamplingParams": "kvyard.engine.sampling_params",
+    "PoolingParams": "kvyard.engine.pooling.params",
+    "SamplingParams": "kvyard.engine.sampling.params",
 }
 
 

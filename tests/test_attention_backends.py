@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from kvyard.engine.model_runner import ModelRunner
-from kvyard.engine.request import Request
-from kvyard.engine.sampler import torch_argmax
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.runners.model_runner import ModelRunner
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.sampler import torch_argmax
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.scheduling.scheduler import ScheduledRequest
 from kvyard.kernels.build import KernelsUnavailable
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models import attention_backends

@@ -35,7 +35,7 @@ from kvyard.bench.workloads import (
     shared_prefix_workload,
     trace_workload,
 )
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.net.http_client import HttpClient
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster, sim_server_options

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvyard.engine.request import Request
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import Request
 from kvyard.kvcache import block_key as block_key_module
 from kvyard.kvcache.block_key import KEY_BYTES, KeyNamespace, block_key, chain_block_keys
 from kvyard.kvcache.events import KVEventLog

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvyard.engine.block_pool import BlockPool, BlockPoolError
-from kvyard.engine.kv_cache_manager import KVCacheManager
-from kvyard.engine.request import Request
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.block_pool import BlockPool, BlockPoolError
+from kvyard.engine.scheduling.kv_cache_manager import KVCacheManager
+from kvyard.engine.scheduling.request import Request
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.events import KVEventLog
 

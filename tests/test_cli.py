@@ -12,8 +12,8 @@ import pytest
 from kvyard.cli import COMMANDS, build_parser
 from kvyard.cli.options import config_from_args
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.router.config import RouterConfig
 from kvyard.server.options import ServerOptions

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.testing.create_model import create_model
 
 DEVICE = "cuda"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvyard.engine.detokenizer import IncrementalDetokenizer
+from kvyard.engine.sampling.detokenizer import IncrementalDetokenizer
 from kvyard.testing.create_model import create_model
 
 TEXTS = [

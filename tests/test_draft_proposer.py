@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.draft_proposer import DraftModelError, DraftModelProposer
-from kvyard.engine.self_draft import SelfDraftProposer
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.speculative.draft_proposer import DraftModelError, DraftModelProposer
+from kvyard.engine.speculative.policy import SpeculativeConfig
+from kvyard.engine.speculative.self_draft import SelfDraftProposer
 from kvyard.models.quantization import HalfLinear, Int8Linear
 from kvyard.testing.create_model import create_model
 
@@ -253,9 +253,9 @@ def test_a_draft_that_cannot_propose_for_the_model_is_refused(
 def test_native_guessing_passes_guess_what_the_modules_guess(
     model_dirs: dict[str, Path], arch: str, method: str
 ) -> None:
-    """Guessing passes run on the native kernels (kvyard.engine.native_draft) over the draft's own tensors and
-    the served model's cache, a 16-bit head's argmax screened by its int8 copy; with them switched off the PyTorch
-    modules run the same passes: every guess, hence every count of proposed and accepted tokens, is the same."""
+    """Guessing passes run on the native kernels (kvyard.engine.speculative.native_draft) over the draft's own
+    tensors and the served model's cache, a 16-bit head's argmax screened by its int8 copy; with them switched off the
+    PyTorch modules run the same passes: every guess, hence every count of proposed and accepted tokens, is the same."""
     batch = prompts(6, seed=7)
     counts = []
     for native in (True, False):

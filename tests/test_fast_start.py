@@ -1,4 +1,4 @@
-"""Serving a weight package before PyTorch loads: the native fast-start engine (kvyard.engine.fast_start), the
+"""Serving a weight package before PyTorch loads: the native fast-start engine (kvyard.engine.fast_start.engine), the
 PyTorch engine taking over its requests and blocks, and `kvyard serve` doing both."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from server_utils import start_server
 
 from kvyard.api.errors import InputError
-from kvyard.engine.bad_words import bad_words_token_ids
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore
-from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
+from kvyard.engine.fast_start.engine import NativeStartEngine, fast_start_blocker
+from kvyard.engine.fast_start.native_runner import runs_natively
 from kvyard.engine.llm_engine import LLMEngine
-from kvyard.engine.native_runner import runs_natively
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.sampling.bad_words import bad_words_token_ids
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.models.config import load_model_config
 from kvyard.models.layers import RotaryEmbedding
 from kvyard.models.mapped_safetensors import MappedTensorsError, map_tensors
@@ -283,8 +283,8 @@ async def _collect(engine: Any, params: SamplingParams) -> list[int]:
 @pytest.mark.parametrize("kv_name", ["fp32", "fp16", "bf16", "int8"])
 def test_numpy_blocks_are_the_bytes_pytorch_reads_and_writes(kv_name: str) -> None:
     """The fast-start engine's KV tier and transfers see the same block bytes as LLMEngine's, both ways."""
-    from kvyard.engine.kv_transfer import DeviceBlocks
-    from kvyard.engine.native_blocks import CODEC_NAMES, NumpyBlocks
+    from kvyard.engine.fast_start.native_blocks import CODEC_NAMES, NumpyBlocks
+    from kvyard.engine.kv_links.device_blocks import DeviceBlocks
     from kvyard.kvcache.codec import DecodedBlock
     from kvyard.models.kv_format import KVFormat
     from kvyard.models.native_model import KV_STORAGE

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvyard.engine.model_runner import PagedModel
+from kvyard.engine.runners.model_runner import PagedModel
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.decoder import CausalLM, DecoderLayer
 from kvyard.models.loader import load_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvyard import LLM
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
 from kvyard.kernels.ops import NativeKernels
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.config import KVTierConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 from redis_utils import RedisProcess, start_redis, start_redis_cluster
 
-from kvyard.engine.kv_transfer import block_shape, read_blocks, write_blocks
+from kvyard.engine.kv_links.device_blocks import block_shape, read_blocks, write_blocks
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.kvcache.codec import (
     HEADER_BYTES,

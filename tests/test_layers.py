@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"engine", "api", "kvcache", "net", "settings"},
     "server": {"engine", "api", "kvcache", "net", "settings", ""},
     "router": {"api", "kvcache", "net", "settings", ""},
-    "bench": {"api", "net", ""},
+    "bench": {"api", "net", "settings", ""},
     "deploy": {"api", "paths"},  # runs `kvyard serve` / `kvyard route` as processes and talks to them over HTTP
     "integrations": {"kvcache", "models", "paths", "settings"},  # kvyard's tier inside vLLM (a KV connector)
     "testing": {"server", "sim", "engine", "api", "kvcache", "models", "net", "paths", "settings"},
@@ -73,3 +73,37 @@ def test_the_check_sees_imports_at_any_depth(tmp_path: Path) -> None:
     module = tmp_path / "module.py"
     module.write_text("def f():\n    from kvyard.server.app import ReplicaApp\n    import kvyard.sim.engine\n")
     assert imported_parts(module) == {"server", "sim"}
+
+
+# The engine's rooms (kvyard/engine/*/) and the rooms each may import; a room never imports the engine's own
+# modules above them (core, llm_engine, llm, config, ...), except the fast-start engine, which is an engine.
+ENGINE = PACKAGE / "engine"
+ENGINE_ROOMS: dict[str, set[str]] = {
+    "sampling": set(),
+    "pooling": set(),
+    "scheduling": {"sampling", "pooling"},
+    "kv_links": {"scheduling", "sampling", "pooling"},
+    "runners": {"scheduling", "sampling", "pooling"},
+    "speculative": {"runners", "scheduling", "sampling", "pooling"},
+    "fast_start": {"kv_links", "scheduling", "sampling", "pooling", "config", "core", "model_setup"},
+}
+
+
+def engine_parts_imported(path: Path) -> set[str]:
+    """The engine rooms and top-level engine modules a module imports (`kvyard.engine.core` -> "core")."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvyard.engine."):
+            parts.add(node.module.split(".")[2])
+    return parts
+
+
+def test_engine_rooms_import_only_the_rooms_below_them() -> None:
+    rooms = {path.name for path in ENGINE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert rooms == set(ENGINE_ROOMS), "a room was added or removed: place it in ENGINE_ROOMS"
+    violations = []
+    for room, allowed in ENGINE_ROOMS.items():
+        for path in sorted((ENGINE / room).rglob("*.py")):
+            for imported in engine_parts_imported(path) - {room} - allowed:
+                violations.append(f"{path.relative_to(PACKAGE.parent)} ({room}) imports kvyard.engine.{imported}")
+    assert not violations, "\n".join(violations)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvyard.api.protocol import CompletionRequest
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.net.http_server import HttpServerConfig
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import SimCluster, sim_server_options

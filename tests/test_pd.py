@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ADMIN, ServerProcess, start_server
 
 from kvyard.api.metrics import MODEL_NAME
-from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_TOKEN_HEADER
+from kvyard.kvcache.pd_stream import RELEASE_PATH, TRANSFER_TOKEN_HEADER
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY
 
 BLOCK_SIZE = 16

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.penalties import TokenHistory, apply_logit_processing
-from kvyard.engine.sampler import SamplingRow, sample
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.sampling.penalties import TokenHistory, apply_logit_processing
+from kvyard.engine.sampling.sampler import SamplingRow, sample
+from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.testing.oracle_proposer import OracleProposer
 
 VOCAB = 64

@@ -14,7 +14,7 @@ from server_utils import ServerProcess
 from transformers import AutoTokenizer
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.bad_words import bad_words_token_ids
+from kvyard.engine.sampling.bad_words import bad_words_token_ids
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 MESSAGES = [{"role": "user", "content": "Write a haiku about caches."}, {"role": "assistant", "content": "Blocks of"}]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvyard.api.errors import InputError
-from kvyard.engine.bad_words import bad_words_token_ids
-from kvyard.engine.request import Request
-from kvyard.engine.sampler import SamplingRow, sample
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.bad_words import bad_words_token_ids
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.sampler import SamplingRow, sample
+from kvyard.engine.scheduling.request import Request
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.kv_cache_manager import KVCacheManager
-from kvyard.engine.request import Request, RequestStatus
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import MAX_STEPS_PASSED_OVER, Scheduler, SchedulerConfig, SchedulerOutput
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.block_pool import BlockPool
+from kvyard.engine.scheduling.kv_cache_manager import KVCacheManager
+from kvyard.engine.scheduling.request import Request, RequestStatus
+from kvyard.engine.scheduling.scheduler import MAX_STEPS_PASSED_OVER, Scheduler, SchedulerConfig, SchedulerOutput
 
 ROOT = b"r" * 16
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvyard.engine.core import EngineCore, SampledToken
-from kvyard.engine.scheduler import ScheduledRequest, SchedulerConfig
+from kvyard.engine.core import EngineCore
+from kvyard.engine.scheduling.scheduler import ScheduledRequest, SchedulerConfig
+from kvyard.engine.scheduling.step import SampledToken
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.events import KVEventLog
 from kvyard.sim.config import SimConfig

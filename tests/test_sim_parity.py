@@ -20,11 +20,12 @@ import pytest
 
 from kvyard.cli.sim import add_sim_arguments, sim_config
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.core import EngineCore, Runner, SampledToken
+from kvyard.engine.core import EngineCore
 from kvyard.engine.llm_engine import LLMEngine
-from kvyard.engine.request import Request
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.scheduling.scheduler import ScheduledRequest
+from kvyard.engine.scheduling.step import Runner, SampledToken
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.models.loader import model_digest
 from kvyard.testing.sim_cluster import SimCluster

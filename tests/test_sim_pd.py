@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.sim.config import SimConfig
 from kvyard.testing.sim_cluster import TEST_ADMIN_KEY, SimCluster, pd_roles
 from tests.pd_utils import pd_request

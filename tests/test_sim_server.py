@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvyard.api.metrics import ServerMetrics
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.sim.calibration import calibrate_from_json
 from kvyard.sim.config import SimConfig

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.request import Request
-from kvyard.engine.speculative import NgramProposer, SpeculativeConfig, accept_greedy
+from kvyard.engine.runners.model_runner import accept_greedy
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.speculative.policy import NgramProposer, SpeculativeConfig
 from kvyard.testing.oracle_proposer import OracleProposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -147,7 +148,7 @@ def test_unseeded_speculative_sampling_keeps_the_target_distribution(
     """The runner's rule with the real sampler on fixed logits: both positions' draws, then the kept prefix."""
     import torch
 
-    from kvyard.engine.sampler import SamplingRow, _processed_probs, sample
+    from kvyard.engine.sampling.sampler import SamplingRow, _processed_probs, sample
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0], [0.0, 1.0, 2.0, 0.5, 0.3, -0.5]])
@@ -181,7 +182,7 @@ def test_a_request_can_turn_speculation_off(llama_dir: Path) -> None:
 
 
 def test_proposals_shrink_to_probes_when_guesses_are_wrong_and_stay_long_when_right() -> None:
-    from kvyard.engine.speculative import num_tokens_to_propose, updated_acceptance
+    from kvyard.engine.speculative.policy import num_tokens_to_propose, updated_acceptance
 
     assert num_tokens_to_propose(0.9, 4, 0.1) == 4
     assert num_tokens_to_propose(0.0, 4, 0.1) == 0
@@ -204,7 +205,7 @@ def test_adaptive_speculation_stops_proposing_for_a_request_whose_guesses_are_al
 
 
 def test_the_measured_verify_cost_grows_with_the_batch() -> None:
-    from kvyard.engine.speculative import StepCost
+    from kvyard.engine.speculative.policy import StepCost
 
     cost = StepCost()
     for tokens in (1, 2, 4, 8, 16, 32, 64, 5, 40):

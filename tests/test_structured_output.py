@@ -17,8 +17,8 @@ import pytest
 from server_utils import ServerProcess
 
 from kvyard import LLM, SamplingParams
-from kvyard.engine.speculative import SpeculativeConfig
-from kvyard.engine.structured_output import StructuredOutput
+from kvyard.engine.sampling.structured_output import StructuredOutput
+from kvyard.engine.speculative.policy import SpeculativeConfig
 
 PERSON = {
     "type": "object",

@@ -13,7 +13,7 @@ from typing import Any
 from kvyard.cli import fail
 from kvyard.cli.models import add_engine_options, add_model_argument, engine_config_from_args
 from kvyard.cli.options import add_config_options, config_from_args
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingParams))
 

@@ -21,7 +21,7 @@ from typing import Any
 from kvyard.api.auth import admin_key_of
 from kvyard.cli import fail
 from kvyard.cli.options import add_config_options, add_log_level_option, config_from_args, configure_logging
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.server.options import ServerOptions
 from kvyard.sim.config import SimConfig
 from kvyard.sim.roofline import ROOFLINE_PRESETS, roofline_preset

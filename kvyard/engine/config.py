@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.engine.scheduler import SchedulerConfig
-from kvyard.engine.speculative import SpeculativeConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
+from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.kvcache.config import KVTierConfig, KVTransferConfig
 from kvyard.models import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MATMUL_DTYPES, QUANTIZATION_SCHEMES
 from kvyard.settings import from_flat, setting

@@ -10,77 +10,33 @@ and evicts exactly as the engine does.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_sampling_token_ids, check_token_ids
 from kvyard.api.errors import InputError
-from kvyard.engine.bad_words import bad_words_token_ids
-from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from kvyard.engine.kv_cache_manager import BlockPuller, BlockTier, KVCacheManager
-from kvyard.engine.kv_exports import ExportView, KVExports
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.request import KVTransferParams, Request, RequestStatus, TokenLogprobs
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from kvyard.engine.speculative import (
-    INITIAL_ACCEPTANCE,
-    MAX_PROBE_INTERVAL,
-    PROBE_EVERY,
-    Proposer,
-    SpeculativeConfig,
-    StepCost,
-    can_speculate,
-    make_proposer,
-    num_tokens_to_propose,
-    updated_acceptance,
-)
-from kvyard.engine.structured_output import GrammarCompiler, GrammarMatcher, StructuredOutput
+from kvyard.engine.kv_links.exports import BlockReader, ExportRead, KVExports, read_export
+from kvyard.engine.measured_costs import MeasuredCosts
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.bad_words import bad_words_token_ids
+from kvyard.engine.sampling.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvyard.engine.sampling.logprobs import TokenLogprobs
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.structured_output import Grammars
+from kvyard.engine.scheduling.block_pool import BlockPool
+from kvyard.engine.scheduling.kv_cache_manager import BlockPuller, BlockTier, KVCacheManager
+from kvyard.engine.scheduling.request import KVTransferParams, Request, RequestStatus
+from kvyard.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from kvyard.engine.scheduling.step import Runner, SampledToken
+from kvyard.engine.speculative.policy import INITIAL_ACCEPTANCE, Proposer, SpeculativeConfig, make_proposer
+from kvyard.engine.speculative.speculation import Speculation
 from kvyard.kvcache.block_key import KeyNamespace
-from kvyard.kvcache.codec import BlockFormat, encode_block
 from kvyard.kvcache.events import KVEventLog
-from kvyard.kvcache.stats import RecentCost
 
 _LOG = logging.getLogger(__name__)
 IDLE_LOAD_WAIT_S = 0.01
-MIN_MEASURED_PREFILL_TOKENS = 32  # steps this large say what a prefill token costs (decode-only steps do not)
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """A request's next token, or (token_id -1) a pooling request's result."""
-
-    request: Request
-    token_id: int
-    logprobs: TokenLogprobs | None = None
-    pooled: list[float] | None = None
-
-
-class Runner(Protocol):
-    """Computes scheduled batches: a model on a device, or a cost model in the simulator."""
-
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
-        """Compute every scheduled token (decodes come first in `scheduled`); return a token for each item
-        that completes its sequence, in order. Request state is as before the step."""
-        ...
-
-    def release(self, request: Request) -> None:
-        """The request has finished or was aborted: drop anything kept for it."""
-        ...
-
-
-class BlockReader(Protocol):
-    """The bytes of whole device blocks (see kv_transfer.DeviceBlocks); safe from any thread for pinned blocks."""
-
-    @property
-    def format(self) -> BlockFormat: ...
-
-    def read(self, block_ids: Sequence[int]) -> Sequence[memoryview | bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +116,6 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
-class ExportRead:
-    """Encoded blocks of a transfer from some index on, and how the transfer stands."""
-
-    blobs: list[bytes]
-    view: ExportView
-
-
-@dataclass(frozen=True, slots=True)
 class KVSnapshot:
     """The cached block keys and the KV-event sequence number they are current at."""
 
@@ -209,13 +157,10 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._root_keys: dict[str, bytes] = {}
-        self.proposer: Proposer | None = proposer if proposer is not None else make_proposer(config.speculative)
-        self.num_spec_proposed = self.num_spec_accepted = self.num_spec_verifications = 0
-        self._spec_acceptance = INITIAL_ACCEPTANCE  # over all requests: where a new request's estimate starts
-        self._step_cost = StepCost()
-        self._prefill_cost = RecentCost(weight=0.1)
-        self._tier_costs: dict[str, RecentCost] = {}
-        self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
+        self.speculation: Speculation | None = None
+        self.proposer = proposer if proposer is not None else make_proposer(config.speculative)
+        self.costs = MeasuredCosts()
+        self.grammars = Grammars(tokenizer, config.limits.vocab_size)  # compiled on the first constrained request
 
     def adopt_core_state(self, other: EngineCore) -> None:
         """Take over another core's requests, blocks, prefix cache, event log and counters, as they are between
@@ -223,6 +168,20 @@ class EngineCore:
         memory). The other core must not step again."""
         for name in _CORE_STATE:
             setattr(self, name, getattr(other, name))
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.speculation.proposer if self.speculation is not None else None
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        """Speculate with `proposer` from the next step on (None: stop speculating)."""
+        if proposer is None:
+            self.speculation = None
+        elif self.speculation is None:
+            self.speculation = Speculation(self.config.speculative, self.limits, proposer)
+        else:
+            self.speculation.proposer = proposer
 
     @property
     def model_name(self) -> str:
@@ -278,12 +237,12 @@ class EngineCore:
             block_size=self.config.block_size,
             stop_token_ids=self._stop_token_ids(params),
             kv_transfer=kv_transfer,
-            spec_acceptance=self._spec_acceptance,
+            spec_acceptance=self.speculation.acceptance if self.speculation else INITIAL_ACCEPTANCE,
             pooling=pooling,
             bad_words_token_ids=bad_words,
         )
         if params.structured is not None:
-            request.grammar = self._grammar_matcher(params.structured, resumed_output_ids)
+            request.grammar = self.grammars.matcher(params.structured, resumed_output_ids)
         if export_id is not None:
             self.kv_exports.open(request, export_id)
         self._requests[request_id] = request
@@ -332,18 +291,6 @@ class EngineCore:
             key = self._root_keys[salt] = self.namespace.with_salt(salt).root_key()
         return key
 
-    def _grammar_matcher(self, structured: StructuredOutput, resumed_output_ids: Sequence[int]) -> GrammarMatcher:
-        if self.tokenizer is None:
-            raise InputError(
-                f"{structured.param} needs a tokenizer, and this model directory has none", structured.param
-            )
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
-        grammar = self._grammar_compiler.matcher(structured)
-        if not all(grammar.accept(token_id) for token_id in resumed_output_ids):
-            raise InputError(f"resume.token_ids do not match the request's {structured.param}", "resume.token_ids")
-        return grammar
-
     def _make_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             if params.stop:
@@ -371,8 +318,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that produced tokens."""
-        if self.proposer is not None:
-            self._propose(self.proposer)
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:  # maybe every waiting request waits for KV-tier blocks: wait, don't spin
             idle_wait = IDLE_LOAD_WAIT_S if self.kv_manager.load_wait_s else 0.0
@@ -398,79 +345,20 @@ class EngineCore:
         self.housekeeping(now)
         return outputs
 
-    def _propose(self, proposer: Proposer) -> None:
-        """Proposed tokens for every running request that can speculate this step (none for the others)."""
-        wanted, vocab = self.config.speculative.num_speculative_tokens, self.limits.vocab_size
-        eligible = [request for request in self.scheduler.running if can_speculate(request)]
-        token_cost = self._proposal_cost(proposer, len(eligible))
-
-        def embeddable(token_id: int) -> bool:  # a token the model cannot embed is no guess: stop before it
-            return 0 <= token_id < vocab
-
-        for request in self.scheduler.running:
-            request.spec_token_ids = []
-        rooms = [
-            min(
-                self._num_to_propose(request, wanted, token_cost),
-                self.limits.max_model_len - request.num_tokens - 1,
-                request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            )
-            for request in eligible
-        ]
-        if not any(room > 0 for room in rooms):
-            return
-        for request, room, proposed in zip(eligible, rooms, proposer.propose(eligible, rooms)):
-            request.spec_token_ids = list(itertools.takewhile(embeddable, proposed[: max(room, 0)]))
-
-    def _proposal_cost(self, proposer: Proposer, num_sequences: int) -> float:
-        """What one more proposed token per sequence adds to a step, as a fraction of a decode step of
-        `num_sequences`: verifying it, plus producing it when the proposer runs a model."""
-        verify = self._step_cost.verify_token_cost(num_sequences) or self.config.speculative.verify_token_cost
-        proposal_s = proposer.seconds_per_proposal(num_sequences)
-        step_s = self._step_cost.step_seconds(num_sequences) if proposal_s else None
-        return verify + (proposal_s / step_s if step_s else 0.0)
-
-    def _num_to_propose(self, request: Request, wanted: int, token_cost: float) -> int:
-        if not self.config.speculative.adaptive:
-            return wanted
-        num = num_tokens_to_propose(request.spec_acceptance, wanted, token_cost)
-        if num:
-            request.spec_idle_steps = 0
-            request.spec_probe_interval = PROBE_EVERY
-            return num
-        if num_tokens_to_propose(1.0, wanted, token_cost) == 0:
-            return 0  # not even guesses that are always right would pay at this cost: nothing to probe for
-        request.spec_idle_steps += 1
-        if request.spec_idle_steps < request.spec_probe_interval:
-            return 0
-        request.spec_idle_steps = 0
-        request.spec_probe_interval = min(2 * request.spec_probe_interval, MAX_PROBE_INTERVAL)
-        return 1
-
     def _num_computed(self, item: ScheduledRequest, num_emitted: int) -> int:
         """Tokens of `item` whose KV is now right: all it scheduled, less the proposals the model rejected."""
-        if not item.spec_token_ids:
+        if not item.spec_token_ids or self.speculation is None:
             return item.num_new_tokens
-        accepted = num_emitted - 1
-        request = item.request
-        request.spec_acceptance = updated_acceptance(request.spec_acceptance, len(item.spec_token_ids), accepted)
-        self._spec_acceptance = updated_acceptance(self._spec_acceptance, len(item.spec_token_ids), accepted)
-        self.num_spec_proposed += len(item.spec_token_ids)
-        self.num_spec_accepted += accepted
-        self.num_spec_verifications += 1
-        return item.num_new_tokens - len(item.spec_token_ids) + accepted
+        return self.speculation.num_computed(item, num_emitted)
 
     def _measure_step(self, scheduled: Sequence[ScheduledRequest], wall_s: float) -> None:
-        """What a prefill token costs here, for the router's predicted TTFT (a modeled runner states its time)."""
-        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        """What the step cost (a modeled runner states its time): for the router's predicted TTFT, the tier's
+        load-or-compute choice and speculation's verify cost."""
         seconds = getattr(self.runner, "last_step_seconds", wall_s)
-        if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:
-            self._prefill_cost.observe(seconds, num_tokens)
-            tier = self.kv_manager.tier
-            if tier is not None and self._prefill_cost.estimate is not None:
-                tier.compute_s_per_block = self._prefill_cost.estimate * self.config.block_size
-        if self.proposer is not None and all(item.num_new_tokens - len(item.spec_token_ids) == 1 for item in scheduled):
-            self._step_cost.observe(num_tokens, seconds)  # the fit predicts decode and verify steps only
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        self.costs.observe_step(num_tokens, seconds, self.config.block_size, self.kv_manager.tier)
+        if self.speculation is not None:
+            self.speculation.observe_step(scheduled, seconds)
 
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks
@@ -554,7 +442,7 @@ class EngineCore:
     # ----------------------------------------------------------------- cache and statistics
 
     def stats(self) -> EngineStats:
-        scheduler, kv = self.scheduler, self.kv_manager
+        scheduler, kv, speculation = self.scheduler, self.kv_manager, self.speculation
         return EngineStats(
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
@@ -566,26 +454,15 @@ class EngineCore:
             kv_tier_hit_tokens=kv.num_tier_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
             kv_shared_hit_tokens=kv.num_shared_hit_tokens,
-            spec_proposed_tokens=self.num_spec_proposed,
-            spec_accepted_tokens=self.num_spec_accepted,
-            spec_verifications=self.num_spec_verifications,
-            prefill_s_per_token=self._prefill_cost.estimate,
-            tier_s_per_block=self._tier_load_costs(),
+            spec_proposed_tokens=speculation.num_proposed if speculation else 0,
+            spec_accepted_tokens=speculation.num_accepted if speculation else 0,
+            spec_verifications=speculation.num_verifications if speculation else 0,
+            prefill_s_per_token=self.costs.prefill_s_per_token,
+            tier_s_per_block=self.costs.tier_s_per_block(kv.tier),
             shared_tier_available=kv.tier.shared_available() if kv.tier is not None else True,
             tier_load_deadline_s=kv.tier.load_deadline_s if kv.tier is not None else 0.0,
             tier_load_extension_s_per_block=kv.tier.extension_s_per_block if kv.tier is not None else 0.0,
         )
-
-    def _tier_load_costs(self) -> dict[str, float]:
-        tier = self.kv_manager.tier
-        if tier is None:
-            return {}
-        costs: dict[str, float] = {}
-        for medium, (seconds, blocks) in tier.load_totals().items():
-            estimate = self._tier_costs.setdefault(medium, RecentCost()).update(seconds, blocks)
-            if estimate is not None:
-                costs[medium] = estimate
-        return costs
 
     def kv_event_log(self) -> KVEventLog | None:
         """The `stored`/`removed` event log (thread-safe to read), or None when events are not recorded."""
@@ -604,19 +481,8 @@ class EngineCore:
     # ----------------------------------------------------------------- transfers (prefill/decode disaggregation)
 
     def read_export(self, transfer_id: str, start: int, max_blocks: int = 64) -> ExportRead | None:
-        """Blocks `start`, ... of a transfer, encoded in the block codec (any thread: they are pinned while
-        read); None when there is no such transfer (yet, or any more)."""
-        view = self.kv_exports.view(transfer_id, start)
-        if view is None:
-            return None
-        if self.block_reader is None or not view.block_ids:
-            return ExportRead([], view)
-        ids, keys = view.block_ids[:max_blocks], view.block_keys[:max_blocks]
-        reader = self.block_reader
-        blobs = [encode_block(view.root_key, key, reader.format, row) for key, row in zip(keys, reader.read(ids))]
-        if not self.kv_exports.is_pinned(transfer_id, start + len(ids)):
-            return None  # released while being read: the bytes may be another request's by now
-        return ExportRead(blobs, view)
+        """Blocks `start`, ... of a transfer in the block codec, from any thread (`exports.read_export`)."""
+        return read_export(self.kv_exports, self.block_reader, transfer_id, start, max_blocks)
 
     def release_export(self, transfer_id: str) -> bool:
         """The decode side is done with a transfer (engine thread); False when it is unknown or expired."""
@@ -654,14 +520,8 @@ _CORE_STATE = (
     "_requests",
     "_detokenizers",
     "_root_keys",
-    "num_spec_proposed",
-    "num_spec_accepted",
-    "num_spec_verifications",
-    "_spec_acceptance",
-    "_step_cost",
-    "_prefill_cost",
-    "_tier_costs",
-    "_grammar_compiler",
+    "costs",
+    "grammars",
 )
 
 

@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine, RequestOutput
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -12,11 +12,9 @@ import torch
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore, RequestOutput, RequestTimes
-from kvyard.engine.draft_proposer import DraftModelProposer, load_draft_model
-from kvyard.engine.fast_start import NativeStartEngine
-from kvyard.engine.kv_pull_link import KVPullLink
-from kvyard.engine.kv_transfer import DeviceBlocks
-from kvyard.engine.model_runner import ModelRunner, kv_block_bytes
+from kvyard.engine.fast_start.engine import NativeStartEngine
+from kvyard.engine.kv_links.device_blocks import DeviceBlocks
+from kvyard.engine.kv_links.pull_link import KVPullLink
 from kvyard.engine.model_setup import (
     attach_kv_tier,
     close_links,
@@ -27,8 +25,10 @@ from kvyard.engine.model_setup import (
     max_model_len_of,
     num_kv_blocks_of,
 )
-from kvyard.engine.self_draft import SelfDraftProposer
-from kvyard.engine.speculative import MODEL_METHODS
+from kvyard.engine.runners.model_runner import ModelRunner, kv_block_bytes
+from kvyard.engine.speculative.draft_proposer import DraftModelProposer, load_draft_model
+from kvyard.engine.speculative.policy import MODEL_METHODS
+from kvyard.engine.speculative.self_draft import SelfDraftProposer
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.checkpoint import has_lm_head

@@ -12,9 +12,9 @@ from typing import Any
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import CoreConfig, EngineCore
-from kvyard.engine.kv_pull_link import KVPullLink
-from kvyard.engine.kv_tier_link import KVTierLink, TierDevice
-from kvyard.kvcache.transfer import PullLimits
+from kvyard.engine.kv_links.pull_link import KVPullLink
+from kvyard.engine.kv_links.tier_link import KVTierLink, TierDevice
+from kvyard.kvcache.pd_stream import PullLimits
 from kvyard.models.config import ModelConfig, UnsupportedModelError
 from kvyard.models.tokenizer import GENERIC_TOKENIZER_CLASSES, PlainTokenizer
 

@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint directory's files without PyTorch: its safetensors files, the digest that names its
 weights in block keys, and its tensors under the names of kvyard's fused model, as numpy arrays (for the fast
-start, kvyard.engine.fast_start). kvyard.models.loader loads the same files into the PyTorch model."""
+start, kvyard.engine.fast_start.engine). kvyard.models.loader loads the same files into the PyTorch model."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-    # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling)
+    # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling.params)
     "LlamaModel": "llama",
     "MistralModel": "llama",
     "Qwen2Model": "qwen2",

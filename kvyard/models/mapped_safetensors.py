@@ -1,6 +1,6 @@
 """A safetensors file's tensors as numpy arrays over one read-only memory map: no copy and no PyTorch.
 
-The fast-start path (kvyard.engine.fast_start) serves from these arrays while PyTorch loads; the PyTorch model
+The fast-start path (kvyard.engine.fast_start.engine) serves from these arrays while PyTorch loads; the PyTorch model
 then maps the same file, so the weights are resident once, in the page cache. The format is a little-endian
 u64 header length, a JSON header (name -> dtype, shape, data_offsets relative to the end of the header), then
 the data."""

@@ -1,6 +1,6 @@
 """A weight package run by the native CPU kernels alone, over numpy arrays: no PyTorch.
 
-`kvyard serve` answers from this model while PyTorch loads (kvyard.engine.fast_start): importing PyTorch takes
+`kvyard serve` answers from this model while PyTorch loads (kvyard.engine.fast_start.engine): importing PyTorch takes
 longer than loading a package. It computes what the PyTorch model computes on its fused few-rows path
 (kvyard.models.fused_decode), calling `kvyard_decode_layer` once per layer with the same weights, tables and
 cache layout, so the KV cache it fills is the one the PyTorch model later continues from.

@@ -1,5 +1,5 @@
 """What a weight package says about itself (`kvyard_package.json`), read and checked without PyTorch, so a server
-can start serving a package before PyTorch has loaded (kvyard.engine.fast_start)."""
+can start serving a package before PyTorch has loaded (kvyard.engine.fast_start.engine)."""
 
 from __future__ import annotations
 

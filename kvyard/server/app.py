@@ -46,11 +46,12 @@ from kvyard.api.protocol import (
 )
 from kvyard.api.ratelimit import RateLimiter
 from kvyard.kvcache.events import KVEventLog
-from kvyard.kvcache.transfer import RELEASE_PATH, TRANSFER_PATH, TRANSFER_TOKEN_HEADER
+from kvyard.kvcache.pd_stream import RELEASE_PATH, TRANSFER_PATH, TRANSFER_TOKEN_HEADER
 from kvyard.net.http_server import Endpoint, HttpRequest, HttpServerError, Responder, RouteTable
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.completions import CompletionRunner
 from kvyard.server.options import ServerOptions
+from kvyard.server.pd_sender import APPEAR_WAIT_S, send_transfer
 from kvyard.server.pooling import (
     PoolingJob,
     embedding_job,
@@ -70,7 +71,6 @@ from kvyard.server.prepare import (
     vocabulary_of,
 )
 from kvyard.server.reasoning import ReasoningParser
-from kvyard.server.transfer import APPEAR_WAIT_S, send_transfer
 from kvyard.server.transfer_tokens import TransferTokens
 
 _LOG = logging.getLogger(__name__)

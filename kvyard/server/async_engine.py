@@ -19,16 +19,17 @@ from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
-from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
-from kvyard.engine.fast_start import NativeStartEngine
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.request import KVTransferParams
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.fast_start.engine import NativeStartEngine
+from kvyard.engine.kv_links.exports import ExportRead
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import KVTransferParams
 from kvyard.kvcache.events import KVEventLog
 from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
 
-if TYPE_CHECKING:  # PyTorch: the server answers before it loads (kvyard.engine.fast_start)
+if TYPE_CHECKING:  # PyTorch: the server answers before it loads (kvyard.engine.fast_start.engine)
     from kvyard.engine.llm_engine import LLMEngine
 
     Engine = LLMEngine | NativeStartEngine

@@ -12,10 +12,11 @@ from typing import Any, Protocol
 from prometheus_client.registry import Collector
 
 from kvyard.api.checks import ContextLimits
-from kvyard.engine.core import EngineStats, ExportRead, KVSnapshot, RequestOutput
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.request import KVTransferParams
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.core import EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.kv_links.exports import ExportRead
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import KVTransferParams
 from kvyard.kvcache.events import KVEventLog
 
 

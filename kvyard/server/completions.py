@@ -14,7 +14,7 @@ import orjson
 from kvyard.api.errors import APIError, InputError
 from kvyard.api.metrics import ServerMetrics
 from kvyard.engine.core import RequestOutput
-from kvyard.engine.request import TokenLogprobs
+from kvyard.engine.sampling.logprobs import TokenLogprobs
 from kvyard.server.backend import ReplicaEngine
 from kvyard.server.prepare import PreparedRequest
 from kvyard.server.reasoning import ReasoningStream

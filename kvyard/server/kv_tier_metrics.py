@@ -9,8 +9,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from kvyard.api.metrics import MODEL_NAME, counter_family, gauge_family
-from kvyard.engine.kv_exports import KVExports
-from kvyard.engine.kv_pull_link import PullCounters
+from kvyard.engine.kv_links.exports import KVExports
+from kvyard.engine.kv_links.pull_link import PullCounters
 from kvyard.kvcache.stats import StoreSnapshot
 
 _TIER_COUNTERS = (

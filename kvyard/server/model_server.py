@@ -1,7 +1,7 @@
 """`kvyard serve`: one replica of a model, over the replica API.
 
 It listens at once (`/health` answers 503 while the model loads on a worker thread; a weight package is served
-from the native kernels while PyTorch loads, kvyard.engine.fast_start), says on stderr what it is doing, and on
+from the native kernels while PyTorch loads, kvyard.engine.fast_start.engine), says on stderr what it is doing, and on
 SIGINT/SIGTERM stops admitting requests, ends the KV-event streams, lets in-flight requests finish for up to
 `--shutdown-grace-s`, then exits 0. A model that fails to load (PyTorch's engine included, after a fast start)
 ends the process with exit code 1 and the reason on stderr: a replica that cannot serve should not look alive.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvyard.api.auth import admin_key_of
 from kvyard.engine.config import EngineConfig
-from kvyard.engine.fast_start import NativeStartEngine, fast_start_blocker
+from kvyard.engine.fast_start.engine import NativeStartEngine, fast_start_blocker
 from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.options import ServerOptions

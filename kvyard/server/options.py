@@ -54,7 +54,7 @@ class ServerOptions:
     fast_start: bool = setting(
         True,
         help="serve a weight package or fp32 checkpoint from the native CPU kernels "
-        "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start); "
+        "while PyTorch loads, then hand over to the PyTorch engine (kvyard.engine.fast_start.engine); "
         "configurations it cannot run start as without it",
     )
     shutdown_grace_s: float = setting(60.0, help="on SIGTERM, how long requests in flight may take to finish")

@@ -23,7 +23,7 @@ from kvyard.api.checks import check_token_ids
 from kvyard.api.errors import APIError, bad_request
 from kvyard.api.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest, ScoringFields
 from kvyard.api.protocol import MAX_PROMPTS
-from kvyard.engine.pooling import PoolingParams
+from kvyard.engine.pooling.params import PoolingParams
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 from kvyard.server.prepare import vocabulary_of
 

@@ -19,11 +19,11 @@ from kvyard.api.protocol import (
     ResumeState,
     SamplingFields,
 )
-from kvyard.engine.bad_words import bad_words_token_ids
-from kvyard.engine.request import KVTransferParams
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.structured_output import StructuredOutput, checked_grammar
-from kvyard.kvcache.transfer import TransferHandle
+from kvyard.engine.sampling.bad_words import bad_words_token_ids
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.structured_output import StructuredOutput, checked_grammar
+from kvyard.engine.scheduling.request import KVTransferParams
+from kvyard.kvcache.pd_stream import TransferHandle
 from kvyard.server.backend import ReplicaEngine, Vocabulary
 from kvyard.server.reasoning import ReasoningParser
 from kvyard.server.tool_calls import ToolPlan, parser_for, plan_tools, tools_for_template

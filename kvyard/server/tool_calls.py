@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from kvyard.api.errors import bad_request
 from kvyard.api.protocol import ChatCompletionRequest
-from kvyard.engine.structured_output import StructuredOutput
+from kvyard.engine.sampling.structured_output import StructuredOutput
 from kvyard.server.options import TOOL_CALL_PARSERS
 
 

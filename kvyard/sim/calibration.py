@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_model import CostModel, prefill_pairs
 from kvyard.sim.virtual_run import Arrival, run_virtual

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.core import CoreConfig, EngineCore
-from kvyard.engine.scheduler import SchedulerConfig
+from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.config import KVTransferConfig
 from kvyard.settings import setting

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvyard.engine.core import SampledToken
-from kvyard.engine.request import Request
-from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.scheduling.scheduler import ScheduledRequest
+from kvyard.engine.scheduling.step import SampledToken
 from kvyard.sim.cost_model import CostModel, StepShape, prefill_pairs
 from kvyard.sim.tokens import output_seed, output_token
 

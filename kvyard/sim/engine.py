@@ -34,21 +34,22 @@ from prometheus_client.registry import Collector
 from kvyard.api.checks import ContextLimits
 from kvyard.api.errors import APIError
 from kvyard.api.metrics import MODEL_NAME, counter_family, gauge_family
-from kvyard.engine.core import EngineCore, EngineStats, ExportRead, KVSnapshot, RequestOutput
-from kvyard.engine.kv_pull_link import KVPullLink, PullCounters
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.request import KVTransferParams
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.core import EngineCore, EngineStats, KVSnapshot, RequestOutput
+from kvyard.engine.kv_links.exports import ExportRead
+from kvyard.engine.kv_links.pull_link import KVPullLink, PullCounters
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import KVTransferParams
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.memory_tier import MemoryTier
+from kvyard.kvcache.pd_stream import PullLimits
 from kvyard.kvcache.stats import StoreSnapshot
-from kvyard.kvcache.transfer import PullLimits
 from kvyard.sim.clock import StepClock
 from kvyard.sim.config import SimConfig
 from kvyard.sim.cost_runner import CostRunner
+from kvyard.sim.modeled_pulls import ModeledPuller, ModeledTransfers, StandInBlocks
 from kvyard.sim.tier import ModeledLoads, ModeledTierLink, build_tier_link
 from kvyard.sim.tokens import ByteTokenizer
-from kvyard.sim.transfer import ModeledPuller, ModeledTransfers, StandInBlocks
 
 IDLE_WAKE_S = 0.5
 MIN_LOAD_POLL_S = 0.001  # while only pulls are pending, look again this often even with tick_s 0

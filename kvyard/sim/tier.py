@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvyard.engine.kv_tier_link import KVTierLink
+from kvyard.engine.kv_links.tier_link import KVTierLink
 from kvyard.kvcache.codec import HEADER_BYTES, DecodedBlock
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.stats import StoreSnapshot, TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult, Tier
 from kvyard.kvcache.tiered_store import LoadedBlocks, TieredStore
 from kvyard.sim.config import SimConfig
-from kvyard.sim.transfer import STAND_IN_FORMAT, StandInBlocks
+from kvyard.sim.modeled_pulls import STAND_IN_FORMAT, StandInBlocks
 
 STAND_IN_BLOB_BYTES = HEADER_BYTES + STAND_IN_FORMAT.num_elements  # one encoded stand-in block (uint8 payload)
 HOST, SHARED = "host", "shared"

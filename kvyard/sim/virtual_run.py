@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvyard.engine.core import EngineCore
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
 from kvyard.sim.cost_runner import CostRunner
 
 MAX_IDLE_STEPS = 1000

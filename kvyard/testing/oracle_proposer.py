@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvyard.engine.request import Request
+from kvyard.engine.scheduling.request import Request
 
 
 @dataclass(slots=True)

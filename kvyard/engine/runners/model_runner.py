@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from kvyard.engine.core import SampledToken
-from kvyard.engine.penalties import TokenHistory
-from kvyard.engine.pooler import PromptPooler, choice_score
-from kvyard.engine.request import Request, TokenLogprobs
-from kvyard.engine.sampler import Argmax, SamplingRow, sample, torch_argmax
-from kvyard.engine.scheduler import ScheduledRequest
-from kvyard.engine.speculative import accept_greedy
-from kvyard.engine.structured_output import GrammarMatcher, allowed_tokens
+from kvyard.engine.pooling.pooler import PromptPooler, choice_score
+from kvyard.engine.sampling.logprobs import TokenLogprobs
+from kvyard.engine.sampling.penalties import TokenHistory
+from kvyard.engine.sampling.sampler import Argmax, SamplingRow, sample, torch_argmax
+from kvyard.engine.sampling.structured_output import GrammarMatcher, allowed_tokens
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.scheduling.scheduler import ScheduledRequest
+from kvyard.engine.scheduling.step import SampledToken
 from kvyard.models.attention import AttentionBackend, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
@@ -324,3 +324,13 @@ def _constrain(rows: list[SamplingRow], sampling: list[ScheduledRequest]) -> Non
         masks = allowed_tokens([grammar for _, grammar in constrained])
         for (index, _), mask in zip(constrained, masks):
             rows[index].allowed_tokens = mask
+
+
+def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a greedy request emits: `targets[i]` is the model's token after the query's i-th position
+    (its last known token, then each proposal); proposals are kept while they equal the model's choice, and the
+    model's own token follows the last kept one."""
+    accepted = 0
+    while accepted < len(proposed) and proposed[accepted] == targets[accepted]:
+        accepted += 1
+    return [*proposed[:accepted], targets[accepted]]

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.draft_passes import WARM_UP_BLOCKS, DraftPasses
-from kvyard.engine.model_runner import PagedModel
-from kvyard.engine.request import Request
+from kvyard.engine.runners.model_runner import PagedModel
+from kvyard.engine.scheduling.block_pool import BlockPool
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.speculative.draft_passes import WARM_UP_BLOCKS, DraftPasses
 from kvyard.models.decoder import CausalLM
 
 

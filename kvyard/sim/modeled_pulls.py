@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvyard.engine.kv_pull_link import KVPullLink
+from kvyard.engine.kv_links.pull_link import KVPullLink
 from kvyard.kvcache.codec import BlockFormat, DecodedBlock
-from kvyard.kvcache.transfer import TransferHandle
+from kvyard.kvcache.pd_stream import TransferHandle
 from kvyard.sim.config import SimConfig
 
 STAND_IN_FORMAT = BlockFormat("uint8", (16,))

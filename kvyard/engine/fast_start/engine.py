@@ -20,8 +20,10 @@ import numpy as np
 from kvyard.api.checks import ContextLimits
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import EngineCore
-from kvyard.engine.kv_pull_link import KVPullLink
-from kvyard.engine.kv_tier_link import KVTierLink
+from kvyard.engine.fast_start.native_blocks import NumpyBlocks
+from kvyard.engine.fast_start.native_runner import NativeRunner, runs_natively
+from kvyard.engine.kv_links.pull_link import KVPullLink
+from kvyard.engine.kv_links.tier_link import KVTierLink
 from kvyard.engine.model_setup import (
     attach_kv_tier,
     close_links,
@@ -32,9 +34,7 @@ from kvyard.engine.model_setup import (
     max_model_len_of,
     num_kv_blocks_of,
 )
-from kvyard.engine.native_blocks import NumpyBlocks
-from kvyard.engine.native_runner import NativeRunner, runs_natively
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.checkpoint import fused_tensors, has_lm_head, model_digest
@@ -67,7 +67,7 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
 
 
 def kv_block_bytes_native(model_config: ModelConfig, block_size: int, kv_name: str) -> int:
-    """Bytes of one KV block in format `kv_name`, as kvyard.engine.model_runner.kv_block_bytes counts them."""
+    """Bytes of one KV block in format `kv_name`, as kvyard.engine.runners.model_runner.kv_block_bytes counts them."""
     storage, _, extra = KV_STORAGE[kv_name]
     row_bytes = model_config.head_dim * np.dtype(storage).itemsize + extra
     return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * row_bytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

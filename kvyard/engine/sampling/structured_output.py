@@ -132,6 +132,29 @@ class GrammarCompiler:
         return grammar
 
 
+@dataclass(slots=True)
+class Grammars:
+    """The engine's grammar matchers for one tokenizer; the compiler is built on the first constrained request."""
+
+    tokenizer: Any
+    vocab_size: int
+    _compiler: GrammarCompiler | None = None
+
+    def matcher(self, structured: StructuredOutput, resumed_output_ids: Sequence[int] = ()) -> GrammarMatcher:
+        """A matcher past `resumed_output_ids` (another replica's output being continued); InputError naming the
+        field when there is no tokenizer, the grammar does not compile, or the output already breaks it."""
+        if self.tokenizer is None:
+            raise InputError(
+                f"{structured.param} needs a tokenizer, and this model directory has none", structured.param
+            )
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        grammar = self._compiler.matcher(structured)
+        if not all(grammar.accept(token_id) for token_id in resumed_output_ids):
+            raise InputError(f"resume.token_ids do not match the request's {structured.param}", "resume.token_ids")
+        return grammar
+
+
 def checked_grammar(structured: StructuredOutput, tokenizer: Any = None) -> str:
     """llguidance's grammar for `structured`, checked (against `tokenizer` when given); InputError naming the
     request field if it is not a grammar llguidance can run (a bad schema, regex or Lark text)."""

@@ -1,4 +1,4 @@
-"""The torch side of pooling requests (kvyard.engine.pooling): hidden states into embeddings and scores."""
+"""The torch side of pooling requests (kvyard.engine.pooling.params): hidden states into embeddings and scores."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvyard.engine.pooling import PoolingParams
+from kvyard.engine.pooling.params import PoolingParams
 
 
 @dataclass(slots=True)

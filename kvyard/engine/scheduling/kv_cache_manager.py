@@ -14,10 +14,10 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
-from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.request import BlockSource, Request, TierLoad
+from kvyard.engine.scheduling.block_pool import BlockPool
+from kvyard.engine.scheduling.request import BlockSource, Request, TierLoad
 from kvyard.kvcache.events import KVEventLog
-from kvyard.kvcache.transfer import TransferHandle
+from kvyard.kvcache.pd_stream import TransferHandle
 
 _LOG = logging.getLogger(__name__)
 LOAD_WAIT_IN_STEP_S = 0.005

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvyard.engine.block_pool import BlockPool
-from kvyard.engine.request import Request
-from kvyard.kvcache.transfer import TransferStatus
+from kvyard.engine.scheduling.block_pool import BlockPool
+from kvyard.engine.scheduling.request import Request
+from kvyard.kvcache.codec import BlockFormat, encode_block
+from kvyard.kvcache.pd_stream import TransferStatus
 
 OPEN = "open"
 
@@ -189,3 +192,37 @@ class KVExports:
             blocks, export.block_ids, export.block_keys = export.block_ids, [], []
             self._num_pinned -= len(blocks)
         self.pool.free(reversed(blocks))
+
+
+class BlockReader(Protocol):
+    """The bytes of whole device blocks (see kv_transfer.DeviceBlocks); safe from any thread for pinned blocks."""
+
+    @property
+    def format(self) -> BlockFormat: ...
+
+    def read(self, block_ids: Sequence[int]) -> Sequence[memoryview | bytes]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRead:
+    """Encoded blocks of a transfer from some index on, and how the transfer stands."""
+
+    blobs: list[bytes]
+    view: ExportView
+
+
+def read_export(
+    exports: KVExports, reader: BlockReader | None, transfer_id: str, start: int, max_blocks: int
+) -> ExportRead | None:
+    """Blocks `start`, ... of a transfer, encoded in the block codec (any thread: they are pinned while read); None
+    when there is no such transfer (yet, or any more)."""
+    view = exports.view(transfer_id, start)
+    if view is None:
+        return None
+    if reader is None or not view.block_ids:
+        return ExportRead([], view)
+    ids, keys = view.block_ids[:max_blocks], view.block_keys[:max_blocks]
+    blobs = [encode_block(view.root_key, key, reader.format, row) for key, row in zip(keys, reader.read(ids))]
+    if not exports.is_pinned(transfer_id, start + len(ids)):
+        return None  # released while being read: the bytes may be another request's by now
+    return ExportRead(blobs, view)

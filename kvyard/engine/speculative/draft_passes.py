@@ -2,9 +2,10 @@
 
 Both model proposers run their model through this: `draft_proposer` (a draft on a cache of its own) and
 `self_draft` (the served model's converted weights over the served model's cache). A pass of at most
-`NATIVE_PASS_ROWS` tokens runs on the native kernels where they can run it (kvyard.engine.native_draft), a longer
-one, or one on another device, through the PyTorch modules. Passes of one or two tokens per sequence are timed:
-what one more guess costs a step, for the engine's choice of how many tokens to propose.
+`NATIVE_PASS_ROWS` tokens runs on the native kernels where they can run it
+(kvyard.engine.speculative.native_draft), a longer one, or one on another device, through the PyTorch modules.
+Passes of one or two tokens per sequence are timed: what one more guess costs a step, for the engine's choice of
+how many tokens to propose.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvyard.engine.model_runner import PagedModel
-from kvyard.engine.native_draft import NativeGuesser
-from kvyard.engine.speculative import StepCost
+from kvyard.engine.runners.model_runner import PagedModel
+from kvyard.engine.speculative.native_draft import NativeGuesser
+from kvyard.engine.speculative.policy import StepCost
 
 WARM_UP_BATCHES = (1, 2, 4, 8, 16, 1, 4)  # sequences in the passes that seed the pass-cost fit
 WARM_UP_BLOCKS = max(WARM_UP_BATCHES)  # one block a sequence

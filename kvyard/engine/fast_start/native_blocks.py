@@ -1,6 +1,6 @@
 """Whole blocks of the fast-start engine's KV cache (numpy arrays) as bytes in the block codec's format, as
-kvyard.engine.kv_transfer.DeviceBlocks reads and writes PyTorch's: the KV tier and block transfers work before
-PyTorch has loaded, and a block read by either is the same bytes.
+kvyard.engine.kv_links.device_blocks.DeviceBlocks reads and writes PyTorch's: the KV tier and block transfers work
+before PyTorch has loaded, and a block read by either is the same bytes.
 
 Each layer's cache is `[2, num_slots, num_kv_heads, row]`; a block across all layers is
 `[num_layers, 2, block_size, num_kv_heads, row]`.

@@ -1,14 +1,14 @@
 """Speculative decoding: a cheap proposer guesses the next tokens of a decoding request, the model computes them
 all in one pass, and the guesses that agree with what the model would have produced are kept.
 
-The engine (core and scheduler) schedules a decoding request's last token plus its proposed tokens as one
-query; the runner samples every position as it would without speculation (greedy, or drawn with the generator
-of that output position), and `accept_greedy` keeps the proposals equal to what was sampled, plus the sampled
-token after the last one kept. Every emitted token is the token plain decoding would have produced at its
-position: greedy and seeded outputs are exactly those without speculation, unseeded ones follow the same
-distribution (for a point guess this keeps it with the model's probability of it, as rejection sampling would).
-Rejected positions are never counted as computed: their KV slots are overwritten by the tokens that do come, and
-no block holding them is entered into the prefix cache.
+The engine (core and scheduler) schedules a decoding request's last token plus its proposed tokens as one query; the
+runner samples every position as it would without speculation (greedy, or drawn with the generator of that output
+position), and its `accept_greedy` (kvyard.engine.runners.model_runner) keeps the proposals equal to what was
+sampled, plus the sampled token after the last one kept. Every emitted token is the token plain decoding would have
+produced at its position: greedy and seeded outputs are exactly those without speculation, unseeded ones follow the
+same distribution (for a point guess this keeps it with the model's probability of it, as rejection sampling would).
+Rejected positions are never counted as computed: their KV slots are overwritten by the tokens that do come, and no
+block holding them is entered into the prefix cache.
 
 How many tokens a request proposes adapts to how often its guesses were right: with an estimated per-token
 acceptance a, k proposals emit 1 + a + a^2 + ... + a^k tokens for a step that costs 1 + c*k decode steps (c:
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvyard.engine.request import Request
+from kvyard.engine.scheduling.request import Request
 from kvyard.settings import setting
 
 METHODS = ("ngram", "draft", "self-int8", "self-fp16")
@@ -223,16 +223,6 @@ def updated_acceptance(acceptance: float, proposed: int, accepted: int) -> float
     step shows `accepted` successes and one failure (none when every guess was kept)."""
     trials = accepted + (1 if accepted < proposed else 0)
     return acceptance + ACCEPTANCE_WEIGHT * (accepted / trials - acceptance)
-
-
-def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
-    """The tokens a greedy request emits: `targets[i]` is the model's token after the query's i-th position
-    (its last known token, then each proposal); proposals are kept while they equal the model's choice, and the
-    model's own token follows the last kept one."""
-    accepted = 0
-    while accepted < len(proposed) and proposed[accepted] == targets[accepted]:
-        accepted += 1
-    return [*proposed[:accepted], targets[accepted]]
 
 
 def can_speculate(request: Request) -> bool:

@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kvyard.engine.model_runner import PagedModel
+from kvyard.engine.runners.model_runner import PagedModel
 from kvyard.models.native_model import (
     BF16_KIND,
     FP16_KIND,

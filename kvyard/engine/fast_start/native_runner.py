@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvyard.engine.core import SampledToken
-from kvyard.engine.request import Request
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.scheduler import ScheduledRequest
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.scheduling.scheduler import ScheduledRequest
+from kvyard.engine.scheduling.step import SampledToken
 from kvyard.models.native_model import (
     KV_STORAGE,
     KVPointers,
@@ -106,7 +106,7 @@ class NativeRunner:
         return [int(token_id) for token_id in token_ids]
 
     def _draw(self, logits: np.ndarray, params: SamplingParams) -> int:
-        """A draw from the processed distribution, as kvyard.engine.sampler processes it: temperature, then
+        """A draw from the processed distribution, as kvyard.engine.sampling.sampler processes it: temperature, then
         top-k, then top-p over what is left, then min-p."""
         scaled = logits.astype(np.float64) / params.temperature
         if 0 < params.top_k < scaled.shape[0]:

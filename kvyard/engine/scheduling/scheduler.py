@@ -27,8 +27,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvyard.engine.kv_cache_manager import KVCacheManager
-from kvyard.engine.request import Request, RequestStatus
+from kvyard.engine.scheduling.kv_cache_manager import KVCacheManager
+from kvyard.engine.scheduling.request import Request, RequestStatus
 from kvyard.settings import setting
 
 PREFILL_ORDERS = ("fcfs", "shortest")

@@ -1,6 +1,6 @@
 """Speculative proposals from a smaller checkpoint with the served model's vocabulary (`draft`), run greedily on
 a paged KV cache of its own; and the loading of every proposing model (`draft`, and the served model's own weights
-converted to int8 or fp16 for `self-int8` / `self-fp16`, which kvyard.engine.self_draft runs over the served
+converted to int8 or fp16 for `self-int8` / `self-fp16`, which kvyard.engine.speculative.self_draft runs over the served
 model's cache).
 
 Each step, every request that may speculate first brings the draft up to date with its tokens: the tokens the
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from kvyard.engine.draft_passes import DraftPasses
-from kvyard.engine.model_runner import PagedModel
-from kvyard.engine.request import Request
+from kvyard.engine.runners.model_runner import PagedModel
+from kvyard.engine.scheduling.request import Request
+from kvyard.engine.speculative.draft_passes import DraftPasses
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 from kvyard.models.loader import load_model

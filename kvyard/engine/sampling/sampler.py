@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.engine.penalties import TokenHistory, apply_logit_processing
-from kvyard.engine.request import TokenLogprobs
-from kvyard.engine.sampling_params import SamplingParams
+from kvyard.engine.sampling.logprobs import TokenLogprobs
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.penalties import TokenHistory, apply_logit_processing
 
 
 @dataclass(slots=True)

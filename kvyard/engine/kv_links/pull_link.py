@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvyard.kvcache.codec import BlockFormat, DecodedBlock
-from kvyard.kvcache.transfer import PulledBlocks, PullLimits, TransferHandle, pull_blocks, release_transfer
+from kvyard.kvcache.pd_stream import PulledBlocks, PullLimits, TransferHandle, pull_blocks, release_transfer
 
 MAX_PARALLEL_PULLS = 32  # a pull holds its thread while its prompt is prefilled elsewhere: mostly waiting
 

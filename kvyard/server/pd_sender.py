@@ -1,7 +1,7 @@
 """`GET /kv/transfer`: a prefill replica sends a request's blocks to the decode replica pulling them.
 
 Blocks go out as soon as prefill has computed them (a decode replica starts pulling while prefill runs), in
-the frames of `kvyard.kvcache.transfer`, with a heartbeat every second while nothing is ready. A pull may
+the frames of `kvyard.kvcache.pd_stream`, with a heartbeat every second while nothing is ready. A pull may
 arrive before its prefill request does (the router sends both at once): an unknown transfer id is awaited
 for `APPEAR_WAIT_S`, then answered with a failed end frame, as is a transfer released or expired meanwhile.
 """
@@ -12,8 +12,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from kvyard.engine.kv_exports import OPEN
-from kvyard.kvcache.transfer import BLOCK, HEARTBEAT, TransferStatus, end_frame, frame, info_frame
+from kvyard.engine.kv_links.exports import OPEN
+from kvyard.kvcache.pd_stream import BLOCK, HEARTBEAT, TransferStatus, end_frame, frame, info_frame
 from kvyard.net.http_server import Responder
 from kvyard.server.backend import ReplicaEngine
 

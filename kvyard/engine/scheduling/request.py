@@ -9,12 +9,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvyard.engine.bad_words import banned_by_bad_words
-from kvyard.engine.pooling import PoolingParams
-from kvyard.engine.sampling_params import SamplingParams
-from kvyard.engine.structured_output import GrammarMatcher
+from kvyard.engine.pooling.params import PoolingParams
+from kvyard.engine.sampling.bad_words import banned_by_bad_words
+from kvyard.engine.sampling.logprobs import TokenLogprobs
+from kvyard.engine.sampling.params import SamplingParams
+from kvyard.engine.sampling.structured_output import GrammarMatcher
 from kvyard.kvcache.block_key import chain_block_keys
-from kvyard.kvcache.transfer import TransferHandle
+from kvyard.kvcache.pd_stream import TransferHandle
 
 
 class RequestStatus(enum.Enum):
@@ -59,14 +60,6 @@ class KVTransferParams:
 
     export_id: str | None = None  # prefill side: keep the computed blocks under a lease for a decode replica
     pull_from: TransferHandle | None = None  # decode side: pull the prompt's blocks before computing it
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: dict[int, float]  # the most likely tokens, most likely first
-    rank: int | None = None  # the token's rank in the vocabulary, 1 the most likely (prompt logprobs have it)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvyard.engine.structured_output import StructuredOutput
+from kvyard.engine.sampling.structured_output import StructuredOutput
 from kvyard.settings import setting
 
 
