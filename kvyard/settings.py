@@ -1,7 +1,8 @@
 """Settings declared once: dataclass fields with help text, from which the CLI and keyword APIs are built.
 
 A config dataclass declares each user-facing setting with `setting(default, help=...)`; a field of
-another config dataclass type nests that config (the engine's `scheduler`, for instance). The command
+another config dataclass type nests that config (the engine's `scheduler`, for instance), unless it is itself
+declared with `setting`: then the dataclass is the setting's value (a length range). The command
 line (`kvyard.cli.options`) turns every setting into an option with its help and default, and
 `from_flat` builds a nested config from flat keyword arguments (`LLM(model, max_num_seqs=8)`), so no
 setting is written twice.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field
 from typing import Any, TypeVar
 
@@ -29,11 +30,20 @@ def setting(
     metavar: str | None = None,
     default_text: str | None = None,
     secret: bool = False,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A user-facing field: `help` is its documentation; `flag` overrides the option name (`--field-name`);
     `default_text` says what the default means where its value alone would not (a None that is resolved);
-    a `secret` (a key, a URL with a password) stays out of the dataclass's repr, so logs never show it."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "default_text": default_text}
+    a `secret` (a key, a URL with a password) stays out of the dataclass's repr, so logs never show it;
+    `parse` reads the option's text where the type alone cannot (`128:512`), its ValueError naming what is wrong."""
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "metavar": metavar,
+        "default_text": default_text,
+        "parse": parse,
+    }
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata, repr=not secret)
     return dataclasses.field(default=default, metadata=metadata, repr=not secret)
@@ -69,11 +79,16 @@ def walk_settings(cls: type) -> Iterator[tuple[type, Field[Any], Any]]:
     """Every setting of `cls` and of the configs it nests, depth first: (owning class, field, type)."""
     types_of = field_types(cls)
     for item in dataclasses.fields(cls):
-        nested = nested_config(types_of[item.name])
+        nested = _nested(item, types_of[item.name])
         if nested is not None:
             yield from walk_settings(nested)
         elif is_setting(item):
             yield cls, item, types_of[item.name]
+
+
+def _nested(item: Field[Any], annotation: Any) -> type | None:
+    """The config a field nests; a setting nests none, whatever its type."""
+    return None if is_setting(item) else nested_config(annotation)
 
 
 def from_flat(cls: type[Config], values: Mapping[str, Any], **fixed: Any) -> Config:
@@ -93,7 +108,7 @@ def _build(cls: type[Config], values: Mapping[str, Any]) -> Config:
     types_of = field_types(cls)
     arguments: dict[str, Any] = {}
     for item in dataclasses.fields(cls):  # type: ignore[arg-type]
-        nested = nested_config(types_of[item.name])
+        nested = _nested(item, types_of[item.name])
         if item.name in values:
             arguments[item.name] = values[item.name]
         elif nested is not None and any(name in values for name in _names(nested)):

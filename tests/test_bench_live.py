@@ -15,9 +15,9 @@ import httpx
 import pytest
 from server_utils import ServerProcess, free_port, metric_value, start_server
 
-from kvyard.bench.cli import run_cli
 from kvyard.bench.traces import resolve_trace
 from kvyard.cli import main as kvyard_main
+from kvyard.cli.bench import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = {"requests": 1, "prompt_tokens": 4, "generation_tokens": 2, "cached_prompt_tokens": 0}  # the probe request

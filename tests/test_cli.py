@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvyard.bench.settings import BenchSettings, LengthRange
 from kvyard.cli import COMMANDS, build_parser
 from kvyard.cli.options import config_from_args
 from kvyard.engine.config import EngineConfig
@@ -47,6 +48,16 @@ def test_a_named_command_builds_its_parser_alone() -> None:
     assert result.stdout.strip() == "['serve'] []", result.stderr
 
 
+def test_bench_parses_its_options_without_the_load_client() -> None:
+    code = (
+        "import sys; from kvyard.cli import build_parser; "
+        "build_parser(['bench']).parse_args(['bench', '--seed', '1']); "
+        "print([m for m in ('kvyard.bench.client', 'kvyard.bench.workloads', 'numpy') if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "configs"),
     [
@@ -54,6 +65,7 @@ def test_a_named_command_builds_its_parser_alone() -> None:
         ("generate", [SamplingParams, EngineConfig]),
         ("sim", [SimConfig]),
         ("route", [RouterConfig]),
+        ("bench", [BenchSettings]),
     ],
 )
 def test_each_setting_is_an_option_with_its_help_and_default(command: str, configs: list[type]) -> None:
@@ -79,7 +91,7 @@ def test_every_option_of_every_command_has_help(command: str) -> None:
     assert not bare, f"{command}: options without help: {bare}"
 
 
-@pytest.mark.parametrize("cls", [EngineConfig, SimConfig, RouterConfig, ServerOptions, SamplingParams])
+@pytest.mark.parametrize("cls", [EngineConfig, SimConfig, RouterConfig, ServerOptions, SamplingParams, BenchSettings])
 def test_setting_names_are_unique_within_a_config_tree(cls: type) -> None:
     names = [item.name for _, item, _ in walk_settings(cls)]
     assert len(names) == len(set(names))
@@ -119,6 +131,19 @@ def test_parsed_options_build_nested_configs() -> None:
     assert config_from_args(ServerOptions, args).max_queued_seqs == 7
 
 
+def test_parsed_bench_options_build_its_settings() -> None:
+    """Parsed values (a length range, a boolean's --no- form) reach the group that declares them; the default
+    concurrency depends on the arrivals."""
+    arguments = ["bench", "--base-url", "u", "--first-len", "8:16", "--no-ignore-eos", "--no-progress", "--seed", "3"]
+    settings = config_from_args(BenchSettings, build_parser().parse_args(arguments))
+    assert settings.server.base_url == "u" and not settings.server.ignore_eos and not settings.output.progress
+    assert settings.multiturn.first_len == LengthRange(8, 16) and settings.load.seed == 3
+    assert settings.load.concurrency_limit() == 1
+    for more, limit in ((["--request-rate", "2"], None), (["--workload", "trace"], None), (["--concurrency", "4"], 4)):
+        load = config_from_args(BenchSettings, build_parser().parse_args([*arguments, *more])).load
+        assert load.concurrency_limit() == limit
+
+
 def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
     config = EngineConfig.create("m", max_num_seqs=4, block_size=32)
     assert (config.scheduler.max_num_seqs, config.block_size, config.kv_tier) == (4, 32, None)
@@ -140,6 +165,8 @@ def test_flat_keywords_go_to_the_setting_that_declares_them() -> None:
         (["sim", "--time-scale", "0"], "time_scale must be positive"),
         (["sim", "--catch-up-s", "-0.1"], "catch_up_s must be >= 0"),
         (["route", "--max-attempts", "0"], "max_attempts"),
+        (["bench", "--base-url", "http://127.0.0.1:1", "--turns", "0"], "--turns must be at least 1"),
+        (["bench", "--base-url", "http://127.0.0.1:1", "--length-scale", "0"], "--length-scale must be positive"),
         (["generate", "tiny", "--temperature", "-1", "--prompt", "x"], "temperature must be >= 0"),
     ],
 )

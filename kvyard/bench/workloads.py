@@ -18,35 +18,8 @@ import numpy as np
 
 from kvyard.bench.prefix import ideal_block_hit_ratio
 from kvyard.bench.records import RequestRecord
+from kvyard.bench.settings import LengthRange
 from kvyard.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
-
-WORKLOADS = ("random", "shared-prefix", "multiturn", "trace")
-
-
-@dataclass(frozen=True, slots=True)
-class LengthRange:
-    """A fixed length (`low == high`) or a uniform integer range."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def parse(cls, text: str) -> LengthRange:
-        """`1024` or `128:512`."""
-        low_text, _, high_text = text.partition(":")
-        try:
-            low, high = int(low_text), int(high_text or low_text)
-        except ValueError as error:
-            raise ValueError(f"expected a length like 1024 or 128:512, got {text!r}") from error
-        if not 1 <= low <= high:
-            raise ValueError(f"lengths must satisfy 1 <= low <= high, got {text!r}")
-        return cls(low, high)
-
-    def draw(self, rng: random.Random) -> int:
-        return self.low if self.low == self.high else rng.randint(self.low, self.high)
-
-    def __str__(self) -> str:
-        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
 
 
 @dataclass(frozen=True, slots=True)

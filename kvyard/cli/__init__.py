@@ -22,7 +22,7 @@ COMMANDS = {
     "sim": "kvyard.cli.sim",
     "route": "kvyard.cli.route",
     "deploy": "kvyard.cli.deploy",
-    "bench": "kvyard.bench.cli",
+    "bench": "kvyard.cli.bench",
 }
 
 

@@ -2,7 +2,7 @@
 
 Each setting becomes `--field-name` (or its declared `flag`), with the field's help text and default.
 Booleans get `--x / --no-x`; `X | None` takes an X; tuples take a comma-separated list; lists repeat the
-option. Nested configs get their own group in `--help`.
+option; a setting with its own `parse` is read by it. Nested configs get their own group in `--help`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvyard.settings import from_flat, optional_inner, walk_settings
@@ -68,14 +69,16 @@ def _add_option(
         common["metavar"] = metavar
     if item.metadata.get("choices"):
         common["choices"] = item.metadata["choices"]
-    if inner is bool:
+    if item.metadata.get("parse"):
+        group.add_argument(flag, type=_parsed_by(item.metadata["parse"]), **common)
+    elif inner is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
     elif typing.get_origin(inner) is tuple:
         group.add_argument(flag, type=_comma_list(typing.get_args(inner)[0]), **common)
     elif typing.get_origin(inner) is list:
         common["default"] = None if default in (None, []) else default
         group.add_argument(flag, action="append", type=typing.get_args(inner)[0], **common)
-    elif inner in (int, float, str):
+    elif inner in (int, float, str, Path):
         group.add_argument(flag, type=inner, **common)
     else:
         raise TypeError(f"setting {item.name}: no command-line form for {annotation}{' | None' if optional else ''}")
@@ -87,6 +90,18 @@ def _field_default(item: Field[Any]) -> Any:
     if item.default_factory is not MISSING:
         return item.default_factory()
     return None
+
+
+def _parsed_by(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An option type whose error is `parse`'s own message, not argparse's "invalid value"."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+
+    return convert
 
 
 def _comma_list(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
