@@ -325,6 +325,15 @@ def targets(selected: list[str]) -> list[Target]:
         for w in ("0", "3")
     ]
     every += [
+        Target(
+            f"kvyard cache_aware long{f}x{w}",
+            [*kvyard, "--policy", "cache_aware", "--long-prompt-factor", f, "--long-prompt-weight", w],
+            by_default=False,
+        )
+        for f in ("4", "8", "16")
+        for w in ("1", "4")
+    ]
+    every += [
         Target("sglang-router cache_aware", [*sglang, "--policy", "cache_aware"]),
         Target("smg cache_aware", [*smg, "--policy", "cache_aware"]),
         Target("vllm-router cache_aware", [*vllm, "--policy", "cache_aware"]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
+
 from kvyard.router.config import RouterConfig
 from kvyard.router.keys import PromptKeys
 from kvyard.router.policies import CacheAware, RouteRequest
@@ -277,3 +279,62 @@ def test_a_session_key_shared_by_many_conversations_keeps_none_of_them_home() ->
     a.pending_prefill_cost = 3 * policy.prefill_cost(len(HISTORY), 0)
     follow_up = [*first, *range(30_000, 30_100)]  # continues the key's last prompt: its history stays home
     assert policy.choose(RouteRequest("completion", {"model": "m"}, "chat", follow_up, None), [a, b]).replica is a
+
+
+def _idle_fleet(names: str) -> list[Replica]:
+    replicas = [Replica(f"http://{name}") for name in names]
+    for replica in replicas:
+        replica.index.reset([], seq=0)
+    return replicas
+
+
+def _prompt(first: int, length: int) -> RouteRequest:
+    return RouteRequest("completion", {"model": "m"}, None, list(range(first, first + length)), None)
+
+
+def test_a_long_prompt_joins_long_work_and_leaves_an_idle_replica_to_short_prompts() -> None:
+    """Three replicas: one computing a long prompt (20k tokens queued), one with a short one, one idle. A long
+    prompt goes to the idle one by least predicted TTFT alone; charged for taking one of the replicas short prompts
+    wait least on, it joins the long work instead, and the next short prompt still finds the idle replica."""
+    long_work, short_work = 20_000.0, 1_000.0
+
+    def loaded() -> list[Replica]:
+        busy_long, busy_short, idle = _idle_fleet("abc")
+        busy_long.pending_prefill_cost, busy_short.pending_prefill_cost = long_work, short_work
+        return [busy_long, busy_short, idle]
+
+    plain = CacheAware(RouterConfig(conversation_weight=0.0))
+    assert plain.choose(_prompt(10_000, 30_000), loaded()).replica.url == "http://c"
+    charged = CacheAware(RouterConfig(conversation_weight=0.0, long_prompt_tokens=16_000, long_prompt_weight=4.0))
+    replicas = loaded()
+    assert charged.choose(_prompt(10_000, 30_000), replicas).replica.url == "http://a"
+    assert charged.choose(_prompt(90_000, 500), replicas).replica.url == "http://c"
+
+
+def test_a_long_prompt_still_takes_an_idle_replica_when_the_long_queue_is_too_long() -> None:
+    replicas = _idle_fleet("ab")
+    replicas[0].pending_prefill_cost = 200_000.0
+    charged = CacheAware(RouterConfig(conversation_weight=0.0, long_prompt_tokens=16_000, long_prompt_weight=1.0))
+    assert charged.choose(_prompt(10_000, 30_000), replicas).replica.url == "http://b"
+
+
+@pytest.mark.parametrize("name", ["long_prompt_tokens", "long_prompt_weight"])
+def test_long_prompt_settings_are_refused_below_zero_naming_the_flag(name: str) -> None:
+    with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}"):
+        RouterConfig(**{name: -1})
+
+
+def test_long_is_relative_to_the_prompts_placed_so_far() -> None:
+    """With --long-prompt-factor, what counts as long follows the running median of placed prompts' work: after
+    short prompts a 30k-token one is long (it joins the long work); after 30k-token prompts, one more is not."""
+
+    def placed_after(first_length: int) -> str:
+        policy = CacheAware(RouterConfig(conversation_weight=0.0, long_prompt_factor=8.0, long_prompt_weight=4.0))
+        for index in range(40):
+            policy.choose(_prompt(1_000_000 + 100_000 * index, first_length), _idle_fleet("xy"))
+        busy_long, idle = _idle_fleet("ab")
+        busy_long.pending_prefill_cost = 20_000.0
+        return policy.choose(_prompt(10_000, 30_000), [busy_long, idle]).replica.url
+
+    assert placed_after(500) == "http://a"
+    assert placed_after(30_000) == "http://b"

@@ -70,6 +70,19 @@ class RouterConfig:
         "conversation's later turns to (the conversations already at home on "
         "the replica; 0: place each request for itself)",
     )
+    # Long prompts on replicas that hold none keep those replicas from the short requests that would wait there
+    # least: charged per replica without long work, more as fewer are left (router.policies, CacheAware). Long is
+    # relative to the prompts the router sees, so the rule follows the workload instead of a length.
+    long_prompt_factor: float = setting(
+        0.0,
+        help="cache_aware: a prompt whose prefill work is this many times the median of recent prompts' counts as "
+        "long; placed on a replica with no long work queued, it is charged --long-prompt-weight times its work "
+        "over the replicas left without any (0: off)",
+    )
+    long_prompt_tokens: int = setting(
+        0, help="cache_aware: long prompts from this much prefill work instead of --long-prompt-factor (0: by factor)"
+    )
+    long_prompt_weight: float = setting(1.0, help="cache_aware: see --long-prompt-factor")
     disaggregation: str = setting(
         "conditional",
         choices=DISAGGREGATION,
@@ -149,6 +162,9 @@ class RouterConfig:
             "recompute_weight",
             "session_recompute_weight",
             "conversation_weight",
+            "long_prompt_weight",
+            "long_prompt_factor",
+            "long_prompt_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")

@@ -171,6 +171,7 @@ class CacheAware:
     _roots: dict[tuple[KeyNamespace, str | None], bytes] = field(default_factory=dict)
     _last_replica: OrderedDict[str, SessionTurn] = field(default_factory=OrderedDict)  # session key -> last turn
     conversations: LiveConversations = field(default_factory=LiveConversations)
+    work_median: float | None = None  # running median of placed prompts' prefill work (long_prompt_factor)
 
     def choose(
         self, request: RouteRequest, candidates: list[Replica], uncached_cost: UncachedCost | None = None
@@ -207,6 +208,8 @@ class CacheAware:
         tip = self._conversation_tip(request, keys_by_root) if placing else None
         conversation_home = self.conversations.home_of(tip)
         per_conversation = self._per_homed_conversation(candidates, cheapest) if placing else 0.0
+        long_work = self._long_work(cheapest) if placing else 0.0
+        clean = self._without_long_work(candidates, long_work) if long_work and cheapest >= long_work else 0
         best: tuple[float, bool, int, int, int] | None = None
         best_option = options[0]
         best_load_s = 0.0
@@ -219,6 +222,8 @@ class CacheAware:
                 extra += config.session_recompute_weight * max(0.0, cost - home_cost)
             load_s = rates.load_seconds(replica, held[1], held[2]) if held and (held[1] or held[2]) else 0.0
             waited_s = min(replica.pending_load_s, replica.load.tier_load_deadline_s) if load_s else 0.0
+            if clean and self.prefill_ahead(replica) < long_work:
+                extra += config.long_prompt_weight * cost / clean  # one of `clean` replicas short prompts wait least on
             if per_conversation:  # the conversations it would be home to, this one included
                 extra += per_conversation * (self.conversations.homed(replica.url) + (replica.url != conversation_home))
             seconds = (self._queue_cost(replica) + cost + extra) * rates.s_per_token_of(replica) + waited_s + load_s
@@ -269,6 +274,21 @@ class CacheAware:
             if tip is not None:
                 return tip
         return None
+
+    def _long_work(self, work: float) -> float:
+        """The prefill work from which a prompt counts as long: `long_prompt_factor` times the median work of the
+        prompts placed so far (a running estimate, moved 2 % of itself toward each new prompt's work)."""
+        if self.config.long_prompt_tokens:
+            return float(self.config.long_prompt_tokens)
+        if not self.config.long_prompt_factor:
+            return 0.0
+        median = self.work_median
+        self.work_median = work if median is None else median * (1.02 if work > median else 0.98)
+        return self.config.long_prompt_factor * (median if median is not None else work)
+
+    def _without_long_work(self, candidates: list[Replica], long_work: float) -> int:
+        """The replicas with less than a long prompt's prefill work queued: where short prompts wait least."""
+        return sum(self.prefill_ahead(replica) < long_work for replica in candidates)
 
     def _per_homed_conversation(self, candidates: list[Replica], cheapest: float) -> float:
         """What a placement commits beyond this request, per conversation at home on the replica: the
