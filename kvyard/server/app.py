@@ -79,6 +79,7 @@ MODELS_PREFIX = "/v1/models/"
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller bodies tokenize on the event loop (a thread hop costs more)
 TOKENIZE_QUEUE = 64  # large requests waiting for the tokenizer thread at most; more wait for a slot
 Prepared = TypeVar("Prepared")
+PoolingBody = TypeVar("PoolingBody", bound=EmbeddingRequest | ScoringFields)
 
 
 class ReplicaApp:
@@ -343,36 +344,35 @@ class ReplicaApp:
     # ------------------------------------------------------------------ pooling: embeddings, rerank, score
 
     async def embeddings(self, request: HttpRequest, responder: Responder) -> None:
-        engine = self.ready()
-        raw = json_object(request.body)
-        ignored = self._ignored_fields(raw, EmbeddingRequest)
-        body = validate(raw, EmbeddingRequest)
-        check_model(engine, body.model)
+        engine, body, ignored = self._pooling_body(request, EmbeddingRequest)
         salt, method = self._cache_salt(request, body.cache_salt), self.options.pooling
         job = await self._prepare(engine, request, lambda: embedding_job(engine, body, method, salt))
         vectors = await self._pool(engine, request, job)
         responder.send_json(200, embedding_response(engine, body, job, vectors), ignored)
 
     async def rerank(self, request: HttpRequest, responder: Responder) -> None:
-        engine = self.ready()
-        raw = json_object(request.body)
-        ignored = self._ignored_fields(raw, RerankRequest)
-        body = validate(raw, RerankRequest)
-        check_model(engine, body.model)
+        engine, body, ignored = self._pooling_body(request, RerankRequest)
         pairs = [(body.query, document) for document in body.documents]
         job = await self._scoring_job(engine, request, body, pairs, "documents")
         scores = [result[0] for result in await self._pool(engine, request, job)]
         responder.send_json(200, rerank_response(engine, body, job, scores), ignored)
 
     async def score(self, request: HttpRequest, responder: Responder) -> None:
-        engine = self.ready()
-        raw = json_object(request.body)
-        ignored = self._ignored_fields(raw, ScoreRequest)
-        body = validate(raw, ScoreRequest)
-        check_model(engine, body.model)
+        engine, body, ignored = self._pooling_body(request, ScoreRequest)
         job = await self._scoring_job(engine, request, body, score_pairs(body), "text_2")
         scores = [result[0] for result in await self._pool(engine, request, job)]
         responder.send_json(200, score_response(engine, job, scores), ignored)
+
+    def _pooling_body(
+        self, request: HttpRequest, model: type[PoolingBody]
+    ) -> tuple[ReplicaEngine, PoolingBody, dict[str, str]]:
+        """The engine, the validated body of a pooling request for the model it serves, and its ignored fields."""
+        engine = self.ready()
+        raw = json_object(request.body)
+        ignored = self._ignored_fields(raw, model)
+        body = validate(raw, model)
+        check_model(engine, body.model)
+        return engine, body, ignored
 
     async def _scoring_job(
         self, engine: ReplicaEngine, request: HttpRequest, body: ScoringFields, pairs: list[tuple[str, str]], param: str
