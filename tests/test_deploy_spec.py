@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import subprocess
@@ -186,13 +187,27 @@ def test_a_role_says_where_its_replicas_listen() -> None:
     assert spec.roles["prefill"].ports is None  # any free port
 
 
-def test_a_port_is_taken_from_the_range_and_a_taken_one_is_passed_over() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        busy = taken.getsockname()[1]
+def _held_port_with_a_free_neighbour() -> socket.socket:
+    """A listening socket on a port below the kernel's ephemeral range whose next port is free: ports the kernel
+    hands to the suite's own loopback connections would make the neighbour busy by chance."""
+    for busy in random.sample(range(20000, 30000), 200):
+        taken = socket.socket()
+        with socket.socket() as probe:
+            try:
+                taken.bind(("127.0.0.1", busy))
+                probe.bind(("127.0.0.1", busy + 1))
+            except OSError:
+                taken.close()
+                continue
         taken.listen()
-        if busy < 65535:
-            assert free_port("127.0.0.1", (busy, busy + 1)) == busy + 1
+        return taken
+    pytest.skip("no two adjacent free ports in 20000-30000")
+
+
+def test_a_port_is_taken_from_the_range_and_a_taken_one_is_passed_over() -> None:
+    with _held_port_with_a_free_neighbour() as taken:
+        busy = taken.getsockname()[1]
+        assert free_port("127.0.0.1", (busy, busy + 1)) == busy + 1
         with pytest.raises(ProcessFailed, match=f"no free port on 127.0.0.1 in {busy}-{busy}"):
             free_port("127.0.0.1", (busy, busy))
 

@@ -155,6 +155,46 @@ def _vllm_hits(replica: VllmReplica) -> float:
 LONG = 8000  # output tokens: the demo model generates 2,000 in about a second, which a slow reader can miss
 
 
+def _stream_killing_the_server(
+    router: ServerProcess, fleet: list[VllmReplica], body: dict[str, Any]
+) -> tuple[str, dict[str, Any] | None, set[str], VllmReplica]:
+    """Stream `body` through the router, killing the replica serving it as soon as the first chunk arrives: the
+    text, the usage, the stream ids seen and the replica killed."""
+    text, chunks, usage, ids, victim = "", 0, None, set(), None
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=300) as response:
+        served_by = response.headers["x-kvyard-replica"]
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            ids.add(chunk["id"])
+            text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
+            usage = chunk.get("usage") or usage
+            chunks += 1
+            if chunks == 1:
+                victim = next(replica for replica in fleet if replica.url == served_by)
+                victim.kill()
+    assert victim is not None
+    return text, usage, ids, victim
+
+
+def _restart(router: ServerProcess, fleet: list[VllmReplica], dead: VllmReplica, scratch: Path) -> None:
+    index = fleet.index(dead)
+    cores = os.cpu_count() or 1
+    fleet[index] = start_vllm(
+        DEMO_MODEL_DIR,
+        scratch,
+        served_name=MODEL,
+        port=dead.port,
+        events_port=dead.events_port,
+        replay_port=dead.replay_port,
+        cpus=str(index % cores),
+    )
+    wait_ready([fleet[index]])
+    wait_for(lambda: replica_state(router, dead.url)["state"] == "healthy", 60, "re-admitted")
+
+
 def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
     router: ServerProcess, fleet: list[VllmReplica], scratch: Path
 ) -> None:
@@ -174,27 +214,22 @@ def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
         "stream_options": {"include_usage": True},
         **extra,
     }
-    text, chunks, usage, ids, victim = "", 0, None, set(), None
-    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=300) as response:
-        served_by = response.headers["x-kvyard-replica"]
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            ids.add(chunk["id"])
-            text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
-            usage = chunk.get("usage") or usage
-            chunks += 1
-            if chunks == 1:  # at once: a reader slowed by a busy machine could otherwise find the answer already sent
-                victim = next(replica for replica in fleet if replica.url == served_by)
-                victim.kill()
-    assert victim is not None
-    assert text == reference["choices"][0]["message"]["content"]
-    assert len(ids) == 1 and usage is not None and usage["completion_tokens"] == LONG
-    assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
-    retries = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
-    assert retries == 1, f"{victim.url} killed while serving: {router.log()[-3000:]}"
+    # On a busy 2-core machine the router can have read the whole answer from the replica's socket by the time
+    # the client sees its first chunk: then the kill breaks nothing. The text must be right either way; the
+    # failover itself is tried again (with the replica restarted) until a kill lands mid-stream.
+    for _ in range(3):
+        retries = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
+        text, usage, ids, victim = _stream_killing_the_server(router, fleet, body)
+        assert text == reference["choices"][0]["message"]["content"]
+        assert len(ids) == 1 and usage is not None and usage["completion_tokens"] == LONG
+        assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+        failed_over = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
+        if failed_over == retries + 1:
+            break
+        assert failed_over == retries, router.log()[-3000:]
+        _restart(router, fleet, victim, scratch)
+    else:
+        pytest.fail(f"three kills all came after the whole answer was relayed: {router.log()[-3000:]}")
     wait_for(lambda: replica_state(router, victim.url)["state"] == "ejected", 30, "the dead replica ejected")
     assert not replica_state(router, victim.url)["kv_events"]  # its index is dropped, not kept stale
 
