@@ -25,6 +25,26 @@ def test_the_fit_recovers_seconds_per_token_and_what_a_running_request_costs() -
     assert fit.running_cost is not None and abs(fit.running_cost - 300) < 30
 
 
+def test_a_few_stalls_the_plane_does_not_see_do_not_move_the_fit() -> None:
+    """First-token times of seconds where the plane predicts a tenth (a replica paused by its core's neighbour)
+    would make a running request weigh thousands of prefill tokens in a least-squares fit; they are left out."""
+    rng = random.Random(1)
+    fit = TtftFit()
+    for number in range(240):
+        work, running = rng.uniform(100, 5000), rng.randrange(8)
+        seconds = 0.02 + 1e-4 * work + 0.03 * running + rng.gauss(0, 0.002)
+        if number % 12 == 0:
+            seconds += 8.0 + running  # 20 stalls, longer where more was running
+        fit.observe(work, running, seconds)
+    assert abs(fit.s_per_token - 1e-4) < 5e-6
+    assert fit.running_cost is not None and abs(fit.running_cost - 300) < 30
+    exact = TtftFit()  # on the plane to rounding: every sample kept
+    for work in range(100, 3300, 100):
+        exact.observe(float(work), work % 3, 0.05 + 2e-4 * work + 0.01 * (work % 3))
+    assert abs(exact.s_per_token - 2e-4) < 1e-9 and exact.running_cost is not None
+    assert abs(exact.running_cost - 50) < 1e-6
+
+
 def test_without_spread_in_the_running_count_only_the_speed_is_fitted() -> None:
     fit = TtftFit()
     for work in range(100, 3300, 100):

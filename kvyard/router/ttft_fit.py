@@ -11,6 +11,12 @@ plane through the recent samples,
 gives the replica's seconds per prefill token and what a running request costs it in prefill tokens
 (s_per_running / s_per_token). On a CPU, where a vLLM server's detokenizing and streaming share the cores with its
 engine, a running request was measured to weigh hundreds of prefill tokens, where kvyard's own engine weighs 16.
+
+The plane is fitted twice: samples far off the first fit (beyond OUTLIER_SIGMAS robust deviations, from the median
+absolute residual) are left out of the second. A replica stalled by something the plane does not see (a neighbour
+on its core, a pause of the machine) gives first-token times of seconds where the plane predicts a tenth; on a
+2-core VM with two vLLM servers a core, a few such samples moved a least-squares fit of the running request's weight
+from 38 to 3,108 prefill tokens within a minute, and the router then shunned every replica with a stream running.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ MIN_SAMPLES = 16
 WINDOW = 256  # recent samples: a replica's speed changes with its batch sizes and the prompts' lengths
 MIN_WORK = 16.0  # samples with less predicted work mostly measure the overhead
 MAX_RUNNING_COST = 4096.0  # prefill tokens: a bound on what noise can make a running request weigh
-REFIT_EVERY = 8  # new samples between two fits (a fit costs a least-squares solve over the window)
+REFIT_EVERY = 8  # new samples between two fits (a fit costs two least-squares solves over the window)
+OUTLIER_SIGMAS = 4.0  # residuals beyond this many robust standard deviations are left out of the second fit
+SPREAD_FLOOR = 1e-3  # the least deviation counted, as a share of the mean first-token time
+_MAD_TO_SIGMA = 1.4826  # the median absolute deviation of normal noise times this is its standard deviation
 
 
 @dataclass(slots=True)
@@ -59,14 +68,34 @@ class TtftFit:
         if len(self.samples) < MIN_SAMPLES:
             return 0.0, 0.0
         data = np.array(self.samples)
-        work, running, seconds = data[:, 0], data[:, 1], data[:, 2]
-        if np.ptp(running) > 0:
-            design = np.column_stack([np.ones(len(data)), work, running])
-            (_, per_token, per_running), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-        else:  # the running count never varied: it cannot be told apart from the overhead
-            design = np.column_stack([np.ones(len(data)), work])
-            (_, per_token), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-            per_running = 0.0
+        kept = _without_outliers(data, _plane(data))
+        if len(kept) >= MIN_SAMPLES:
+            data = kept
+        per_token, per_running = _plane(data)
         if per_token <= 0.0:  # the work hardly varied, or noise hid it: time per unit of work, overhead included
-            return float(seconds.mean() / work.mean()), 0.0
+            return float(data[:, 2].mean() / data[:, 0].mean()), 0.0
         return float(per_token), float(min(max(per_running, 0.0) / per_token, MAX_RUNNING_COST))
+
+
+def _design(data: np.ndarray) -> np.ndarray:
+    """Overhead, work and (when the running count varied; otherwise it cannot be told from the overhead) running."""
+    columns = [np.ones(len(data)), data[:, 0]]
+    if np.ptp(data[:, 1]) > 0:
+        columns.append(data[:, 1])
+    return np.column_stack(columns)
+
+
+def _plane(data: np.ndarray) -> tuple[float, float]:
+    """Least-squares seconds per unit of work and per running request (0 when the running count never varied)."""
+    coefficients, *_ = np.linalg.lstsq(_design(data), data[:, 2], rcond=None)
+    return float(coefficients[1]), float(coefficients[2]) if len(coefficients) > 2 else 0.0
+
+
+def _without_outliers(data: np.ndarray, plane: tuple[float, float]) -> np.ndarray:
+    """The samples within OUTLIER_SIGMAS robust deviations of the plane (its overhead refitted as their median)."""
+    predicted = plane[0] * data[:, 0] + plane[1] * data[:, 1]
+    residual = data[:, 2] - predicted
+    residual -= np.median(residual)
+    # The floor: samples on the plane to rounding (no noise at all) have no spread to measure deviations by.
+    spread = max(_MAD_TO_SIGMA * float(np.median(np.abs(residual))), SPREAD_FLOOR * float(np.mean(data[:, 2])))
+    return data[np.abs(residual) <= OUTLIER_SIGMAS * spread]
