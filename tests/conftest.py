@@ -15,6 +15,7 @@ from kvyard.kernels.ops import NativeKernels, bind_kernels, load_native_kernels
 from kvyard.testing.create_model import create_model
 
 ARCHS = ("llama", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +23,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One `tiny` model per architecture, shared by the whole test session."""
     root = tmp_path_factory.mktemp("models")
     return {arch: create_model(arch, "tiny", root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def moe_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One `tiny` mixture-of-experts model per architecture (8 experts, 2 a token)."""
+    root = tmp_path_factory.mktemp("moe-models")
+    return {arch: create_model(arch, "tiny", root / arch) for arch in MOE_ARCHS}
 
 
 @pytest.fixture(scope="session")

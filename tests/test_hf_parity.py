@@ -38,9 +38,11 @@ class Reference:
     def run(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
         key = tuple(prompt)
         if key not in self._cache:
+            ids = torch.tensor([prompt])
             with torch.no_grad():
                 out = self.model.generate(
-                    torch.tensor([prompt]),
+                    ids,
+                    attention_mask=torch.ones_like(ids),  # else generate masks the prompt's token 0 as padding
                     max_new_tokens=NUM_NEW_TOKENS,
                     do_sample=False,
                     eos_token_id=None,
@@ -56,9 +58,11 @@ class Reference:
         return [self.run(p)[0] for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def arch_setup(request: Any, model_dirs: dict[str, Path]) -> tuple[Path, Reference, int]:
-    model_dir = model_dirs[request.param]
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def arch_setup(
+    request: Any, model_dirs: dict[str, Path], moe_model_dirs: dict[str, Path]
+) -> tuple[Path, Reference, int]:
+    model_dir = {**model_dirs, **moe_model_dirs}[request.param]
     reference = Reference(model_dir)
     return model_dir, reference, reference.model.config.vocab_size
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.cli import fail
-from kvyard.testing.model_presets import ARCHITECTURES, DTYPES, PRESETS
+from kvyard.testing.model_presets import ARCHITECTURES, DTYPES, MOE_ARCHITECTURES, PRESETS
 
 
 def add_parser(commands: Any) -> None:
@@ -18,7 +18,9 @@ def add_parser(commands: Any) -> None:
         "trained locally, in Hugging Face format (config.json, model.safetensors, tokenizer files), for tests "
         "and demos where no checkpoint can be downloaded.",
     )
-    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="architecture (default: llama)")
+    parser.add_argument(
+        "--arch", choices=ARCHITECTURES + MOE_ARCHITECTURES, default="llama", help="architecture (default: llama)"
+    )
     parser.add_argument(
         "--preset",
         choices=PRESETS,

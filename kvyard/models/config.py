@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF architecture name -> kvyard family. All three share one decoder implementation;
-# the family only switches on QKV bias (Qwen2) or per-head Q/K RMSNorm (Qwen3).
+# HF architecture name -> kvyard family. All share one decoder implementation; the family only switches on QKV
+# bias (Qwen2) or per-head Q/K RMSNorm (Qwen3), and mixture-of-experts architectures (MOE_ARCHITECTURES) replace
+# the MLP of their sparse layers with experts.
 ARCHITECTURE_FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
     # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling.params)
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -21,6 +24,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen3Model": "qwen3",
 }
 MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +40,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The expert layers of a mixture-of-experts model: each token's MLP is the weighted sum of the
+    `experts_per_token` experts its router scores highest (softmax over all experts' logits, then the top ones)."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    normalize_top_k: bool  # the chosen experts' weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    sparse_layers: frozenset[int]  # the layers whose MLP is the experts; the others keep a dense MLP
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +75,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None  # attention sees only this many tokens back (None: the whole context)
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -102,7 +119,35 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         eos_token_ids=_as_id_tuple(eos),
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
+        moe=_parse_moe(architecture, raw),
         raw=raw,
+    )
+
+
+def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    num_layers = int(raw["num_hidden_layers"])
+    if architecture == "MixtralForCausalLM":  # every layer sparse; the experts' size is intermediate_size
+        return MoeConfig(
+            int(raw.get("num_local_experts") or raw.get("num_experts") or 8),
+            int(raw.get("num_experts_per_tok", 2)),
+            int(raw["intermediate_size"]),
+            True,
+            frozenset(range(num_layers)),
+        )
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 128)  # transformers 5 writes the latter
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = {int(layer) for layer in raw.get("mlp_only_layers") or ()}
+    sparse = frozenset(
+        layer for layer in range(num_layers) if layer not in dense and num_experts > 0 and (layer + 1) % step == 0
+    )
+    return MoeConfig(
+        num_experts,
+        int(raw.get("num_experts_per_tok", 8)),
+        int(raw.get("moe_intermediate_size", raw["intermediate_size"])),
+        bool(raw.get("norm_topk_prob", False)),
+        sparse,
     )
 
 
@@ -115,6 +160,8 @@ def _refuse_unimplemented(raw: dict[str, Any]) -> None:
         problems.append(f"hidden_act={activation!r} (only silu is implemented)")
     if raw.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP projections without bias only)")
+    if raw.get("shared_expert_intermediate_size") or raw.get("n_shared_experts"):
+        problems.append("shared experts (experts every token uses besides its routed ones)")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append(f"partial_rotary_factor={raw['partial_rotary_factor']} (rotary embedding on whole heads only)")
     if problems:

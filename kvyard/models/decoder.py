@@ -1,4 +1,5 @@
-"""Dense decoder-only transformer covering the Llama, Qwen2 and Qwen3 families.
+"""Decoder-only transformer covering the Llama, Qwen2 and Qwen3 families, dense or with expert layers (Mixtral,
+Qwen3-MoE: kvyard.models.experts).
 
 Parameter names follow the Hugging Face checkpoints, except that Q/K/V and gate/up projections
 are fused (`qkv_proj`, `gate_up_proj`) so each layer runs three large matmuls instead of six;
@@ -13,6 +14,7 @@ from torch import nn
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
+from kvyard.models.experts import SparseMoE
 from kvyard.models.fused_decode import FusedDecode
 from kvyard.models.layers import (
     GatedMLP,
@@ -61,12 +63,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp: GatedMLP | SparseMoE
+        if config.moe is not None and index in config.moe.sparse_layers:
+            self.mlp = SparseMoE(config.hidden_size, config.moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
@@ -97,7 +103,7 @@ class DecoderBody(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvyard.kernels.ops import WEIGHT_KINDS, DecodeLayerKernel, DecodeLayerWeights, DecodeStepArgs
 from kvyard.models.attention import AttentionMetadata
-from kvyard.models.layers import Linear
+from kvyard.models.layers import GatedMLP, Linear
 from kvyard.models.quantization import HalfLinear, Int8Linear
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class FusedDecode:
         """None when a layer has something the fused call does not compute (a projection without its native
         kernel, a bias other than the QKV projection's, fused elementwise work switched off)."""
         config = model.config
+        if config.moe is not None:  # the fused call computes dense MLPs only
+            return None
         shape = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim)
         decoder_layers = [cast("DecoderLayer", layer) for layer in model.model.layers]
         layers = [_layer_args(layer, kernel, shape, model) for layer in decoder_layers]
@@ -104,7 +106,7 @@ def _chunks(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _layer_args(
     layer: DecoderLayer, kernel: DecodeLayerKernel, shape: tuple[int, int, int, int, int], model: CausalLM
 ) -> tuple[Any, ...] | None:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)
     natives = (layer.input_layernorm, layer.post_attention_layernorm, mlp, attn.rotary)
     if any(module.native is None for module in natives):
         return None
@@ -127,7 +129,7 @@ def _layer_args(
 
 
 def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)  # dense layers only (build)
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,20 @@ from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 
 __all__ = ["DTYPES", "load_model", "materialize", "model_digest", "resolve_dtype"]
+
+# One expert's projection in a checkpoint: Qwen3-MoE's names (mlp.experts.E.gate_proj) or Mixtral's original ones
+# (block_sparse_moe.experts.E.w1: gate, w3: up, w2: down). -> (stacked parameter, shard: 0 gate, 1 up, None whole)
+_EXPERT = re.compile(
+    r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_EXPERT_SHARDS: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("experts_gate_up", 0),
+    "w1": ("experts_gate_up", 0),
+    "up_proj": ("experts_gate_up", 1),
+    "w3": ("experts_gate_up", 1),
+    "down_proj": ("experts_down", None),
+    "w2": ("experts_down", None),
+}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,6 +110,10 @@ def _load_tensor(
     """Copy one checkpoint tensor into its (possibly fused) parameter; return the parameter name."""
     if "rotary_emb" in name:
         return None
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        return _load_expert_tensor(params, expert, tensor)
     prefix, _, leaf = name.rpartition(".")
     module_prefix, _, module = prefix.rpartition(".")
     if module in FUSED_SHARDS:
@@ -108,6 +127,20 @@ def _load_tensor(
         raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
     params[name].data.copy_(tensor)
     return name
+
+
+def _load_expert_tensor(params: dict[str, torch.nn.Parameter], expert: re.Match[str], tensor: torch.Tensor) -> str:
+    layer, index, projection = expert.group(1), int(expert.group(2)), expert.group(3)
+    stacked, shard = _EXPERT_SHARDS[projection]
+    target = f"{layer}.mlp.{stacked}"
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {expert.group(0)!r} has no matching parameter (a dense layer?)")
+    rows = params[target].data[index]
+    if shard is not None:
+        size = rows.shape[0] // 2
+        rows = rows.narrow(0, shard * size, size)
+    rows.copy_(tensor)
+    return target
 
 
 def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfig) -> torch.Tensor:

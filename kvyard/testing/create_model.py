@@ -13,14 +13,21 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvyard.paths import cache_root
-from kvyard.testing.model_presets import ARCHITECTURES, DEFAULT_ARCH, DEFAULT_PRESET, DTYPES, PRESETS
+from kvyard.testing.model_presets import (
+    ARCHITECTURES,
+    DEFAULT_ARCH,
+    DEFAULT_PRESET,
+    DTYPES,
+    MOE_ARCHITECTURES,
+    PRESETS,
+)
 from kvyard.testing.tokenizer_build import (
     CHATML,
     LLAMA3,
@@ -76,6 +83,8 @@ class _Arch:
     config_class: str
     model_class: str
     chat: ChatFormat
+    extra: Mapping[str, object] = field(default_factory=dict)  # config fields beyond the preset's (MoE experts)
+    expert_size_field: str | None = None  # the field holding an expert's MLP size, set to a quarter of the preset's
 
 
 _ARCHS = MappingProxyType(
@@ -83,6 +92,21 @@ _ARCHS = MappingProxyType(
         "llama": _Arch("LlamaConfig", "LlamaForCausalLM", LLAMA3),
         "qwen2": _Arch("Qwen2Config", "Qwen2ForCausalLM", CHATML),
         "qwen3": _Arch("Qwen3Config", "Qwen3ForCausalLM", CHATML),
+        # Mixture-of-experts: 8 experts, 2 a token, each a quarter of the preset's MLP.
+        "qwen3_moe": _Arch(
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            CHATML,
+            MappingProxyType({"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+            "moe_intermediate_size",
+        ),
+        "mixtral": _Arch(
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            LLAMA3,
+            MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2}),
+            "intermediate_size",
+        ),
     }
 )
 
@@ -127,7 +151,7 @@ def preset_spec(preset: str) -> Preset:
 
 def _lookup(arch: str, preset: str) -> tuple[_Arch, Preset]:
     if arch not in _ARCHS:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+        raise ValueError(f"arch must be one of {ARCHITECTURES + MOE_ARCHITECTURES}, got {arch!r}")
     if preset not in _PRESETS:
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
     return _ARCHS[arch], _PRESETS[preset]
@@ -136,22 +160,26 @@ def _lookup(arch: str, preset: str) -> tuple[_Arch, Preset]:
 def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> PretrainedConfig:
     import transformers
 
-    config: PretrainedConfig = getattr(transformers, spec.config_class)(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        head_dim=p.head_dim,
-        max_position_embeddings=p.max_position_embeddings,
-        rope_theta=p.rope_theta,
-        rms_norm_eps=1e-6,
-        initializer_range=p.initializer_range,
-        tie_word_embeddings=False,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-    )
+    fields: dict[str, object] = {
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "max_position_embeddings": p.max_position_embeddings,
+        "rope_theta": p.rope_theta,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": p.initializer_range,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        **spec.extra,
+    }
+    if spec.expert_size_field is not None:
+        fields[spec.expert_size_field] = p.intermediate_size // 4
+    config: PretrainedConfig = getattr(transformers, spec.config_class)(**fields)
     return config
 
 
@@ -186,7 +214,7 @@ def ensure_default_model(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET)
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--arch", choices=ARCHITECTURES, default=DEFAULT_ARCH)
+    parser.add_argument("--arch", choices=ARCHITECTURES + MOE_ARCHITECTURES, default=DEFAULT_ARCH)
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -60,6 +60,7 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
         "speculative decoding": config.speculative.method is not None,
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
         "an embedding checkpoint (no LM head), which only PyTorch pools": not package and not has_lm_head(config.model),
+        "a mixture-of-experts model, which only PyTorch runs": model_config.moe is not None,
         f"quantization {config.quantization} of a package": package
         and config.quantization not in ("none", read_info(config.model).weights),
     }

@@ -1,0 +1,112 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE): what their configs say, a model mixing dense and expert layers
+against transformers, and the paths that run them. Greedy parity for batches, prefix hits, 7-token chunks and
+preemption is in test_hf_parity.py, which runs every architecture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from kvyard import LLM, SamplingParams
+from kvyard.engine.config import EngineConfig
+from kvyard.engine.fast_start.engine import fast_start_blocker
+from kvyard.engine.speculative.policy import SpeculativeConfig
+from kvyard.models.config import MoeConfig, UnsupportedModelError, load_model_config, parse_model_config
+from kvyard.models.experts import SparseMoE
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_configs_name_their_experts_and_which_layers_have_them(moe_model_dirs: dict[str, Path]) -> None:
+    qwen = load_model_config(moe_model_dirs["qwen3_moe"])
+    assert qwen.moe is not None and qwen.family == "qwen3"
+    assert (qwen.moe.num_experts, qwen.moe.experts_per_token, qwen.moe.expert_intermediate_size) == (8, 2, 32)
+    assert qwen.moe.normalize_top_k and qwen.moe.sparse_layers == {0, 1}
+    mixtral = load_model_config(moe_model_dirs["mixtral"])
+    assert mixtral.moe is not None and mixtral.family == "llama" and mixtral.moe.normalize_top_k
+    assert mixtral.moe.expert_intermediate_size == mixtral.intermediate_size == 32
+    raw = json.loads((moe_model_dirs["qwen3_moe"] / "config.json").read_text())
+    every_other = parse_model_config({**raw, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert every_other.moe is not None and every_other.moe.sparse_layers == {1, 5}
+    with pytest.raises(UnsupportedModelError, match="shared experts"):
+        parse_model_config({**raw, "shared_expert_intermediate_size": 64})
+
+
+def test_dense_and_expert_layers_in_one_model_match_transformers(
+    moe_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Qwen3-MoE's mlp_only_layers: layer 1 keeps a dense MLP of intermediate_size, layers 0 and 2 have experts."""
+    source = moe_model_dirs["qwen3_moe"]
+    config = Qwen3MoeConfig.from_pretrained(source)
+    config.num_hidden_layers, config.mlp_only_layers = 3, [1]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        reference = Qwen3MoeForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    loaded = load_model_config(tmp_path)
+    assert loaded.moe is not None and loaded.moe.sparse_layers == {0, 2}
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (3, 20, 45)]
+    outputs = LLM(str(tmp_path)).generate(prompts, GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])  # the mask given: generate would mask the prompt's token 0 as padding
+            expected = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert output.token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_each_token_gets_its_top_experts_weighted_by_the_router() -> None:
+    """The grouped computation equals each token's own sum over its chosen experts."""
+    torch.manual_seed(0)
+    moe = SparseMoE(16, load_moe_config(num_experts=4, top_k=2))
+    for parameter in moe.parameters():
+        parameter.data.normal_(0, 0.3)
+    x = torch.randn(9, 16)
+    weights, experts = moe.route(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(9))
+    expected = torch.zeros_like(x)
+    for token in range(9):
+        for weight, expert in zip(weights[token], experts[token].tolist()):
+            gate, up = (moe.experts_gate_up[expert] @ x[token]).split(moe.intermediate_size)
+            expected[token] += weight * (moe.experts_down[expert] @ (torch.nn.functional.silu(gate) * up))
+    assert torch.allclose(moe(x), expected, atol=1e-5)
+
+
+def test_the_fast_start_leaves_expert_models_to_pytorch(moe_model_dirs: dict[str, Path]) -> None:
+    reason = fast_start_blocker(EngineConfig.create(str(moe_model_dirs["mixtral"])))
+    assert reason is not None and "mixture-of-experts" in reason
+
+
+def load_moe_config(num_experts: int, top_k: int) -> MoeConfig:
+    return MoeConfig(num_experts, top_k, 8, True, frozenset({0}))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("method", ["self-int8", "self-fp16"])
+def test_self_speculation_on_expert_models_gives_the_output_without_it(
+    moe_model_dirs: dict[str, Path], arch: str, method: str
+) -> None:
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 1024, (n,), generator=generator).tolist() for n in (4, 18, 33, 60)]
+    reference = [output.token_ids for output in LLM(str(moe_model_dirs[arch])).generate(prompts, GREEDY)]
+    speculative = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=False)
+    with LLM(str(moe_model_dirs[arch]), speculative=speculative) as llm:
+        assert [output.token_ids for output in llm.generate(prompts, GREEDY)] == reference
+        stats = llm.engine.stats()
+        assert stats.spec_accepted_tokens > 0.5 * stats.spec_proposed_tokens > 0
