@@ -18,6 +18,15 @@ from kvyard.engine.fast_start.engine import fast_start_blocker
 from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.models.config import MoeConfig, UnsupportedModelError, load_model_config, parse_model_config
 from kvyard.models.experts import SparseMoE
+from kvyard.models.package import convert
+from kvyard.models.quantization import (
+    HALF_DTYPES,
+    HalfLinear,
+    Int8Linear,
+    dequantize_int8,
+    quantize_int8,
+    round_trip_linears,
+)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -83,8 +92,7 @@ def test_each_token_gets_its_top_experts_weighted_by_the_router() -> None:
     expected = torch.zeros_like(x)
     for token in range(9):
         for weight, expert in zip(weights[token], experts[token].tolist()):
-            gate, up = (moe.experts_gate_up[expert] @ x[token]).split(moe.intermediate_size)
-            expected[token] += weight * (moe.experts_down[expert] @ (torch.nn.functional.silu(gate) * up))
+            expected[token] += weight * moe.experts[expert](x[token : token + 1])[0]
     assert torch.allclose(moe(x), expected, atol=1e-5)
 
 
@@ -110,3 +118,74 @@ def test_self_speculation_on_expert_models_gives_the_output_without_it(
         assert [output.token_ids for output in llm.generate(prompts, GREEDY)] == reference
         stats = llm.engine.stats()
         assert stats.spec_accepted_tokens > 0.5 * stats.spec_proposed_tokens > 0
+
+
+def _round_tripped_moe_reference(model_dir: Path, scheme: str) -> torch.nn.Module:
+    """transformers' model with every weight kvyard converts replaced by what it computes with: its linear layers
+    (round_trip_linears), and its routers and stacked experts, which are not linear layers there."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    round_trip_linears(model, scheme)
+    for name, parameter in model.named_parameters():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")):
+            rows = parameter.data if parameter.dim() == 3 else parameter.data[None]
+            for matrix in rows:
+                if scheme == "int8":
+                    matrix.copy_(dequantize_int8(*quantize_int8(matrix)))
+                else:
+                    matrix.copy_(matrix.to(HALF_DTYPES[scheme]).float())
+    return model
+
+
+# The int8 kernel rounds each row's groups of 32 inputs to int16 (quantization.round_activations_int16), which
+# transformers' round-tripped model does not: as for dense models, but over two more int8 matmuls a layer (the
+# router and the experts), the log-probabilities drift a little further.
+LOGPROB_TOLERANCE = {"int8": 5e-4, "bf16": 1e-4}
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3_moe", "int8"), ("mixtral", "int8"), ("mixtral", "bf16")])
+def test_converted_experts_equal_transformers_on_the_round_tripped_weights(
+    moe_model_dirs: dict[str, Path], arch: str, scheme: str
+) -> None:
+    reference = _round_tripped_moe_reference(moe_model_dirs[arch], scheme)
+    prompts = [torch.randint(3, 900, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 100)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    with LLM(str(moe_model_dirs[arch]), quantization=scheme) as llm:
+        converted = Int8Linear if scheme == "int8" else HalfLinear
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+        assert experts and all(isinstance(e.experts[0].gate_up_proj, converted) for e in experts)
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            sequence = reference.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            log_probs = reference(ids).logits[0].log_softmax(-1)
+        assert output.token_ids == sequence[0, len(prompt) :].tolist()
+        assert output.prompt_logprobs is not None
+        for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            assert entry is not None
+            expected = float(log_probs[position - 1, prompt[position]])
+            assert entry.logprob == pytest.approx(expected, abs=LOGPROB_TOLERANCE[scheme])
+
+
+def test_an_int8_package_of_an_expert_model_loads_what_converting_at_load_time_gives(
+    moe_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    package = tmp_path / "qwen3-moe-int8"
+    convert(moe_model_dirs["qwen3_moe"], "int8", package)
+    prompt = [[5, 9, 14, 3, 77, 41, 2, 8, 100, 7]]
+    with (
+        LLM(str(moe_model_dirs["qwen3_moe"]), quantization="int8", served_model_name="m") as converted,
+        LLM(str(package), served_model_name="m") as packaged,
+    ):
+        ours, theirs = converted.engine.runner.model.state_dict(), packaged.engine.runner.model.state_dict()
+        assert set(ours) == set(theirs) and any(".experts.7.down_proj.qweight" in name for name in ours)
+        for name, tensor in ours.items():
+            assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+        assert converted.generate(prompt, GREEDY)[0].token_ids == packaged.generate(prompt, GREEDY)[0].token_ids

@@ -16,19 +16,9 @@ from kvyard.models.decoder import CausalLM
 
 __all__ = ["DTYPES", "load_model", "materialize", "model_digest", "resolve_dtype"]
 
-# One expert's projection in a checkpoint: Qwen3-MoE's names (mlp.experts.E.gate_proj) or Mixtral's original ones
-# (block_sparse_moe.experts.E.w1: gate, w3: up, w2: down). -> (stacked parameter, shard: 0 gate, 1 up, None whole)
-_EXPERT = re.compile(
-    r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
-)
-_EXPERT_SHARDS: dict[str, tuple[str, int | None]] = {
-    "gate_proj": ("experts_gate_up", 0),
-    "w1": ("experts_gate_up", 0),
-    "up_proj": ("experts_gate_up", 1),
-    "w3": ("experts_gate_up", 1),
-    "down_proj": ("experts_down", None),
-    "w2": ("experts_down", None),
-}
+# Mixtral's original expert names (block_sparse_moe.experts.E.w1: gate, w3: up, w2: down), as Qwen3-MoE names them.
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -110,10 +100,8 @@ def _load_tensor(
     """Copy one checkpoint tensor into its (possibly fused) parameter; return the parameter name."""
     if "rotary_emb" in name:
         return None
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_MIXTRAL_PROJECTIONS[m.group(2)]}.", name)
     name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
-    expert = _EXPERT.match(name)
-    if expert is not None:
-        return _load_expert_tensor(params, expert, tensor)
     prefix, _, leaf = name.rpartition(".")
     module_prefix, _, module = prefix.rpartition(".")
     if module in FUSED_SHARDS:
@@ -129,20 +117,6 @@ def _load_tensor(
     return name
 
 
-def _load_expert_tensor(params: dict[str, torch.nn.Parameter], expert: re.Match[str], tensor: torch.Tensor) -> str:
-    layer, index, projection = expert.group(1), int(expert.group(2)), expert.group(3)
-    stacked, shard = _EXPERT_SHARDS[projection]
-    target = f"{layer}.mlp.{stacked}"
-    if target not in params:
-        raise ValueError(f"checkpoint tensor {expert.group(0)!r} has no matching parameter (a dense layer?)")
-    rows = params[target].data[index]
-    if shard is not None:
-        size = rows.shape[0] // 2
-        rows = rows.narrow(0, shard * size, size)
-    rows.copy_(tensor)
-    return target
-
-
 def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfig) -> torch.Tensor:
     starts: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -151,7 +125,7 @@ def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfi
         kv_size = config.num_kv_heads * config.head_dim
         starts = (0, q_size, q_size + kv_size)
         sizes = (q_size, kv_size, kv_size)
-    else:
-        starts = (0, config.intermediate_size)
-        sizes = (config.intermediate_size, config.intermediate_size)
+    else:  # a dense layer's MLP or an expert's, whose size is its own
+        half = param.shape[0] // 2
+        starts, sizes = (0, half), (half, half)
     return param.data.narrow(0, starts[shard], sizes[shard])
