@@ -94,6 +94,9 @@ def test_each_token_gets_its_top_experts_weighted_by_the_router() -> None:
         for weight, expert in zip(weights[token], experts[token].tolist()):
             expected[token] += weight * moe.experts[expert](x[token : token + 1])[0]
     assert torch.allclose(moe(x), expected, atol=1e-5)
+    for row in range(9):  # one token (a single stream's decode step) skips the grouping, with the same bits
+        one = x[row : row + 1]
+        assert torch.equal(moe(one), moe._grouped(one, *moe.route(one)))
 
 
 def test_the_fast_start_leaves_expert_models_to_pytorch(moe_model_dirs: dict[str, Path]) -> None:

@@ -37,6 +37,21 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if x.shape[0] == 1:  # a single stream's decode step: no grouping to do
+            return self._one_token(x, weights[0], experts[0])
+        return self._grouped(x, weights, experts)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The grouped sum's bits for one token: its experts' outputs added in the experts' order, as index_add_
+        adds them."""
+        out = None
+        for expert, weight in sorted(zip(experts.tolist(), weights.tolist())):
+            term = self.experts[expert](x) * weight
+            out = term if out is None else out + term
+        assert out is not None
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         picks = experts.flatten()  # token t's k-th pick at t * top_k + k
         order = torch.argsort(picks, stable=True)
         counts = torch.bincount(picks, minlength=self.num_experts).tolist()
