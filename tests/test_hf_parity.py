@@ -58,7 +58,7 @@ class Reference:
         return [self.run(p)[0] for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def arch_setup(
     request: Any, model_dirs: dict[str, Path], moe_model_dirs: dict[str, Path]
 ) -> tuple[Path, Reference, int]:

@@ -39,6 +39,9 @@ def test_configs_name_their_experts_and_which_layers_have_them(moe_model_dirs: d
     mixtral = load_model_config(moe_model_dirs["mixtral"])
     assert mixtral.moe is not None and mixtral.family == "llama" and mixtral.moe.normalize_top_k
     assert mixtral.moe.expert_intermediate_size == mixtral.intermediate_size == 32
+    qwen2 = load_model_config(moe_model_dirs["qwen2_moe"])
+    assert qwen2.moe is not None and qwen2.family == "qwen2" and qwen2.attention_bias
+    assert qwen2.moe.shared_expert_intermediate_size == 64 and qwen.moe.shared_expert_intermediate_size == 0
     raw = json.loads((moe_model_dirs["qwen3_moe"] / "config.json").read_text())
     every_other = parse_model_config({**raw, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert every_other.moe is not None and every_other.moe.sparse_layers == {1, 5}
@@ -99,6 +102,22 @@ def test_each_token_gets_its_top_experts_weighted_by_the_router() -> None:
         assert torch.equal(moe(one), moe._grouped(one, *moe.route(one)))
 
 
+def test_a_shared_expert_adds_its_gated_output_to_every_token() -> None:
+    torch.manual_seed(1)
+    moe = SparseMoE(16, MoeConfig(4, 2, 8, False, frozenset({0}), shared_expert_intermediate_size=12))
+    for parameter in moe.parameters():
+        parameter.data.normal_(0, 0.3)
+    assert moe.shared_expert is not None and moe.shared_expert_gate is not None
+    x = torch.randn(5, 16)
+    routed = moe._grouped(x, *moe.route(x))
+    shared = torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    assert torch.equal(moe(x), routed + shared)
+    one = x[:1]  # one token: its experts in turn, then the shared expert, as for many
+    weights, experts = moe.route(one)
+    shared_one = torch.sigmoid(moe.shared_expert_gate(one)) * moe.shared_expert(one)
+    assert torch.equal(moe(one), moe._one_token(one, weights[0], experts[0]) + shared_one)
+
+
 def test_the_fast_start_leaves_expert_models_to_pytorch(moe_model_dirs: dict[str, Path]) -> None:
     reason = fast_start_blocker(EngineConfig.create(str(moe_model_dirs["mixtral"])))
     assert reason is not None and "mixture-of-experts" in reason
@@ -108,7 +127,7 @@ def load_moe_config(num_experts: int, top_k: int) -> MoeConfig:
     return MoeConfig(num_experts, top_k, 8, True, frozenset({0}))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("method", ["self-int8", "self-fp16"])
 def test_self_speculation_on_expert_models_gives_the_output_without_it(
     moe_model_dirs: dict[str, Path], arch: str, method: str
@@ -145,7 +164,9 @@ def _round_tripped_moe_reference(model_dir: Path, scheme: str) -> torch.nn.Modul
 LOGPROB_TOLERANCE = {"int8": 5e-4, "bf16": 1e-4}
 
 
-@pytest.mark.parametrize(("arch", "scheme"), [("qwen3_moe", "int8"), ("mixtral", "int8"), ("mixtral", "bf16")])
+@pytest.mark.parametrize(
+    ("arch", "scheme"), [("qwen3_moe", "int8"), ("qwen2_moe", "int8"), ("mixtral", "int8"), ("mixtral", "bf16")]
+)
 def test_converted_experts_equal_transformers_on_the_round_tripped_weights(
     moe_model_dirs: dict[str, Path], arch: str, scheme: str
 ) -> None:

@@ -15,6 +15,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
     # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling.params)
@@ -24,7 +25,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen3Model": "qwen3",
 }
 MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
+MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,6 +53,7 @@ class MoeConfig:
     expert_intermediate_size: int
     normalize_top_k: bool  # the chosen experts' weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     sparse_layers: frozenset[int]  # the layers whose MLP is the experts; the others keep a dense MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token uses, its output gated (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     architecture, family = _resolve_family(raw)
-    _refuse_unimplemented(raw)
+    _refuse_unimplemented(architecture, raw)
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
@@ -148,10 +150,11 @@ def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
         int(raw.get("moe_intermediate_size", raw["intermediate_size"])),
         bool(raw.get("norm_topk_prob", False)),
         sparse,
+        int(raw.get("shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0,
     )
 
 
-def _refuse_unimplemented(raw: dict[str, Any]) -> None:
+def _refuse_unimplemented(architecture: str, raw: dict[str, Any]) -> None:
     """Config fields that change the model's math in ways kvyard does not implement: serving such a checkpoint
     would give wrong output, so it is refused at load."""
     problems = []
@@ -160,8 +163,9 @@ def _refuse_unimplemented(raw: dict[str, Any]) -> None:
         problems.append(f"hidden_act={activation!r} (only silu is implemented)")
     if raw.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP projections without bias only)")
-    if raw.get("shared_expert_intermediate_size") or raw.get("n_shared_experts"):
-        problems.append("shared experts (experts every token uses besides its routed ones)")
+    shared = raw.get("shared_expert_intermediate_size") if architecture != "Qwen2MoeForCausalLM" else None
+    if shared or raw.get("n_shared_experts"):
+        problems.append("shared experts outside Qwen2-MoE (experts every token uses besides its routed ones)")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append(f"partial_rotary_factor={raw['partial_rotary_factor']} (rotary embedding on whole heads only)")
     if problems:

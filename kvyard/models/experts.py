@@ -26,6 +26,12 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, moe.expert_intermediate_size) for _ in range(moe.num_experts)
         )
+        # Qwen2-MoE's shared expert: every token's, its output scaled by a sigmoid gate of the token
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts): each token's chosen experts, highest score first, and the weights of their outputs."""
@@ -37,9 +43,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if x.shape[0] == 1:  # a single stream's decode step: no grouping to do
-            return self._one_token(x, weights[0], experts[0])
-        return self._grouped(x, weights, experts)
+        # One token (a single stream's decode step) has no grouping to do.
+        out = self._one_token(x, weights[0], experts[0]) if x.shape[0] == 1 else self._grouped(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The grouped sum's bits for one token: its experts' outputs added in the experts' order, as index_add_

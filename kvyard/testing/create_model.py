@@ -84,7 +84,8 @@ class _Arch:
     model_class: str
     chat: ChatFormat
     extra: Mapping[str, object] = field(default_factory=dict)  # config fields beyond the preset's (MoE experts)
-    expert_size_field: str | None = None  # the field holding an expert's MLP size, set to a quarter of the preset's
+    # MLP-size fields of an MoE model's experts, each set to the preset's MLP size divided by the number given
+    expert_sizes: Mapping[str, int] = field(default_factory=dict)
 
 
 _ARCHS = MappingProxyType(
@@ -92,20 +93,27 @@ _ARCHS = MappingProxyType(
         "llama": _Arch("LlamaConfig", "LlamaForCausalLM", LLAMA3),
         "qwen2": _Arch("Qwen2Config", "Qwen2ForCausalLM", CHATML),
         "qwen3": _Arch("Qwen3Config", "Qwen3ForCausalLM", CHATML),
-        # Mixture-of-experts: 8 experts, 2 a token, each a quarter of the preset's MLP.
+        # Mixture-of-experts: 8 experts, 2 a token, each a quarter of the preset's MLP (Qwen2-MoE's shared one half).
         "qwen3_moe": _Arch(
             "Qwen3MoeConfig",
             "Qwen3MoeForCausalLM",
             CHATML,
             MappingProxyType({"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
-            "moe_intermediate_size",
+            MappingProxyType({"moe_intermediate_size": 4}),
+        ),
+        "qwen2_moe": _Arch(
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            CHATML,
+            MappingProxyType({"num_experts": 8, "num_experts_per_tok": 2}),
+            MappingProxyType({"moe_intermediate_size": 4, "shared_expert_intermediate_size": 2}),
         ),
         "mixtral": _Arch(
             "MixtralConfig",
             "MixtralForCausalLM",
             LLAMA3,
             MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2}),
-            "intermediate_size",
+            MappingProxyType({"intermediate_size": 4}),
         ),
     }
 )
@@ -177,8 +185,8 @@ def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: 
         "eos_token_id": eos_id,
         **spec.extra,
     }
-    if spec.expert_size_field is not None:
-        fields[spec.expert_size_field] = p.intermediate_size // 4
+    for name, divisor in spec.expert_sizes.items():
+        fields[name] = p.intermediate_size // divisor
     config: PretrainedConfig = getattr(transformers, spec.config_class)(**fields)
     return config
 

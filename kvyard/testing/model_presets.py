@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")  # mixture-of-experts: 8 experts, 2 a token
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")  # mixture-of-experts: 8 experts, 2 a token
 PRESETS = ("tiny", "small", "bench", "demo", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 
