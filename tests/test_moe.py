@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
+from server_utils import start_server
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from kvyard import LLM, SamplingParams
@@ -213,3 +217,40 @@ def test_an_int8_package_of_an_expert_model_loads_what_converting_at_load_time_g
         for name, tensor in ours.items():
             assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
         assert converted.generate(prompt, GREEDY)[0].token_ids == packaged.generate(prompt, GREEDY)[0].token_ids
+
+
+def test_a_served_expert_model_answers_streams_and_hits_its_prefix_cache(
+    moe_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`kvyard serve` on a Qwen2-MoE directory says why it does not start fast, then answers the official client,
+    streamed and not, with the offline engine's greedy text, and a second request reuses the first's blocks."""
+    model_dir = moe_model_dirs["qwen2_moe"]
+    prompt = list(range(40, 140))
+    offline = LLM(str(model_dir)).generate([prompt], GREEDY)[0].text
+    server = start_server(model_dir, tmp_path)
+    try:
+        body = {"model": model_dir.name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        deadline = time.monotonic() + 120
+        while (answer := httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)).status_code == 503:
+            assert time.monotonic() < deadline, answer.text  # PyTorch still loading
+            time.sleep(0.5)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == offline
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        stream = client.completions.create(
+            model=model_dir.name,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == offline
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens >= 96
+        assert "no fast start: a mixture-of-experts model" in server.log()
+    finally:
+        server.stop()
