@@ -42,51 +42,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "kvyard-demo"
 PEERS = Path(os.environ.get("KVYARD_PEERS_DIR", "/opt/kvyard-peers")) / "routers"
+# The bench's multi-turn conversations: a system prompt every session shares, a long first message, then growing
+# histories (the number of sessions and how they arrive are each workload's own).
+CONVERSATIONS = (
+    *("--workload", "multiturn", "--turns", "6", "--system-len", "512"),
+    *("--first-len", "1500", "--turn-len", "400", "--output-len", "32"),
+)
 WORKLOADS = {
-    # The bench's multi-turn conversations: a system prompt every session shares, a long first message, then
-    # growing histories; closed loop.
-    "multiturn": [
-        "--workload",
-        "multiturn",
-        "--num-sessions",
-        "16",
-        "--turns",
-        "6",
-        "--system-len",
-        "512",
-        "--first-len",
-        "1500",
-        "--turn-len",
-        "400",
-        "--output-len",
-        "32",
-        "--concurrency",
-        "8",
-    ],
-    # The same conversations, open loop: 48 sessions start at Poisson times (0.6 a second) and each sends its next
-    # turn a think time (exponential, mean 1 s) after its last answer, so requests arrive whatever the fleet's
-    # speed. In the closed loop above the throughput is what the replicas sustain and the mean latency is the
-    # concurrency over it (Little's law) whatever the router; here work a router saves shortens every queue.
-    "multiturn-open": [
-        "--workload",
-        "multiturn",
-        "--num-sessions",
-        "48",
-        "--turns",
-        "6",
-        "--system-len",
-        "512",
-        "--first-len",
-        "1500",
-        "--turn-len",
-        "400",
-        "--output-len",
-        "32",
-        "--request-rate",
-        "0.6",
-        "--think-time",
-        "1.0",
-    ],
+    # Closed loop: 16 sessions, 8 requests always in flight.
+    "multiturn": [*CONVERSATIONS, "--num-sessions", "16", "--concurrency", "8"],
+    # Open loop: 48 sessions start at Poisson times (0.6 a second) and each sends its next turn a think time
+    # (exponential, mean 1 s) after its last answer, so requests arrive whatever the fleet's speed. In the closed
+    # loop the throughput is what the replicas sustain and the mean latency is the concurrency over it (Little's
+    # law) whatever the router; here work a router saves shortens every queue.
+    "multiturn-open": [*CONVERSATIONS, "--num-sessions", "48", "--request-rate", "0.6", "--think-time", "1.0"],
     # The first requests of the Mooncake conversation trace, lengths scaled to the demo model's 8k context and
     # time scaled to load the replicas: its own arrivals and its own prefix sharing (hash_ids).
     "trace": [
