@@ -8,6 +8,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -74,23 +75,29 @@ def test_dense_and_expert_layers_in_one_model_match_transformers(
     outputs = LLM(str(tmp_path)).generate(prompts, GREEDY)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])  # the mask given: generate would mask the prompt's token 0 as padding
-            expected = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert output.token_ids == expected[0, len(prompt) :].tolist()
+        assert output.token_ids == _greedy(hf, prompt)
+
+
+def _greedy(model: Any, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation (GREEDY's 16 tokens). The mask is given: generate would take the prompt's
+    token 0 for padding."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        sequence = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return list(sequence[0, len(prompt) :].tolist())
 
 
 def test_each_token_gets_its_top_experts_weighted_by_the_router() -> None:
     """The grouped computation equals each token's own sum over its chosen experts."""
     torch.manual_seed(0)
-    moe = SparseMoE(16, load_moe_config(num_experts=4, top_k=2))
+    moe = SparseMoE(16, _moe_config(num_experts=4, top_k=2))
     for parameter in moe.parameters():
         parameter.data.normal_(0, 0.3)
     x = torch.randn(9, 16)
@@ -127,7 +134,7 @@ def test_the_fast_start_leaves_expert_models_to_pytorch(moe_model_dirs: dict[str
     assert reason is not None and "mixture-of-experts" in reason
 
 
-def load_moe_config(num_experts: int, top_k: int) -> MoeConfig:
+def _moe_config(num_experts: int, top_k: int) -> MoeConfig:
     return MoeConfig(num_experts, top_k, 8, True, frozenset({0}))
 
 
@@ -183,18 +190,9 @@ def test_converted_experts_equal_transformers_on_the_round_tripped_weights(
         assert experts and all(isinstance(e.experts[0].gate_up_proj, converted) for e in experts)
         outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
-        ids = torch.tensor([prompt])
         with torch.no_grad():
-            sequence = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            log_probs = reference(ids).logits[0].log_softmax(-1)
-        assert output.token_ids == sequence[0, len(prompt) :].tolist()
+            log_probs = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert output.token_ids == _greedy(reference, prompt)
         assert output.prompt_logprobs is not None
         for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
             assert entry is not None
