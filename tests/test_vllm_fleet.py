@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,22 +73,31 @@ def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16, **extra
         "stream_options": {"include_usage": True},
         **extra,
     }
-    text, usage, ids, chunks = "", None, set(), 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
         replica = response.headers.get("x-kvyard-replica")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            ids.add(chunk["id"])
-            chunks += 1
-            if chunk.get("prompt_token_ids") or any(choice.get("token_ids") for choice in chunk["choices"]):
-                raise AssertionError(f"token ids the client did not ask for were relayed: {chunk}")
-            text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
-            usage = chunk.get("usage") or usage
-    return {"text": text, "usage": usage, "replica": replica, "ids": ids, "chunks": chunks}
+        read = read_stream(response)
+    return {**read, "replica": replica}
+
+
+def read_stream(response: httpx.Response, on_first_chunk: Callable[[], None] | None = None) -> dict[str, Any]:
+    """A streamed chat completion's text, usage, stream ids and chunk count; `on_first_chunk` runs as the first
+    chunk arrives. No chunk may carry an error or token ids the client did not ask for."""
+    text, usage, ids, chunks = "", None, set(), 0
+    for line in response.iter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        ids.add(chunk["id"])
+        chunks += 1
+        if chunk.get("prompt_token_ids") or any(choice.get("token_ids") for choice in chunk["choices"]):
+            raise AssertionError(f"token ids the client did not ask for were relayed: {chunk}")
+        text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
+        usage = chunk.get("usage") or usage
+        if chunks == 1 and on_first_chunk is not None:
+            on_first_chunk()
+    return {"text": text, "usage": usage, "ids": ids, "chunks": chunks}
 
 
 def settled(router: ServerProcess) -> None:
@@ -157,26 +166,13 @@ LONG = 8000  # output tokens: the demo model generates 2,000 in about a second, 
 
 def _stream_killing_the_server(
     router: ServerProcess, fleet: list[VllmReplica], body: dict[str, Any]
-) -> tuple[str, dict[str, Any] | None, set[str], VllmReplica]:
-    """Stream `body` through the router, killing the replica serving it as soon as the first chunk arrives: the
-    text, the usage, the stream ids seen and the replica killed."""
-    text, chunks, usage, ids, victim = "", 0, None, set(), None
+) -> tuple[dict[str, Any], VllmReplica]:
+    """Stream `body` through the router, killing the replica serving it as soon as the first chunk arrives: what
+    the client read (read_stream) and the replica killed."""
     with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=300) as response:
-        served_by = response.headers["x-kvyard-replica"]
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            ids.add(chunk["id"])
-            text += "".join(choice["delta"].get("content") or "" for choice in chunk["choices"])
-            usage = chunk.get("usage") or usage
-            chunks += 1
-            if chunks == 1:
-                victim = next(replica for replica in fleet if replica.url == served_by)
-                victim.kill()
-    assert victim is not None
-    return text, usage, ids, victim
+        victim = next(replica for replica in fleet if replica.url == response.headers["x-kvyard-replica"])
+        read = read_stream(response, on_first_chunk=victim.kill)
+    return read, victim
 
 
 def _restart(router: ServerProcess, fleet: list[VllmReplica], dead: VllmReplica, scratch: Path) -> None:
@@ -219,9 +215,10 @@ def test_a_replica_killed_mid_stream_is_replaced_with_the_same_greedy_text(
     # failover itself is tried again (with the replica restarted) until a kill lands mid-stream.
     for _ in range(3):
         retries = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
-        text, usage, ids, victim = _stream_killing_the_server(router, fleet, body)
-        assert text == reference["choices"][0]["message"]["content"]
-        assert len(ids) == 1 and usage is not None and usage["completion_tokens"] == LONG
+        read, victim = _stream_killing_the_server(router, fleet, body)
+        usage = read["usage"]
+        assert read["text"] == reference["choices"][0]["message"]["content"]
+        assert len(read["ids"]) == 1 and usage is not None and usage["completion_tokens"] == LONG
         assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
         failed_over = labelled_metric(metrics(router), "kvyard_router_retries_total", reason="broken_mid_stream")
         if failed_over == retries + 1:
