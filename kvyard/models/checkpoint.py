@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +37,20 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 BACKBONE_ROOTS = ("embed_tokens.", "layers.", "norm.")  # a base model's tensors, saved without the `model.` prefix
 
 
+# Mixtral's original expert names (block_sparse_moe.experts.E.w1: gate, w3: up, w2: down), as Qwen-MoE names them.
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
 def checkpoint_tensor_name(name: str) -> str:
-    """A checkpoint tensor's name as a causal LM's: a base model (`Qwen3Model`, as embedding checkpoints such as
-    Qwen3-Embedding ship) stores `layers.0....` where the causal LM stores `model.layers.0....`."""
-    return f"model.{name}" if name.startswith(BACKBONE_ROOTS) else name
+    """A checkpoint tensor's name as kvyard's causal LM names it: a base model (`Qwen3Model`, as embedding
+    checkpoints such as Qwen3-Embedding ship) stores `layers.0....` where the causal LM stores `model.layers.0....`;
+    Mixtral names its router and experts `block_sparse_moe.gate` and `block_sparse_moe.experts.E.w1/w2/w3`."""
+    name = f"model.{name}" if name.startswith(BACKBONE_ROOTS) else name
+    if ".block_sparse_moe." not in name:
+        return name
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_MIXTRAL_PROJECTIONS[m.group(2)]}.", name)
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
 
 
 def has_lm_head(model_dir: str | Path) -> bool:

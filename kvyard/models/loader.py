@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,6 @@ from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
 
 __all__ = ["DTYPES", "load_model", "materialize", "model_digest", "resolve_dtype"]
-
-# Mixtral's original expert names (block_sparse_moe.experts.E.w1: gate, w3: up, w2: down), as Qwen3-MoE names them.
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
-_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -100,8 +95,6 @@ def _load_tensor(
     """Copy one checkpoint tensor into its (possibly fused) parameter; return the parameter name."""
     if "rotary_emb" in name:
         return None
-    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_MIXTRAL_PROJECTIONS[m.group(2)]}.", name)
-    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
     prefix, _, leaf = name.rpartition(".")
     module_prefix, _, module = prefix.rpartition(".")
     if module in FUSED_SHARDS:
