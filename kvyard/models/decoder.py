@@ -1,5 +1,5 @@
 """Decoder-only transformer covering the Llama, Qwen2 and Qwen3 families, dense or with expert layers (Mixtral,
-Qwen3-MoE: kvyard.models.experts).
+Qwen2-MoE, Qwen3-MoE: kvyard.models.experts).
 
 Parameter names follow the Hugging Face checkpoints, except that Q/K/V and gate/up projections
 are fused (`qkv_proj`, `gate_up_proj`) so each layer runs three large matmuls instead of six;

@@ -1,5 +1,5 @@
-"""The expert layer of a mixture-of-experts decoder (Mixtral, Qwen3-MoE): each token's MLP output is the weighted
-sum of the outputs of the few experts its router scores highest.
+"""The expert layer of a mixture-of-experts decoder (Mixtral, Qwen2-MoE, Qwen3-MoE): each token's MLP output is the
+weighted sum of the outputs of the few experts its router scores highest (plus Qwen2-MoE's gated shared expert).
 
 Every expert is a dense layer's gated MLP (gate and up fused), so the checkpoint's per-expert tensors load as a
 dense layer's do, and what converts or speeds up linear layers applies to experts too: int8, fp16 and bf16 weights
