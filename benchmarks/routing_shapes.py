@@ -72,16 +72,26 @@ def table(name: str, report: dict[str, Any]) -> dict[str, Any]:
     rows = {
         row["router"]: {metric: row[metric]["mean"] for metric in METRICS if metric in row} for row in report["summary"]
     }
-    peers = {router: row for router, row in rows.items() if router != KVYARD}
+    peers = {router: row for router, row in rows.items() if not router.startswith("kvyard")}
     shape: dict[str, Any] = {"shape": name, "routers": rows}
     if KVYARD in rows and peers:
-        ours = rows[KVYARD]
         best = {metric: min(row[metric] for row in peers.values()) for metric in METRICS[:3]}
         best["hit_ratio"] = max(row["hit_ratio"] for row in peers.values())
         shape["best_peer"] = best
-        shape["kvyard_over_best_peer"] = {metric: ours[metric] / best[metric] for metric in METRICS[:3]}
-        shape["kvyard_hit_minus_best_peer"] = ours["hit_ratio"] - best["hit_ratio"]
+        shape["kvyard_over_best_peer"] = _over(rows[KVYARD], best)
+        shape["kvyard_hit_minus_best_peer"] = rows[KVYARD]["hit_ratio"] - best["hit_ratio"]
+        variants = {router: row for router, row in rows.items() if router.startswith(KVYARD) and router != KVYARD}
+        if variants:
+            shape["variants_over_best_peer"] = {router: _over(row, best) for router, row in variants.items()}
     return shape
+
+
+def _over(ours: dict[str, float], best: dict[str, float]) -> dict[str, float]:
+    """Ratios to the best peer (p50, p90, p99) and the hit ratio's difference from it."""
+    return {
+        **{metric: ours[metric] / best[metric] for metric in METRICS[:3]},
+        "hit": ours["hit_ratio"] - best["hit_ratio"],
+    }
 
 
 def plot(shapes: list[dict[str, Any]], path: Path) -> None:
