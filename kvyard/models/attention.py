@@ -126,6 +126,41 @@ def build_attention_metadata(
     )
 
 
+def build_scattered_metadata(
+    backend: AttentionBackend,
+    block_table: list[int],
+    positions: list[int],
+    context_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionMetadata:
+    """One sequence whose queries sit at any increasing `positions` below `context_len`, each attending to the
+    cache's keys at positions up to its own; the other positions' keys are already in the cache. For a backend
+    with masks only (the causal mask is what places the queries)."""
+    if not backend.uses_masks:
+        raise ValueError(f"the {backend.name!r} attention backend takes contiguous queries only")
+    num_blocks = -(-context_len // block_size)
+    table = torch.tensor(block_table[:num_blocks], dtype=torch.long)
+    query_pos = torch.tensor(positions, dtype=torch.long)
+    slots = table[query_pos // block_size] * block_size + query_pos % block_size
+    key_pos = torch.arange(context_len)[None, :]
+    mask = torch.zeros(len(positions), context_len, dtype=dtype).masked_fill(
+        key_pos > query_pos[:, None], float("-inf")
+    )
+    span = PrefillSpan(0, len(positions), context_len, table.to(device), mask.to(device))
+    return AttentionMetadata(
+        backend=backend,
+        slot_mapping=slots.to(device),
+        block_size=block_size,
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 0, dtype=torch.long, device=device),
+        decode_mask=None,
+        decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
+        prefills=[span],
+    )
+
+
 def _slot_mapping(
     block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
 ) -> torch.Tensor:

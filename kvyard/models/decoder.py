@@ -50,6 +50,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(positions, hidden)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states, q and k rotated to `positions`: what the
+        cache stores for these tokens (blending compares it with reused keys and values)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -58,8 +65,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):

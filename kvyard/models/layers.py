@@ -191,6 +191,17 @@ class RotaryEmbedding(nn.Module, NativeElementwise):
         sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def shift(self, k: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Keys [T, Hkv, D] rotated for some positions, rotated `offsets` [T] positions further (negative: back).
+
+        Rotations compose (the angle is linear in the position, with every rope type here), so this gives the
+        keys at their new positions up to float rounding."""
+        distance = offsets.abs()
+        sign = torch.where(offsets < 0, -1.0, 1.0).to(k.dtype)[:, None, None]
+        cos = self.cos_table[distance].unsqueeze(1).to(k.dtype)
+        sin = self.sin_table[distance].unsqueeze(1).to(k.dtype) * sign
+        return _rotate(k, cos, sin)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding, `x * cos + rotate_half(x) * sin`, without building rotate_half."""
