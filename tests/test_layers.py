@@ -81,9 +81,10 @@ ENGINE = PACKAGE / "engine"
 ENGINE_ROOMS: dict[str, set[str]] = {
     "sampling": set(),
     "pooling": set(),
-    "scheduling": {"sampling", "pooling"},
+    "blend": set(),
+    "scheduling": {"sampling", "pooling", "blend"},
     "kv_links": {"scheduling", "sampling", "pooling"},
-    "runners": {"scheduling", "sampling", "pooling"},
+    "runners": {"scheduling", "sampling", "pooling", "blend"},
     "speculative": {"runners", "scheduling", "sampling", "pooling"},
     "fast_start": {"kv_links", "scheduling", "sampling", "pooling", "config", "core", "model_setup"},
 }

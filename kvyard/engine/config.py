@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvyard.engine.blend.settings import NON_PREFIX_REUSE, SELECTIONS
 from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.kvcache.config import KVTierConfig, KVTransferConfig
@@ -63,6 +64,23 @@ class EngineConfig:
     )
     served_model_name: str | None = setting(
         None, help="model id in the API and in block keys (none: the model directory's name)"
+    )
+    non_prefix_reuse: str = setting(
+        "off",
+        choices=NON_PREFIX_REUSE,
+        help="what a prompt whose prefix is not cached may reuse: off (nothing: exact, as every prefix cache), or "
+        "blend (keys and values of its text cached at other positions, moved there, a fraction of its tokens "
+        "recomputed: a shorter time to first token after a history rewrite, output close to but not exactly "
+        "the exact one's); a request's non_prefix_reuse field overrides it",
+    )
+    blend_recompute_fraction: float = setting(
+        0.15, help="blend: the fraction of reused tokens recomputed (more: closer to exact, slower)"
+    )
+    blend_selection: str = setting(
+        "leading",
+        choices=SELECTIONS,
+        help="blend: which reused tokens are recomputed: leading (the first ones of each moved stretch of text) or "
+        "deviation (those whose keys and values change most at the second layer; computes the first layer for all)",
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

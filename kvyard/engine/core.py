@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_sampling_token_ids, check_token_ids
 from kvyard.api.errors import InputError
+from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.kv_links.exports import BlockReader, ExportRead, KVExports, read_export
 from kvyard.engine.measured_costs import MeasuredCosts
 from kvyard.engine.pooling.params import PoolingParams
@@ -50,6 +51,8 @@ class CoreConfig:
     event_log_capacity: int = 65536
     kv_lease_s: float = 30.0  # how long a finished prefill's blocks stay pinned for a decode replica's pull
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    non_prefix_reuse: str = "off"  # "blend": requests blend moved text's KV unless they say otherwise
+    blend: BlendSettings = field(default_factory=BlendSettings)  # how a request that blends does it
 
     @property
     def block_size(self) -> int:
@@ -82,6 +85,7 @@ class RequestOutput:
     times: RequestTimes | None = None
     num_local_tier_tokens: int = 0  # of the cached tokens, loaded from the replica's own lower tiers
     num_shared_tier_tokens: int = 0  # of the cached tokens, loaded from the shared store
+    num_blended_tokens: int = 0  # prompt tokens (not counted as cached) whose KV came from moved text, blended
     pooled: list[float] | None = None  # a pooling request's embedding, or its score as one value
 
     def merge(self, later: RequestOutput) -> RequestOutput:
@@ -151,6 +155,8 @@ class EngineCore:
         self._events = KVEventLog(config.event_log_capacity) if config.record_kv_events else None
         self.block_pool = BlockPool(config.limits.num_kv_blocks, config.enable_prefix_caching, self._events)
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        if getattr(runner, "blends", False):  # a runner on a model; the simulator's has no keys and values to move
+            self.kv_manager.enable_segments()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.kv_exports = KVExports(self.block_pool, config.kv_lease_s, max_pinned=self.block_pool.num_blocks // 2)
         self.block_reader: BlockReader | None = None  # set by engines whose blocks can be sent to other replicas
@@ -240,6 +246,7 @@ class EngineCore:
             spec_acceptance=self.speculation.acceptance if self.speculation else INITIAL_ACCEPTANCE,
             pooling=pooling,
             bad_words_token_ids=bad_words,
+            blend=self.config.blend if (params.non_prefix_reuse or self.config.non_prefix_reuse) == "blend" else None,
         )
         if params.structured is not None:
             request.grammar = self.grammars.matcher(params.structured, resumed_output_ids)
@@ -355,6 +362,8 @@ class EngineCore:
         """What the step cost (a modeled runner states its time): for the router's predicted TTFT, the tier's
         load-or-compute choice and speculation's verify cost."""
         seconds = getattr(self.runner, "last_step_seconds", wall_s)
+        if any(item.segments for item in scheduled):
+            return  # a blend computes a fraction of its tokens: its step says nothing of a token's cost
         num_tokens = sum(item.num_new_tokens for item in scheduled)
         self.costs.observe_step(num_tokens, seconds, self.config.block_size, self.kv_manager.tier)
         if self.speculation is not None:
@@ -537,6 +546,7 @@ def _output(request: Request, new_token_ids: list[int], text: str, new_text: str
         num_cached_tokens=max(0, request.num_cached_tokens),
         num_local_tier_tokens=request.num_local_tier_tokens,
         num_shared_tier_tokens=request.num_shared_tier_tokens,
+        num_blended_tokens=request.num_blended_tokens,
         new_token_ids=new_token_ids,
         new_text=new_text,
         logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.api.checks import ContextLimits
+from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.core import CoreConfig, EngineCore
 from kvyard.engine.kv_links.pull_link import KVPullLink
@@ -78,6 +79,8 @@ def core_config_of(config: EngineConfig, limits: ContextLimits) -> CoreConfig:
         record_kv_events=config.record_kv_events,
         kv_lease_s=config.kv_transfer.kv_lease_s,
         speculative=config.speculative,
+        non_prefix_reuse=config.non_prefix_reuse,
+        blend=BlendSettings(config.blend_recompute_fraction, config.blend_selection),
     )
 
 

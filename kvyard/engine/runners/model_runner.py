@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.pooling.pooler import PromptPooler, choice_score
+from kvyard.engine.runners.blend_prefill import blend_prefill
 from kvyard.engine.sampling.logprobs import TokenLogprobs
 from kvyard.engine.sampling.penalties import TokenHistory
 from kvyard.engine.sampling.sampler import Argmax, SamplingRow, sample, torch_argmax
@@ -19,7 +21,7 @@ from kvyard.engine.sampling.structured_output import GrammarMatcher, allowed_tok
 from kvyard.engine.scheduling.request import Request
 from kvyard.engine.scheduling.scheduler import ScheduledRequest
 from kvyard.engine.scheduling.step import SampledToken
-from kvyard.models.attention import AttentionBackend, build_attention_metadata
+from kvyard.models.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from kvyard.models.attention_backends import CPUNativeBackend, select_attention_backend
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import CausalLM
@@ -127,7 +129,15 @@ class PagedModel:
     ) -> torch.Tensor:
         """The final hidden states of a step's tokens (sequences with a single query token first), whose keys and
         values it writes into the cache."""
-        meta = build_attention_metadata(
+        meta = self.metadata(block_tables, context_lens, query_lens)
+        ids = torch.tensor(input_ids, device=self.device)
+        return self.model(ids, torch.tensor(positions, device=self.device), self.kv_caches, meta)
+
+    def metadata(
+        self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int]
+    ) -> AttentionMetadata:
+        """The attention layout of a step (see `run`), for a caller that runs the layers itself."""
+        return build_attention_metadata(
             self.attention_backend,
             block_tables,
             context_lens,
@@ -137,12 +147,12 @@ class PagedModel:
             self.device,
             self._keys_from_cache,
         )
-        ids = torch.tensor(input_ids, device=self.device)
-        return self.model(ids, torch.tensor(positions, device=self.device), self.kv_caches, meta)
 
 
 class ModelRunner(PagedModel):
     """The engine's PagedModel: samples a token for every request a step completes."""
+
+    blends = True  # runs a blended prompt (a ScheduledRequest with segments: kvyard.engine.blend)
 
     @cached_property
     def _generators(self) -> dict[str, torch.Generator]:
@@ -173,6 +183,13 @@ class ModelRunner(PagedModel):
                 sampled.append(SampledToken(item.request, token_ids[row], logprobs[row]))
             row += 1 + len(item.spec_token_ids)
         return sampled + batch.pooled
+
+    def _blend(self, item: ScheduledRequest) -> torch.Tensor:
+        """The last prompt token's final hidden state of a request whose prompt blends moved text's KV."""
+        request = item.request
+        settings = request.blend or BlendSettings()
+        table, start = request.block_table, request.num_computed_tokens
+        return blend_prefill(self, request.all_token_ids, table, start, item.segments, settings).hidden
 
     def _score_prompt(self, request: Request, hidden: torch.Tensor, first_position: int) -> None:
         """Logprobs of the prompt tokens that follow positions first_position.. (the rows of `hidden`), kept on
@@ -260,7 +277,10 @@ class ModelRunner(PagedModel):
         block_tables: list[list[int]] = []
         context_lens: list[int] = []
         query_lens: list[int] = []
+        blended = [item for item in scheduled if item.segments]
         for item in scheduled:
+            if item.segments:
+                continue
             request = item.request
             start = request.num_computed_tokens
             num_known = item.num_new_tokens - len(item.spec_token_ids)
@@ -279,7 +299,8 @@ class ModelRunner(PagedModel):
                 block_tables.append(request.block_table)
                 context_lens.append(start + end)
                 query_lens.append(end if not item.spec_token_ids else 1)
-        hidden = self.run(input_ids, positions, block_tables, context_lens, query_lens)
+        empty = torch.empty(0, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
+        hidden = self.run(input_ids, positions, block_tables, context_lens, query_lens) if input_ids else empty
         for request, first_row, first_position, num_rows in scoring:
             self._score_prompt(request, hidden[first_row : first_row + max(0, num_rows)], first_position)
         pooled = [
@@ -292,10 +313,12 @@ class ModelRunner(PagedModel):
             for item, first_row, first_position in pooling
         ]
         done = [result for result in pooled if result is not None]
-        if not sample_rows:
+        last = [hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]]
+        last += [self._blend(item) for item in blended]
+        sampling += blended
+        if not sampling:
             return BatchLogits(torch.empty(0, device=self.device), [], done)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return BatchLogits(logits, sampling, done)
+        return BatchLogits(self.model.compute_logits(torch.cat(last)), sampling, done)
 
 
 def _scored_token(log_probs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

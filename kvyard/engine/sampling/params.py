@@ -56,6 +56,7 @@ class SamplingParams:
     speculate: bool = setting(
         True, help="let speculative decoding propose tokens for this request, when the engine has it on (--speculative)"
     )
+    non_prefix_reuse: str | None = None  # off or blend: what it may reuse beyond a cached prefix (None: the engine's)
     priority: int = 0  # lower is served first, under the engine's scheduling_policy "priority" (else it must be 0)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not all(isinstance(word, str) for word in self.bad_words):
             raise ValueError(f"bad_words must be strings, got {self.bad_words!r}")
+        if self.non_prefix_reuse not in (None, "off", "blend"):
+            raise ValueError(f"non_prefix_reuse must be off or blend, got {self.non_prefix_reuse!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         self._check_penalties()

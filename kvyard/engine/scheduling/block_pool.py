@@ -9,7 +9,7 @@ freed first. Every call that stores or evicts keys records them as one KV event.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvyard.kvcache.events import EventKind, KVEventLog
 
@@ -29,6 +29,7 @@ class BlockPool:
         self._block_keys: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self.on_evict: Callable[[int], None] | None = None  # told each cached block about to hold other tokens
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,6 +114,8 @@ class BlockPool:
         if key is not None:
             self._block_keys[block_id] = None
             del self._cached[key]
+            if self.on_evict is not None:
+                self.on_evict(block_id)
         return key
 
     def _record(self, kind: EventKind, keys: list[bytes]) -> None:

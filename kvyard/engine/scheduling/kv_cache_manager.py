@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
+from kvyard.engine.blend.segments import SegmentIndex, SegmentMatch
 from kvyard.engine.scheduling.block_pool import BlockPool
 from kvyard.engine.scheduling.request import BlockSource, Request, TierLoad
 from kvyard.kvcache.events import KVEventLog
@@ -98,6 +99,19 @@ class KVCacheManager:
         self.num_shared_hit_tokens = 0  # of those, from the shared store
         self.num_pulled_tokens = 0  # of those, pulled from a prefill replica
         self._orphaned: list[TierLoad] = []  # loads of requests that ended, holding reserved blocks
+        self.segments: SegmentIndex | None = None  # computed blocks by their own tokens (enable_segments)
+
+    def enable_segments(self) -> None:
+        """Index every computed block by its tokens too, for prompts whose prefix broke (blending)."""
+        if self.pool.enable_caching and self.segments is None:
+            self.segments = SegmentIndex(self.block_size)
+            self.pool.on_evict = self.segments.discard
+
+    def find_segments(self, request: Request, start: int) -> list[SegmentMatch]:
+        """Cached blocks holding `request`'s tokens after position `start`, wherever they were computed."""
+        if self.segments is None:
+            return []
+        return self.segments.find(request.all_token_ids, start, request.cache_root_key)
 
     def ready_to_admit(self, request: Request) -> bool:
         """False while blocks of `request` are being loaded; the first call starts the load."""
@@ -314,13 +328,18 @@ class KVCacheManager:
         return True
 
     def register_computed_blocks(self, request: Request) -> None:
-        """Enter every full, computed block of `request` into the prefix cache."""
+        """Enter every full, computed block of `request` into the prefix cache (and the segment index); blocks
+        from `request.exact_until` on hold blended, approximate keys and values and are never entered."""
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        if request.exact_until is not None:
+            num_full = min(num_full, request.exact_until // self.block_size)
         start = request.num_registered_blocks
         if num_full <= start:
             return
         registered = self.pool.register_blocks(request.block_table[start:num_full], request.block_keys[start:num_full])
         request.num_registered_blocks = num_full
+        if self.segments is not None and registered:
+            _index_segments(self.segments, request, range(start, num_full), {block_id for block_id, _ in registered})
         if self.tier is not None and registered:
             self.tier.offload(request.cache_root_key, [key for _, key in registered], [b for b, _ in registered])
 
@@ -330,3 +349,13 @@ class KVCacheManager:
         self.pool.free(reversed(request.block_table))
         request.block_table = []
         request.num_registered_blocks = 0
+
+
+def _index_segments(segments: SegmentIndex, request: Request, numbers: range, registered: set[int]) -> None:
+    """Add the request's blocks `numbers` that were newly registered to the segment index."""
+    size = segments.block_size
+    for number in numbers:
+        block_id = request.block_table[number]
+        if block_id in registered:
+            tokens = request.all_token_ids[number * size : (number + 1) * size]
+            segments.add(block_id, number * size, tokens, request.cache_root_key)

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.pooling.params import PoolingParams
 from kvyard.engine.sampling.bad_words import banned_by_bad_words
 from kvyard.engine.sampling.logprobs import TokenLogprobs
@@ -97,6 +98,9 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token; the first None
     pooling: PoolingParams | None = None  # a prompt-only request: an embedding or score instead of tokens
     bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # its bad words, tokenized
+    blend: BlendSettings | None = None  # it may reuse moved text's KV when its prefix breaks (kvyard.engine.blend)
+    exact_until: int | None = None  # blended: its KV from this position on is approximate, never cached
+    num_blended_tokens: int = 0  # prompt tokens whose KV came from moved text when it was last admitted
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -169,3 +173,4 @@ class Request:
         self.num_registered_blocks = 0
         self.num_preemptions += 1
         self.tier_checked = False
+        self.exact_until = None

@@ -27,6 +27,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvyard.engine.blend.segments import SegmentMatch
 from kvyard.engine.scheduling.kv_cache_manager import KVCacheManager
 from kvyard.engine.scheduling.request import Request, RequestStatus
 from kvyard.settings import setting
@@ -88,6 +89,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # known tokens to compute, then the proposed ones
     spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens after the known ones (speculation)
+    segments: list[SegmentMatch] = field(default_factory=list)  # blended: the rest of the prompt reuses these
 
     @property
     def completes_sequence(self) -> bool:
@@ -114,6 +116,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._by_priority = config.scheduling_policy == "priority"
+        self._pinned_segments: list[int] = []  # blocks a blend of the last step read: kept until it ran
 
     @property
     def num_waiting(self) -> int:
@@ -133,6 +136,8 @@ class Scheduler:
             self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.pool.free(self._pinned_segments)
+        self._pinned_segments = []
         output = SchedulerOutput()
         if self.config.prefill_order == "shortest":
             self._schedule_shortest_first(output, self._step_budget())
@@ -247,8 +252,11 @@ class Scheduler:
         """Admit a waiting request with up to `budget` tokens of it: the tokens scheduled (0: no room)."""
         cached_blocks = self.kv.find_cached_prefix(request)
         num_cached = len(cached_blocks) * self.kv.block_size
-        num_new = min(request.num_tokens - num_cached, budget)
-        if not self.kv.allocate_slots(request, num_new, cached_blocks):
+        segments = self._segments_to_blend(request, num_cached)
+        num_new = request.num_tokens - num_cached if segments else min(request.num_tokens - num_cached, budget)
+        if segments and not self._pin_and_allocate(request, num_new, cached_blocks, segments):
+            segments, num_new = [], min(request.num_tokens - num_cached, budget)
+        if not segments and not self.kv.allocate_slots(request, num_new, cached_blocks):
             return 0
         self.waiting.remove(request)
         self.kv.record_lookup(request.num_tokens, num_cached)
@@ -260,8 +268,37 @@ class Scheduler:
             _insert_by_priority(self.running, request)
         else:
             self.running.append(request)
+        if segments:
+            request.exact_until = num_cached
+            request.num_blended_tokens = len(segments) * self.kv.block_size
+            output.scheduled.append(ScheduledRequest(request, num_new, segments=segments))
+            return min(budget, max(1, _blend_cost(request, num_new)))
         output.scheduled.append(ScheduledRequest(request, num_new))
         return num_new
+
+    def _segments_to_blend(self, request: Request, num_cached: int) -> list[SegmentMatch]:
+        """Moved text `request` may reuse after its cached prefix: only for a request that asked to blend and
+        whose prompt's outputs are not wanted position by position."""
+        if request.blend is None or request.computes_whole_prompt or request.pooling is not None:
+            return []
+        if request.kv_transfer is not None:
+            return []
+        return self.kv.find_segments(request, num_cached)
+
+    def _pin_and_allocate(
+        self, request: Request, num_new: int, cached_blocks: list[int], segments: list[SegmentMatch]
+    ) -> bool:
+        """Blocks for the whole rest of the prompt, with the segments' blocks held until the blend has read them;
+        False, holding nothing, when the pool has no room for both."""
+        sources = [match.block_id for match in segments]
+        if len(sources) > self.kv.pool.num_free_blocks:
+            return False
+        self.kv.pool.touch(sources)
+        if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            self.kv.pool.free(sources)
+            return False
+        self._pinned_segments.extend(sources)
+        return True
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         index = 0  # requests whose blocks are still loading from the KV tier wait; those behind them go on
@@ -283,6 +320,12 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+
+def _blend_cost(request: Request, num_new: int) -> int:
+    """The step budget a blend takes: the tokens it recomputes. It runs whole, so it may take more than is left."""
+    settings = request.blend
+    return settings.tokens_computed(num_new, request.num_blended_tokens) if settings is not None else num_new
 
 
 def _tokens_left(request: Request) -> int:

@@ -1,0 +1,33 @@
+"""How a prompt whose prefix broke may reuse moved text (torch-free: the scheduler and the command line read it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SELECTIONS = ("leading", "deviation")
+NON_PREFIX_REUSE = ("off", "blend")
+
+
+@dataclass(frozen=True, slots=True)
+class BlendSettings:
+    """`recompute_fraction` of the reused tokens is recomputed on top of the ones always recomputed (the tokens no
+    cache holds, the last one, and `leading_tokens` of each moved run), chosen by `selection`
+    (kvyard.engine.runners.blend_prefill says how each chooses)."""
+
+    recompute_fraction: float = 0.15
+    selection: str = "leading"
+    leading_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_fraction <= 1.0:
+            raise ValueError(f"recompute_fraction must be in [0, 1], not {self.recompute_fraction}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, not {self.selection!r}")
+        if self.leading_tokens < 0:
+            raise ValueError(f"leading_tokens must be >= 0, not {self.leading_tokens}")
+
+    def tokens_computed(self, num_new: int, num_reused: int) -> int:
+        """About how many tokens blending `num_new` prompt tokens computes through every layer, `num_reused` of them
+        from segments (the deviation selection also computes its first layer for all of them)."""
+        return (num_new - num_reused) + math.ceil(self.recompute_fraction * num_reused)
