@@ -3,8 +3,13 @@ offset, reused keys land rotated to their new positions, and recomputing every t
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import httpx
 import pytest
 import torch
+from server_utils import ServerProcess, start_server
 from tokenizers import Tokenizer
 
 from kvyard.engine.blend.segments import SegmentIndex, SegmentMatch, runs_of
@@ -182,3 +187,30 @@ def test_an_engine_blends_a_rewritten_prompt_and_caches_none_of_it(text_tokens: 
         whole = llm.generate([history], greedy)[0]
         assert whole.num_blended_tokens == 0 and whole.token_ids == repeated
         llm.engine.block_pool.check_invariants()
+
+
+def test_a_server_blends_when_asked_and_reports_it(text_tokens: list[int], tmp_path: Path) -> None:
+    """`kvyard serve --non-prefix-reuse blend` on loopback: the rewritten prompt's usage reports the blended
+    tokens apart from the cached ones; a request that says off gets none; a bad value is a 400 naming the field."""
+    history, prompt, cached = _rewritten(text_tokens)
+    server = start_server(DEMO_MODEL_DIR, tmp_path, "--non-prefix-reuse", "blend", "--max-model-len", "2048")
+    try:
+        body = {"max_tokens": 4, "temperature": 0}
+        first = _complete(server, {**body, "prompt": history})
+        assert "blended_tokens" not in first["usage"]["prompt_tokens_details"]
+        blended = _complete(server, {**body, "prompt": prompt})["usage"]["prompt_tokens_details"]
+        assert blended["cached_tokens"] == cached and blended["blended_tokens"] >= 320
+        plain = _complete(server, {**body, "prompt": prompt, "non_prefix_reuse": "off"})
+        assert "blended_tokens" not in plain["usage"]["prompt_tokens_details"]
+        refused = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": prompt, "non_prefix_reuse": "yes"})
+        assert refused.status_code == 400 and "non_prefix_reuse" in refused.text
+        assert _complete(server, {**body, "prompt": history[:40]})["choices"][0]["text"] is not None
+    finally:
+        server.stop()
+
+
+def _complete(server: ServerProcess, body: dict[str, object]) -> dict[str, Any]:
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result

@@ -212,6 +212,7 @@ class SamplingFields(BaseModel):
     resume: ResumeState | None = None
     kv_transfer_params: KVTransferFields | None = None
     speculate: bool = True  # false: no speculative decoding for this request (when the replica has it on)
+    non_prefix_reuse: Literal["off", "blend"] | None = None  # reuse beyond a cached prefix (None: --non-prefix-reuse)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0**16)

@@ -74,7 +74,7 @@ class EngineConfig:
         "the exact one's); a request's non_prefix_reuse field overrides it",
     )
     blend_recompute_fraction: float = setting(
-        0.15, help="blend: the fraction of reused tokens recomputed (more: closer to exact, slower)"
+        0.1, help="blend: the fraction of reused tokens recomputed (more: closer to exact, slower)"
     )
     blend_selection: str = setting(
         "leading",

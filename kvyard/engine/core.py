@@ -155,8 +155,6 @@ class EngineCore:
         self._events = KVEventLog(config.event_log_capacity) if config.record_kv_events else None
         self.block_pool = BlockPool(config.limits.num_kv_blocks, config.enable_prefix_caching, self._events)
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
-        if getattr(runner, "blends", False):  # a runner on a model; the simulator's has no keys and values to move
-            self.kv_manager.enable_segments()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.kv_exports = KVExports(self.block_pool, config.kv_lease_s, max_pinned=self.block_pool.num_blocks // 2)
         self.block_reader: BlockReader | None = None  # set by engines whose blocks can be sent to other replicas
@@ -167,6 +165,7 @@ class EngineCore:
         self.proposer = proposer if proposer is not None else make_proposer(config.speculative)
         self.costs = MeasuredCosts()
         self.grammars = Grammars(tokenizer, config.limits.vocab_size)  # compiled on the first constrained request
+        self._enable_blending()
 
     def adopt_core_state(self, other: EngineCore) -> None:
         """Take over another core's requests, blocks, prefix cache, event log and counters, as they are between
@@ -174,6 +173,13 @@ class EngineCore:
         memory). The other core must not step again."""
         for name in _CORE_STATE:
             setattr(self, name, getattr(other, name))
+        self._enable_blending()
+
+    def _enable_blending(self) -> None:
+        """Index computed blocks by their tokens where this core's runner can blend them into other prompts (a
+        runner on a model; the simulator's has no keys and values to move). Blocks computed before are not."""
+        if getattr(self.runner, "blends", False):
+            self.kv_manager.enable_segments()
 
     @property
     def proposer(self) -> Proposer | None:

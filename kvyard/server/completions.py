@@ -37,6 +37,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_local_tier_tokens: int = 0
     num_shared_tier_tokens: int = 0
+    num_blended_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     tool_stream: ToolStream | None = None  # a streamed chat with tools: the calls already sent
@@ -128,6 +129,7 @@ class CompletionRunner:
         choice.num_cached_tokens = output.num_cached_tokens
         choice.num_local_tier_tokens = output.num_local_tier_tokens
         choice.num_shared_tier_tokens = output.num_shared_tier_tokens
+        choice.num_blended_tokens = output.num_blended_tokens
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if output.prompt_logprobs is not None:
@@ -147,12 +149,16 @@ class CompletionRunner:
         local = sum(c.num_local_tier_tokens for c in firsts)
         shared = sum(c.num_shared_tier_tokens for c in firsts)
         by_source = {"device": max(0, cached - local - shared), "local": local, "shared": shared}
+        # cached_tokens_by_source (a kvyard field): where the cached tokens came from (docs/contracts.md §7)
+        details: dict[str, Any] = {"cached_tokens": cached, "cached_tokens_by_source": by_source}
+        blended = sum(c.num_blended_tokens for c in firsts)
+        if blended:  # a kvyard field: prompt tokens whose KV was moved from elsewhere in a cache (--non-prefix-reuse)
+            details["blended_tokens"] = blended
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            # cached_tokens_by_source (a kvyard field): where the cached tokens came from (docs/contracts.md §7)
-            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_by_source": by_source},
+            "prompt_tokens_details": details,
         }
 
     def count_prompt(self, usage: dict[str, Any]) -> None:

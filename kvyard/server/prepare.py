@@ -256,6 +256,7 @@ def build_sampling_params(
                     logit_bias={int(key): bias for key, bias in (body.logit_bias or {}).items()},
                     bad_words=list(body.bad_words),
                     speculate=body.speculate,
+                    non_prefix_reuse=body.non_prefix_reuse,
                     structured=structured,
                     priority=body.priority,
                 )

@@ -15,7 +15,7 @@ class BlendSettings:
     cache holds, the last one, and `leading_tokens` of each moved run), chosen by `selection`
     (kvyard.engine.runners.blend_prefill says how each chooses)."""
 
-    recompute_fraction: float = 0.15
+    recompute_fraction: float = 0.1
     selection: str = "leading"
     leading_tokens: int = 4
 

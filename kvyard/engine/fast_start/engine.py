@@ -58,6 +58,7 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
         f"computes in {dtype}, not float32": dtype != "float32",
         "attention backend torch": config.attention_backend == "torch",
         "speculative decoding": config.speculative.method is not None,
+        "blending moved text (--non-prefix-reuse blend), which only PyTorch runs": config.non_prefix_reuse == "blend",
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
         "an embedding checkpoint (no LM head), which only PyTorch pools": not package and not has_lm_head(config.model),
         "a mixture-of-experts model, which only PyTorch runs": model_config.moe is not None,
