@@ -7,7 +7,9 @@ carries `store` instead of keys) with sequence numbers > N; when events after N 
 one `event: gap` and ends, and the reader reloads `GET /kv/snapshot` (`{"seq", "block_keys", "namespace",
 "local_keys", "shared_store", "salted_by_api_key"}`; `shared_store` is `{"id", "ttl_s"}` or null, and
 `salted_by_api_key` says the replica combines each caller's key salt with the request's cache_salt, so a router
-keys blocks the same way) and resumes from its `seq`.
+keys blocks the same way) and resumes from its `seq`. A replica that blends moved text (kvyard.engine.blend) adds
+`segments` to its device `stored` events (each block's segment fingerprint, kvcache.segment_key, in hex, one per
+key) and to its snapshot (`"segments": {key: fingerprint}` and `"blend": {"default", "recompute_fraction"}`).
 `stream=false` answers one JSON page `{"events", "complete", "last_seq"}`.
 """
 
@@ -35,6 +37,8 @@ def event_json(event: KVEvent) -> dict[str, Any]:
     }
     if event.store is not None:
         body["store"] = event.store
+    if event.segments:
+        body["segments"] = [f"{fingerprint:016x}" for fingerprint in event.segments]
     return body
 
 
@@ -67,8 +71,10 @@ def snapshot_json(
     local_keys: Sequence[bytes] = (),
     shared_store: tuple[str, float | None] | None = None,
     salted_by_api_key: bool = False,
+    segments: dict[bytes, int] | None = None,
+    blend: BlendAdvert | None = None,
 ) -> dict[str, Any]:
-    return {
+    body = {
         "seq": seq,
         "block_keys": [key.hex() for key in block_keys],
         "namespace": namespace_json(namespace),
@@ -76,6 +82,19 @@ def snapshot_json(
         "shared_store": {"id": shared_store[0], "ttl_s": shared_store[1]} if shared_store is not None else None,
         "salted_by_api_key": salted_by_api_key,
     }
+    if blend is not None:
+        body["blend"] = {"default": blend.default, "recompute_fraction": blend.recompute_fraction}
+        body["segments"] = {key.hex(): f"{value:016x}" for key, value in (segments or {}).items()}
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class BlendAdvert:
+    """A replica that blends moved text (`--non-prefix-reuse`): whether requests do by default, and how much of
+    the reused text it recomputes."""
+
+    default: str
+    recompute_fraction: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +106,7 @@ class WireEvent:
     block_keys: list[bytes]
     medium: Medium = "device"
     store: str | None = None
+    segments: list[int] | None = None  # device `stored`: each block's segment fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +118,8 @@ class WireSnapshot:
     shared_store_id: str | None
     shared_ttl_s: float | None
     salted_by_api_key: bool = False
+    segments: dict[bytes, int] | None = None  # block key -> segment fingerprint, from a replica that blends
+    blend: BlendAdvert | None = None
 
 
 def parse_event_line(line: bytes) -> WireEvent | None:
@@ -116,11 +138,16 @@ def parse_event_line(line: bytes) -> WireEvent | None:
     store = event.get("store")
     if kind == "cleared" and not isinstance(store, str):
         raise ValueError("a cleared event without the store's id")
-    return WireEvent(int(event["seq"]), kind, [bytes.fromhex(key) for key in event["block_keys"]], medium, store)
+    keys = [bytes.fromhex(key) for key in event["block_keys"]]
+    segments = [int(value, 16) for value in event["segments"]] if "segments" in event else None
+    if segments is not None and len(segments) != len(keys):
+        raise ValueError("a stored event with as many segment fingerprints as keys was expected")
+    return WireEvent(int(event["seq"]), kind, keys, medium, store, segments)
 
 
 def parse_snapshot(body: dict[str, Any]) -> WireSnapshot:
     shared = body.get("shared_store")
+    blend = body.get("blend")
     return WireSnapshot(
         int(body["seq"]),
         [bytes.fromhex(key) for key in body["block_keys"]],
@@ -129,6 +156,8 @@ def parse_snapshot(body: dict[str, Any]) -> WireSnapshot:
         str(shared["id"]) if shared else None,
         float(shared["ttl_s"]) if shared and shared.get("ttl_s") is not None else None,
         body.get("salted_by_api_key") is True,
+        {bytes.fromhex(key): int(value, 16) for key, value in body.get("segments", {}).items()} if blend else None,
+        BlendAdvert(str(blend["default"]), float(blend["recompute_fraction"])) if blend else None,
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvyard.api.checks import ContextLimits, check_kv_room, check_prompt, check_sampling_token_ids, check_token_ids
 from kvyard.api.errors import InputError
+from kvyard.api.kv_events import BlendAdvert
 from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.kv_links.exports import BlockReader, ExportRead, KVExports, read_export
 from kvyard.engine.measured_costs import MeasuredCosts
@@ -128,6 +129,8 @@ class KVSnapshot:
     namespace: KeyNamespace
     local_keys: list[bytes] = field(default_factory=list)  # held by the replica's own lower tiers
     shared_store: tuple[str, float | None] | None = None  # the shared store's id and block TTL
+    segments: dict[bytes, int] | None = None  # block key -> segment fingerprint, where this core blends
+    blend: BlendAdvert | None = None
 
 
 class EngineCore:
@@ -487,11 +490,13 @@ class EngineCore:
         """Call between steps (on the engine's thread), so keys and sequence number agree."""
         seq = self._events.last_seq if self._events is not None else 0  # first: events after it may repeat a key
         tier = self.kv_manager.tier
-        if tier is None:
-            return KVSnapshot(seq, self.block_pool.cached_block_keys(), self.namespace)
-        return KVSnapshot(
-            seq, self.block_pool.cached_block_keys(), self.namespace, tier.local_keys(), tier.shared_store()
-        )
+        local_keys, shared_store = (tier.local_keys(), tier.shared_store()) if tier is not None else ([], None)
+        segments, blend = None, None
+        if self.kv_manager.segments is not None:
+            segments = self.block_pool.cached_fingerprints()
+            blend = BlendAdvert(self.config.non_prefix_reuse, self.config.blend.recompute_fraction)
+        keys = self.block_pool.cached_block_keys()
+        return KVSnapshot(seq, keys, self.namespace, local_keys, shared_store, segments, blend)
 
     # ----------------------------------------------------------------- transfers (prefill/decode disaggregation)
 

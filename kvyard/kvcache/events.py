@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Literal
@@ -30,6 +31,7 @@ class KVEvent:
     timestamp: float
     medium: Medium = "device"
     store: str | None = None  # the shared store's id (`cleared` events)
+    segments: tuple[int, ...] = ()  # device `stored`: each block's segment fingerprint (kvcache.segment_key), if any
 
 
 @dataclass(slots=True)
@@ -48,18 +50,28 @@ class KVEventLog:
     def __post_init__(self) -> None:
         self._events = deque(maxlen=self.capacity)
 
-    def record(self, kind: EventKind, block_keys: list[bytes], medium: Medium = "device") -> None:
+    def record(
+        self, kind: EventKind, block_keys: list[bytes], medium: Medium = "device", segments: Sequence[int] = ()
+    ) -> None:
+        """`segments`: for device `stored` events of a replica that indexes them, each block's fingerprint."""
         if not block_keys:
             return
-        self._append(kind, tuple(block_keys), medium, None)
+        self._append(kind, tuple(block_keys), medium, None, tuple(segments))
 
     def record_cleared(self, store: str) -> None:
         """The replica's shared store is now `store`, and what it held before is not there (any more)."""
         self._append("cleared", (), "shared", store)
 
-    def _append(self, kind: EventKind, block_keys: tuple[bytes, ...], medium: Medium, store: str | None) -> None:
+    def _append(
+        self,
+        kind: EventKind,
+        block_keys: tuple[bytes, ...],
+        medium: Medium,
+        store: str | None,
+        segments: tuple[int, ...] = (),
+    ) -> None:
         with self._lock:
-            self._events.append(KVEvent(self._next_seq, kind, block_keys, time.time(), medium, store))
+            self._events.append(KVEvent(self._next_seq, kind, block_keys, time.time(), medium, store, segments))
             self._next_seq += 1
 
     @property

@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.router.holders import KeyHolders
+from kvyard.router.segment_holds import SegmentHolds
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class CacheIndex:
     # The fleet-wide inverted index this one keeps current, and who it names as the holder (its replica).
     holders: KeyHolders | None = None
     owner: Any = None
+    segments: SegmentHolds = field(default_factory=SegmentHolds)  # device blocks by their own tokens (blending)
 
     @property
     def has_events(self) -> bool:
@@ -67,9 +69,16 @@ class CacheIndex:
 
     # ------------------------------------------------------------------ the replica's own account
 
-    def reset(self, keys: Iterable[bytes], seq: int, local_keys: Iterable[bytes] = ()) -> None:
+    def reset(
+        self,
+        keys: Iterable[bytes],
+        seq: int,
+        local_keys: Iterable[bytes] = (),
+        segments: dict[bytes, int] | None = None,
+    ) -> None:
         """Replace everything by a snapshot: stale entries (a restart, lost events) disappear here."""
         self._release_all()
+        self.segments.reset(segments or {})
         self.exact = dict.fromkeys(keys)
         self.local = dict.fromkeys(local_keys)
         self.seq = seq
@@ -77,20 +86,26 @@ class CacheIndex:
         self._hold(self.exact)
         self._hold(self.local)
 
-    def apply(self, seq: int, kind: str, keys: Iterable[bytes], medium: str = "device") -> None:
-        """One event about the device cache or the local tiers (shared events go to the store's index)."""
+    def apply(
+        self, seq: int, kind: str, keys: Iterable[bytes], medium: str = "device", segments: Sequence[int] | None = None
+    ) -> None:
+        """One event about the device cache or the local tiers (shared events go to the store's index);
+        `segments`: the stored device blocks' segment fingerprints, from a replica that blends."""
         assert self.exact is not None, "apply() before reset()"
         target = self.local if medium == "local" else self.exact
         if kind == "stored":
             keys = list(keys)
             target.update(dict.fromkeys(keys))
             self._hold(keys)
+            if segments is not None and medium == "device":
+                self.segments.stored(keys, segments)
         elif kind == "removed":
             keys = list(keys)
             for key in keys:
                 target.pop(key, None)
             if medium == "device":
                 self._forget_computed(keys)
+                self.segments.removed(keys)
             for key in keys:
                 self._release(key)
         self.seq = seq
@@ -107,6 +122,7 @@ class CacheIndex:
     def clear(self) -> None:
         """Nothing is known any more (the replica may be restarting); the sequence number is kept."""
         self._release_all()
+        self.segments.clear()
         if self.exact is not None:
             self.exact.clear()
         self.routed.clear()
@@ -115,6 +131,7 @@ class CacheIndex:
     def forget_events(self) -> None:
         """The replica stopped publishing (or is gone): keep nothing we can no longer keep current."""
         self._release_all()
+        self.segments.clear()
         self.exact = None
         self.routed.clear()
         self.local.clear()

@@ -74,8 +74,9 @@ class KVSync:
             raise HttpError(f"GET /kv/snapshot: HTTP {response.status}")
         snapshot = parse_snapshot(orjson.loads(response.body))
         previous_seq = index.seq
-        index.reset(snapshot.block_keys, snapshot.seq, snapshot.local_keys)
+        index.reset(snapshot.block_keys, snapshot.seq, snapshot.local_keys, snapshot.segments)
         self.replica.namespace = snapshot.namespace
+        self.replica.blend = snapshot.blend
         self.replica.shared_store_id = snapshot.shared_store_id
         headers = {name.lower(): value for name, value in self.replica.api_headers.items()}
         self.replica.salt_key = bearer_token(headers) if snapshot.salted_by_api_key else None
@@ -117,7 +118,8 @@ class KVSync:
             raise _Resync("gap" if event.seq > index.seq + 1 else "restart")
         if event.medium == "shared":
             self._apply_shared(event)
-        index.apply(event.seq, event.kind, event.block_keys if event.medium != "shared" else (), event.medium)
+        keys = event.block_keys if event.medium != "shared" else []
+        index.apply(event.seq, event.kind, keys, event.medium, event.segments)
 
     def _apply_shared(self, event: WireEvent) -> None:
         replica, stores = self.replica, self.shared_stores

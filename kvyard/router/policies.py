@@ -15,12 +15,14 @@ from typing import Any, Protocol
 
 from kvyard.api.auth import tenant_salt
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.segment_key import prompt_fingerprints
 from kvyard.router.config import RouterConfig
 from kvyard.router.conversations import LiveConversations
 from kvyard.router.engine_probe import KVYARD
 from kvyard.router.holders import KeyHolders
 from kvyard.router.keys import PromptKeys
 from kvyard.router.replica import Replica
+from kvyard.router.segment_holds import PromptWindows
 from kvyard.router.tier_index import SharedStores
 
 RING_POINTS_PER_REPLICA = 64
@@ -192,11 +194,16 @@ class CacheAware:
             rates = self.fleet_rates(candidates)
         config = self.config
         options: list[tuple[Replica, tuple[int, int, int] | None, float]] = []  # (replica, tokens held, cost)
+        windows: dict[bytes, PromptWindows] = {}  # the prompt's window fingerprints, per namespace root
+        blends: set[str] = set()  # replicas that would blend moved text into this prompt
         for replica in candidates:
             if tokens:
                 held = self._tokens_held(request, replica, keys_by_root, now, rates)
                 cached = held[0] + held[1] + held[2] if held is not None else 0
-                options.append((replica, held, cost_of(len(tokens) - cached, cached)))
+                saved = self._moved_tokens_saved(request, replica, windows, cached)
+                if saved:
+                    blends.add(replica.url)
+                options.append((replica, held, cost_of(len(tokens) - cached - saved, cached + saved)))
             else:
                 options.append((replica, None, 0.0))
         cheapest = min(cost for _, _, cost in options)
@@ -257,7 +264,10 @@ class CacheAware:
             half = (len(keys) - 1) // 2  # the middle of the prompt's full blocks
             self._remember_session(request.session_key, SessionTurn(replica.url, keys[half] if keys else None, half))
         if tokens:
+            # A blended prompt's blocks after its cached prefix are never cached: nothing to bridge until they are.
             chosen.keys = keys
+            if prompt_keys is not None and replica.url in blends:
+                chosen.keys = keys[: _tokens_of(held) // prompt_keys.block_size]
             if placing and prompt_keys is not None:
                 full_blocks = (len(tokens) - 1) // prompt_keys.block_size  # the blocks the engine can keep
                 self.conversations.record(tip, keys[full_blocks - 1] if full_blocks else None, replica.url, now, cost)
@@ -460,6 +470,22 @@ class CacheAware:
             local, shared = rates.loadable(replica, local, shared)
         size = prompt_keys.block_size
         return device * size, local * size, shared * size
+
+    def _moved_tokens_saved(
+        self, request: RouteRequest, replica: Replica, windows: dict[bytes, PromptWindows], cached: int
+    ) -> int:
+        """Prompt tokens a replica that blends would not compute beyond the `cached` ones: the moved text it holds
+        after them, less the fraction it recomputes (0 unless the request blends there: its non_prefix_reuse, else
+        the replica's default)."""
+        advert, tokens = replica.blend, request.token_ids
+        if advert is None or not tokens or (request.body.get("non_prefix_reuse") or advert.default) != "blend":
+            return 0
+        root, size = self._root(request, replica)
+        prompt = windows.get(root)
+        if prompt is None:
+            prompt = windows[root] = PromptWindows.of(prompt_fingerprints(tokens, root, size), size)
+        matched = replica.index.segments.matched_tokens(prompt, cached)
+        return int(matched * (1.0 - advert.recompute_fraction))
 
     def queue_cost(self, replica: Replica) -> float:
         """The work ahead of a new request on `replica`, in prefill-token equivalents."""

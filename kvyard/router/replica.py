@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.api.engine_kv_events import EventEndpoints
+from kvyard.api.kv_events import BlendAdvert
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.net.http_client import HttpClient
@@ -56,6 +57,7 @@ class Replica:
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
     shared_store_id: str | None = None  # the shared KV store it loads from (tier_index), from its KV events
+    blend: BlendAdvert | None = None  # it blends moved text (kvyard serve --non-prefix-reuse), from its snapshot
     salt_key: str | None = None  # the router's key, when the replica salts its cache by caller key (tenant_salt)
     model_ids: tuple[str, ...] = ()
     model_cards: tuple[ModelCard, ...] = ()  # as its /v1/models describes them
@@ -114,6 +116,7 @@ class Replica:
             "kv_events": self.index.has_events,
             "kv_events_endpoint": str(self.events) if self.events is not None else None,
             "index_blocks": self.index.num_blocks,
+            "segment_blocks": len(self.index.segments.of_key),  # announced by a replica that blends moved text
             "local_tier_blocks": len(self.index.local),
             "shared_store": self.shared_store_id,
             "index_seq": self.index.seq,

@@ -574,6 +574,8 @@ class ReplicaApp:
                 snapshot.local_keys,
                 snapshot.shared_store,
                 self.options.access.cache_salt_per_api_key,
+                snapshot.segments,
+                snapshot.blend,
             ),
         )
 

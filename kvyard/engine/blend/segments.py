@@ -4,8 +4,8 @@ A prefix key (kvyard.kvcache.block_key) names a block by everything before it, s
 finds nothing after the change. A segment is named by its own `block_size` tokens and the namespace root (model,
 dtype, block size, cache salt: blocks never cross tenants), and remembers the position it was computed at. A
 prompt is searched at every offset, not only at block boundaries: text that moved by any number of tokens is
-still found. Windows are screened with a polynomial rolling hash over all offsets at once (numpy), and every
-candidate's tokens are compared exactly, so a hash collision costs a comparison, never a wrong block.
+still found. Windows are screened with kvyard.kvcache.segment_key's hash over all offsets at once (numpy), and
+every candidate's tokens are compared exactly, so a hash collision costs a comparison, never a wrong block.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvyard.kvcache.block_key import encode_tokens
-
-_MULTIPLIER = 0x100000001B3  # FNV's 64-bit prime: odd, so no token's bits are shifted out
-_MASK = (1 << 64) - 1
+from kvyard.kvcache.segment_key import window_hash, window_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +62,7 @@ class SegmentIndex:
         if len(tokens) != self.block_size:
             raise ValueError(f"a segment holds {self.block_size} tokens, not {len(tokens)}")
         self.discard(block_id)
-        rolling = 0
-        for token in tokens:  # window_hashes' arithmetic, for one window without numpy's call overhead
-            rolling = (rolling * _MULTIPLIER + token + 1) & _MASK
+        rolling = window_hash(tokens)
         self._by_hash.setdefault(rolling, []).append(SegmentSource(block_id, start, root, encode_tokens(list(tokens))))
         self._hash_of_block[block_id] = rolling
 
@@ -106,18 +102,6 @@ class SegmentIndex:
             matches.append(SegmentMatch(position, source.block_id, source.start))
             next_free = index + size
         return matches
-
-
-def window_hashes(tokens: Sequence[int], size: int) -> np.ndarray:
-    """uint64 [len(tokens) - size + 1]: a polynomial hash of every window of `size` tokens (wrapping arithmetic)."""
-    values = np.asarray(tokens, dtype=np.uint64)
-    count = len(values) - size + 1
-    hashes = np.zeros(max(count, 0), dtype=np.uint64)
-    multiplier = np.uint64(_MULTIPLIER)
-    with np.errstate(over="ignore"):
-        for offset in range(size):
-            hashes = hashes * multiplier + values[offset : offset + count] + np.uint64(1)
-    return hashes
 
 
 def runs_of(matches: Sequence[SegmentMatch], block_size: int) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ class BlockPool:
         self.events = events
         self._ref_counts = [0] * num_blocks
         self._block_keys: list[bytes | None] = [None] * num_blocks
+        self._fingerprints: dict[int, int] = {}  # block -> segment fingerprint, for blocks registered with one
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.on_evict: Callable[[int], None] | None = None  # told each cached block about to hold other tokens
@@ -89,12 +90,16 @@ class BlockPool:
         """Make a full, computed block findable by its key. False if another block holds the key."""
         return bool(self.register_blocks([block_id], [key]))
 
-    def register_blocks(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> list[tuple[int, bytes]]:
-        """`register` each (block, key) pair; returns the pairs newly registered, recorded as one event."""
+    def register_blocks(
+        self, block_ids: Sequence[int], keys: Sequence[bytes], fingerprints: Sequence[int] | None = None
+    ) -> list[tuple[int, bytes]]:
+        """`register` each (block, key) pair; returns the pairs newly registered, recorded as one event.
+        `fingerprints`: each block's segment fingerprint (kvcache.segment_key), announced with its key."""
         if not self.enable_caching:
             return []
         registered: list[tuple[int, bytes]] = []
-        for block_id, key in zip(block_ids, keys):
+        announced: list[int] = []
+        for index, (block_id, key) in enumerate(zip(block_ids, keys)):
             if key in self._cached:
                 continue
             if self._block_keys[block_id] is not None:
@@ -102,8 +107,17 @@ class BlockPool:
             self._cached[key] = block_id
             self._block_keys[block_id] = key
             registered.append((block_id, key))
-        self._record("stored", [key for _, key in registered])
+            if fingerprints is not None:
+                self._fingerprints[block_id] = fingerprints[index]
+                announced.append(fingerprints[index])
+        if self.events is not None and registered:
+            self.events.record("stored", [key for _, key in registered], segments=announced)
         return registered
+
+    def cached_fingerprints(self) -> dict[bytes, int]:
+        """The segment fingerprint of every cached block registered with one, by its key (for snapshots)."""
+        keys = self._block_keys
+        return {key: fingerprint for block_id, fingerprint in self._fingerprints.items() if (key := keys[block_id])}
 
     def reset_prefix_cache(self) -> None:
         self._record("removed", [key for key in map(self._evict, list(self._cached.values())) if key is not None])
@@ -114,6 +128,7 @@ class BlockPool:
         if key is not None:
             self._block_keys[block_id] = None
             del self._cached[key]
+            self._fingerprints.pop(block_id, None)
             if self.on_evict is not None:
                 self.on_evict(block_id)
         return key

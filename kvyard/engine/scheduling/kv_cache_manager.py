@@ -19,6 +19,7 @@ from kvyard.engine.scheduling.block_pool import BlockPool
 from kvyard.engine.scheduling.request import BlockSource, Request, TierLoad
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.pd_stream import TransferHandle
+from kvyard.kvcache.segment_key import segment_fingerprint
 
 _LOG = logging.getLogger(__name__)
 LOAD_WAIT_IN_STEP_S = 0.005
@@ -336,7 +337,14 @@ class KVCacheManager:
         start = request.num_registered_blocks
         if num_full <= start:
             return
-        registered = self.pool.register_blocks(request.block_table[start:num_full], request.block_keys[start:num_full])
+        fingerprints = None
+        if self.segments is not None:  # announced with the keys, for a router to find moved text by
+            size, tokens, root = self.block_size, request.all_token_ids, request.cache_root_key
+            blocks = range(start * size, num_full * size, size)
+            fingerprints = [segment_fingerprint(tokens[first : first + size], root) for first in blocks]
+        registered = self.pool.register_blocks(
+            request.block_table[start:num_full], request.block_keys[start:num_full], fingerprints
+        )
         request.num_registered_blocks = num_full
         if self.segments is not None and registered:
             _index_segments(self.segments, request, range(start, num_full), {block_id for block_id, _ in registered})
