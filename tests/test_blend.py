@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from kvyard.engine.blend.segments import SegmentIndex, SegmentMatch, runs_of
 from kvyard.engine.blend.settings import BlendSettings
 from kvyard.engine.llm import LLM
+from kvyard.engine.runners import blend_prefill as blend_prefill_module
 from kvyard.engine.runners.blend_prefill import blend_prefill, install_segments
 from kvyard.engine.runners.model_runner import PagedModel
 from kvyard.engine.sampling.params import SamplingParams
@@ -36,7 +37,7 @@ def paged() -> PagedModel:
 @pytest.fixture(scope="module")
 def text_tokens() -> list[int]:
     tokenizer = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
-    return tokenizer.encode("".join(corpus_texts(20_000))).ids[:1_200]
+    return tokenizer.encode("".join(corpus_texts(20_000))).ids[:1_600]
 
 
 def _index(tokens: list[int], blocks: list[int], root: bytes = ROOT) -> SegmentIndex:
@@ -104,10 +105,15 @@ def _rewritten(text_tokens: list[int]) -> tuple[list[int], list[int], int]:
     return history, prompt, 192  # the cached prefix: whole blocks before the first change
 
 
-@pytest.mark.parametrize("selection", ["deviation", "leading"])
+@pytest.mark.parametrize(
+    ("selection", "chunk"), [("deviation", 512), ("leading", 512), ("deviation", 48), ("leading", 48)]
+)
 def test_recomputing_every_token_gives_the_full_prefill(
-    paged: PagedModel, text_tokens: list[int], selection: str
+    paged: PagedModel, text_tokens: list[int], selection: str, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """In one pass, and in chunks of recomputed tokens (each attending to the chunks before it)."""
+    monkeypatch.setattr(blend_prefill_module, "SCATTERED_CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(blend_prefill_module, "FIRST_LAYER_CHUNK_TOKENS", 2 * chunk + 5)
     history, prompt, cached = _rewritten(text_tokens)
     with torch.inference_mode():
         full = _full_last_hidden(paged, prompt)
@@ -186,6 +192,12 @@ def test_an_engine_blends_a_rewritten_prompt_and_caches_none_of_it(text_tokens: 
         assert again.token_ids == expected
         whole = llm.generate([history], greedy)[0]
         assert whole.num_blended_tokens == 0 and whole.token_ids == repeated
+        aligned = history[:640]  # whole blocks: its last block is computed, not blended in from the cache
+        assert [out.num_blended_tokens for out in llm.generate([aligned, aligned], greedy)] == [0, 0]
+        pasted = text_tokens[1_300:1_450] + history[300:340] + text_tokens[1_450:1_600]  # a paste of 40 tokens
+        segments = llm.engine.kv_manager.segments
+        assert segments is not None and segments.find(pasted, 0, llm.engine.root_key(None))  # found, yet
+        assert llm.generate([pasted], greedy)[0].num_blended_tokens == 0  # too little moved text to blend
         llm.engine.block_pool.check_invariants()
 
 

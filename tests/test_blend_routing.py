@@ -30,9 +30,9 @@ def test_segments_travel_in_events_and_snapshots() -> None:
     parsed = parse_event_line(b"data: " + httpx.Response(200, json=event_json(event)).content)
     assert parsed is not None and parsed.segments == [5, 2**64 - 1]
     namespace = KeyNamespace("m", "digest", "float32", BLOCK)
-    body = snapshot_json(3, [b"k" * 16], namespace, segments={b"k" * 16: 9}, blend=BlendAdvert("off", 0.1))
+    body = snapshot_json(3, [b"k" * 16], namespace, segments={b"k" * 16: 9}, blend=BlendAdvert("off", 0.1, 0.5))
     snapshot = parse_snapshot(body)
-    assert snapshot.segments == {b"k" * 16: 9} and snapshot.blend == BlendAdvert("off", 0.1)
+    assert snapshot.segments == {b"k" * 16: 9} and snapshot.blend == BlendAdvert("off", 0.1, 0.5)
     assert parse_snapshot(snapshot_json(3, [], namespace)).blend is None
 
 

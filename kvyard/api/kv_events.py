@@ -9,7 +9,8 @@ one `event: gap` and ends, and the reader reloads `GET /kv/snapshot` (`{"seq", "
 `salted_by_api_key` says the replica combines each caller's key salt with the request's cache_salt, so a router
 keys blocks the same way) and resumes from its `seq`. A replica that blends moved text (kvyard.engine.blend) adds
 `segments` to its device `stored` events (each block's segment fingerprint, kvcache.segment_key, in hex, one per
-key) and to its snapshot (`"segments": {key: fingerprint}` and `"blend": {"default", "recompute_fraction"}`).
+key) and to its snapshot (`"segments": {key: fingerprint}` and `"blend": {"default", "recompute_fraction",
+"min_reused_fraction"}`).
 `stream=false` answers one JSON page `{"events", "complete", "last_seq"}`.
 """
 
@@ -83,7 +84,11 @@ def snapshot_json(
         "salted_by_api_key": salted_by_api_key,
     }
     if blend is not None:
-        body["blend"] = {"default": blend.default, "recompute_fraction": blend.recompute_fraction}
+        body["blend"] = {
+            "default": blend.default,
+            "recompute_fraction": blend.recompute_fraction,
+            "min_reused_fraction": blend.min_reused_fraction,
+        }
         body["segments"] = {key.hex(): f"{value:016x}" for key, value in (segments or {}).items()}
     return body
 
@@ -95,6 +100,7 @@ class BlendAdvert:
 
     default: str
     recompute_fraction: float
+    min_reused_fraction: float = 0.0  # it blends only when moved text is this share of what the prefix leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +163,13 @@ def parse_snapshot(body: dict[str, Any]) -> WireSnapshot:
         float(shared["ttl_s"]) if shared and shared.get("ttl_s") is not None else None,
         body.get("salted_by_api_key") is True,
         {bytes.fromhex(key): int(value, 16) for key, value in body.get("segments", {}).items()} if blend else None,
-        BlendAdvert(str(blend["default"]), float(blend["recompute_fraction"])) if blend else None,
+        _blend_advert(blend) if blend else None,
     )
+
+
+def _blend_advert(blend: dict[str, Any]) -> BlendAdvert:
+    minimum = float(blend.get("min_reused_fraction", 0.0))
+    return BlendAdvert(str(blend["default"]), float(blend["recompute_fraction"]), minimum)
 
 
 class GapError(Exception):

@@ -255,7 +255,7 @@ class EngineCore:
             spec_acceptance=self.speculation.acceptance if self.speculation else INITIAL_ACCEPTANCE,
             pooling=pooling,
             bad_words_token_ids=bad_words,
-            blend=self.config.blend if (params.non_prefix_reuse or self.config.non_prefix_reuse) == "blend" else None,
+            blend=self._blend_of(params, kv_transfer),
         )
         if params.structured is not None:
             request.grammar = self.grammars.matcher(params.structured, resumed_output_ids)
@@ -266,6 +266,12 @@ class EngineCore:
             self._detokenizers[request_id] = detokenizer
         self.scheduler.add(request)
         return request
+
+    def _blend_of(self, params: SamplingParams, kv_transfer: KVTransferParams | None) -> BlendSettings | None:
+        """How the request blends moved text, if it does: its own choice, else the engine's; never across a
+        prefill/decode split (the decode side takes the prefill side's blocks as they are)."""
+        wanted = (params.non_prefix_reuse or self.config.non_prefix_reuse) == "blend"
+        return self.config.blend if wanted and kv_transfer is None else None
 
     def _check_resume(self, num_prompt_tokens: int, resumed_output_ids: Sequence[int], params: SamplingParams) -> None:
         check_token_ids(resumed_output_ids, self.limits.vocab_size, "resume.token_ids", "resume.token_ids")
@@ -494,7 +500,8 @@ class EngineCore:
         segments, blend = None, None
         if self.kv_manager.segments is not None:
             segments = self.block_pool.cached_fingerprints()
-            blend = BlendAdvert(self.config.non_prefix_reuse, self.config.blend.recompute_fraction)
+            settings = self.config.blend
+            blend = BlendAdvert(self.config.non_prefix_reuse, settings.recompute_fraction, settings.min_reused_fraction)
         keys = self.block_pool.cached_block_keys()
         return KVSnapshot(seq, keys, self.namespace, local_keys, shared_store, segments, blend)
 

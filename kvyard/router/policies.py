@@ -200,7 +200,7 @@ class CacheAware:
             if tokens:
                 held = self._tokens_held(request, replica, keys_by_root, now, rates)
                 cached = held[0] + held[1] + held[2] if held is not None else 0
-                saved = self._moved_tokens_saved(request, replica, windows, cached)
+                saved = self._moved_tokens_saved(request, replica, windows, cached) if uncached_cost is None else 0
                 if saved:
                     blends.add(replica.url)
                 options.append((replica, held, cost_of(len(tokens) - cached - saved, cached + saved)))
@@ -485,6 +485,8 @@ class CacheAware:
         if prompt is None:
             prompt = windows[root] = PromptWindows.of(prompt_fingerprints(tokens, root, size), size)
         matched = replica.index.segments.matched_tokens(prompt, cached)
+        if matched < advert.min_reused_fraction * (len(tokens) - cached):
+            return 0  # too little for the replica to blend
         return int(matched * (1.0 - advert.recompute_fraction))
 
     def queue_cost(self, replica: Replica) -> float:

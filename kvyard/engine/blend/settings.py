@@ -18,6 +18,9 @@ class BlendSettings:
     recompute_fraction: float = 0.1
     selection: str = "leading"
     leading_tokens: int = 4
+    # A prompt blends only when moved text is at least this share of what its cached prefix leaves: a few matched
+    # blocks are not worth leaving exact caching for (a blended prompt's blocks are never cached).
+    min_reused_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_fraction <= 1.0:
@@ -26,6 +29,8 @@ class BlendSettings:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, not {self.selection!r}")
         if self.leading_tokens < 0:
             raise ValueError(f"leading_tokens must be >= 0, not {self.leading_tokens}")
+        if not 0.0 <= self.min_reused_fraction <= 1.0:
+            raise ValueError(f"min_reused_fraction must be in [0, 1], not {self.min_reused_fraction}")
 
     def tokens_computed(self, num_new: int, num_reused: int) -> int:
         """About how many tokens blending `num_new` prompt tokens computes through every layer, `num_reused` of them

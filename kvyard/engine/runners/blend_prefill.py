@@ -37,6 +37,12 @@ if TYPE_CHECKING:  # the runner imports this module
     from kvyard.engine.runners.model_runner import PagedModel
 
 
+# Recomputed tokens run through the layers this many at a time: the masked attention's mask is this many rows by
+# the context, in the model's dtype (128 MB of fp32 at a 64k context).
+SCATTERED_CHUNK_TOKENS = 512
+FIRST_LAYER_CHUNK_TOKENS = 2048  # the deviation selection's first layer over every new token, a chunk at a time
+
+
 @dataclass(frozen=True, slots=True)
 class BlendResult:
     hidden: torch.Tensor  # [1, hidden_size]: the last prompt token's final hidden state
@@ -91,8 +97,8 @@ def blend_prefill(
     selected = sorted(forced | extra)
     ids = torch.tensor([prompt[p] for p in selected], device=paged.device)
     stream = paged.model.model.embed_tokens(ids)
-    hidden = _layers_over(paged, stream, selected, block_table, total, 0)
-    return BlendResult(hidden[-1:], len(reused), len(reused & set(selected)))
+    hidden = _layers_over(paged, stream, selected, block_table, 0)
+    return BlendResult(hidden, len(reused), len(reused & set(selected)))
 
 
 def _always_recomputed(
@@ -130,31 +136,37 @@ def _blend_by_deviation(
     forced: set[int],
     budget: int,
 ) -> BlendResult:
-    """The first layer over every new token; its second-layer keys and values against the reused ones choose."""
-    total = len(prompt)
+    """The first layer over every new token (in chunks, as a chunked prefill); its second-layer keys and values
+    against the reused ones choose."""
+    total, device = len(prompt), paged.device
     layers = paged.model.model.layers
-    device = paged.device
-    new_ids = torch.tensor(list(prompt[num_cached:]), device=device)
-    positions = torch.arange(num_cached, total, device=device)
-    meta = paged.metadata([block_table], [total], [total - num_cached])
-    hidden, residual = layers[0](positions, paged.model.model.embed_tokens(new_ids), None, paged.kv_caches[0], meta)
-    stream = hidden + residual
     second = cast(DecoderLayer, layers[1])
-    _, keys, values = second.self_attn.project(positions, second.input_layernorm(stream))
+    streams: list[torch.Tensor] = []
+    deviation = torch.zeros(total - num_cached, device=device)
+    for begin in range(num_cached, total, FIRST_LAYER_CHUNK_TOKENS):
+        end = min(total, begin + FIRST_LAYER_CHUNK_TOKENS)
+        positions = torch.arange(begin, end, device=device)
+        meta = paged.metadata([block_table], [end], [end - begin])
+        embedded = paged.model.model.embed_tokens(torch.tensor(list(prompt[begin:end]), device=device))
+        hidden, residual = layers[0](positions, embedded, None, paged.kv_caches[0], meta)
+        streams.append(hidden + residual)
+        _, keys, values = second.self_attn.project(positions, second.input_layernorm(streams[-1]))
+        chunk_deviation = _deviation(paged, block_table, range(begin, end), keys, values)
+        deviation[begin - num_cached : end - num_cached] = chunk_deviation
     candidates = sorted(reused - forced)
-    rows = torch.tensor(candidates, dtype=torch.long) - num_cached
-    deviation = _deviation(paged, block_table, candidates, keys[rows.to(device)], values[rows.to(device)])
-    top = torch.topk(deviation, min(budget, len(candidates))).indices.tolist()
+    rows = torch.tensor(candidates, dtype=torch.long, device=device) - num_cached
+    top = torch.topk(deviation[rows], min(budget, len(candidates))).indices.tolist()
     selected = sorted(forced | {candidates[i] for i in top})
     picked = torch.tensor(selected, dtype=torch.long, device=device) - num_cached
-    out = _layers_over(paged, stream[picked], selected, block_table, total, 1)
-    return BlendResult(out[-1:], len(reused), len(reused & set(selected)))
+    out = _layers_over(paged, torch.cat(streams)[picked], selected, block_table, 1)
+    return BlendResult(out, len(reused), len(reused & set(selected)))
 
 
 def _deviation(
-    paged: PagedModel, block_table: list[int], positions: list[int], keys: torch.Tensor, values: torch.Tensor
+    paged: PagedModel, block_table: list[int], positions: range, keys: torch.Tensor, values: torch.Tensor
 ) -> torch.Tensor:
-    """Per position: squared distance of freshly computed second-layer keys and values from the reused ones."""
+    """Per position: squared distance of freshly computed second-layer keys and values from those in the cache
+    (reused ones; for positions no segment filled, whatever the block held: they are recomputed anyway)."""
     size = paged.block_size
     where = torch.tensor(positions, dtype=torch.long)
     slots = (torch.tensor(block_table, dtype=torch.long)[where // size] * size + where % size).to(paged.device)
@@ -165,21 +177,24 @@ def _deviation(
 
 
 def _layers_over(
-    paged: PagedModel,
-    stream: torch.Tensor,
-    positions: list[int],
-    block_table: list[int],
-    context_len: int,
-    first_layer: int,
+    paged: PagedModel, stream: torch.Tensor, positions: list[int], block_table: list[int], first_layer: int
 ) -> torch.Tensor:
-    """Run layers first_layer.. over the tokens at `positions` (their residual stream entering that layer),
-    each attending to the cache up to its position; returns their final hidden states."""
-    meta = build_scattered_metadata(
-        TorchSDPABackend(), block_table, positions, context_len, paged.block_size, paged.dtype, paged.device
-    )
-    where = torch.tensor(positions, device=paged.device)
-    hidden, residual = stream, None
-    for layer, cache in zip(paged.model.model.layers[first_layer:], paged.kv_caches[first_layer:]):
-        hidden, residual = layer(where, hidden, residual, cache, meta)
-    assert residual is not None
-    return paged.model.model.norm.add_and_norm(hidden, residual)[0]
+    """Run layers first_layer.. over the tokens at `positions` (their residual stream entering that layer), each
+    attending to the cache up to its position, in chunks of positions in order (a chunk's tokens attend to the
+    earlier chunks' keys and values, written by then, as a chunked prefill's do); returns the final hidden state
+    of the last one [1, hidden_size]."""
+    backend, device = TorchSDPABackend(), paged.device
+    layers = list(zip(paged.model.model.layers[first_layer:], paged.kv_caches[first_layer:]))
+    hidden = residual = stream[:0]
+    for begin in range(0, len(positions), SCATTERED_CHUNK_TOKENS):
+        chunk = positions[begin : begin + SCATTERED_CHUNK_TOKENS]
+        context = chunk[-1] + 1
+        meta = build_scattered_metadata(backend, block_table, chunk, context, paged.block_size, paged.dtype, device)
+        where = torch.tensor(chunk, device=device)
+        hidden, residual_or_none = stream[begin : begin + len(chunk)], None
+        for layer, cache in layers:
+            hidden, residual_or_none = layer(where, hidden, residual_or_none, cache, meta)
+        if residual_or_none is None:
+            raise ValueError("blending runs at least one layer over the recomputed tokens")
+        residual = residual_or_none
+    return paged.model.model.norm.add_and_norm(hidden[-1:], residual[-1:])[0]

@@ -174,3 +174,4 @@ class Request:
         self.num_preemptions += 1
         self.tier_checked = False
         self.exact_until = None
+        self.num_blended_tokens = 0

@@ -36,6 +36,9 @@ PREFILL_ORDERS = ("fcfs", "shortest")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Shortest-first starves nothing: a prompt passed over this many steps is served before the shorter ones.
 MAX_STEPS_PASSED_OVER = 64
+# A blend runs whole in one step: at most this many steps' token budget of work, so it holds running streams up
+# about as long; a longer one is computed exactly, in chunks.
+BLEND_STEP_BUDGETS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,13 +280,23 @@ class Scheduler:
         return num_new
 
     def _segments_to_blend(self, request: Request, num_cached: int) -> list[SegmentMatch]:
-        """Moved text `request` may reuse after its cached prefix: only for a request that asked to blend and
-        whose prompt's outputs are not wanted position by position."""
-        if request.blend is None or request.computes_whole_prompt or request.pooling is not None:
+        """Moved text `request` may reuse after its cached prefix: for a request that asked to blend, whose prompt's
+        outputs are not wanted position by position, whose prefix ended at a miss (not at the last block, which
+        is always computed), when moved text is at least `min_reused_fraction` of what is left and the blend's
+        work fits in BLEND_STEP_BUDGETS steps' budget (it runs in one step)."""
+        settings = request.blend
+        if settings is None or request.computes_whole_prompt or request.pooling is not None:
             return []
-        if request.kv_transfer is not None:
+        size, num_left = self.kv.block_size, request.num_tokens - num_cached
+        if request.kv_transfer is not None or num_cached // size >= (request.num_tokens - 1) // size:
             return []
-        return self.kv.find_segments(request, num_cached)
+        segments = self.kv.find_segments(request, num_cached)
+        num_reused = len(segments) * size
+        if num_reused < settings.min_reused_fraction * num_left:
+            return []
+        if settings.tokens_computed(num_left, num_reused) > BLEND_STEP_BUDGETS * self.config.max_num_batched_tokens:
+            return []
+        return segments
 
     def _pin_and_allocate(
         self, request: Request, num_new: int, cached_blocks: list[int], segments: list[SegmentMatch]
