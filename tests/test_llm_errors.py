@@ -118,7 +118,7 @@ def test_a_sliding_window_model_is_refused_past_its_window(llama_dir: Path, tmp_
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}, "rope_parameters": None}, "rope type 'longrope'"),
     ],
 )
 def test_config_fields_that_change_the_math_are_refused(

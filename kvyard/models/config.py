@@ -26,7 +26,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
 }
 MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -41,6 +41,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and kept frequencies, and the factor cos and sin are scaled by
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: from mscale and mscale_all_dim, else 0.1 ln(factor) + 1
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +213,27 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         raise UnsupportedModelError(
             f"config.json rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    # As transformers: yarn's pretrained length defaults to the context length, and its factor to their ratio.
+    yarn = rope_type == "yarn"
+    default_original = int(raw.get("max_position_embeddings", 8192)) if yarn else 8192
+    original = int(params.get("original_max_position_embeddings") or default_original)
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(raw.get("max_position_embeddings", original)) / original if yarn else 1.0
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor) if attention_factor is not None else None,
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
     )
 
 

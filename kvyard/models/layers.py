@@ -11,7 +11,7 @@ from torch import nn
 
 from kvyard.kernels.ops import ElementwiseKernels, SmallLinearKernel
 from kvyard.models.config import RopeConfig
-from kvyard.models.rope_tables import rotary_tables
+from kvyard.models.rope_tables import rope_attention_factor, rotary_tables
 
 
 class Linear(nn.Linear):
@@ -175,6 +175,7 @@ class RotaryEmbedding(nn.Module, NativeElementwise):
         self.max_positions = max_positions
         self.cos_table = torch.empty(0)
         self.sin_table = torch.empty(0)
+        self.attention_factor = rope_attention_factor(rope)  # in both tables: `shift` takes it out
 
     def build(self, device: torch.device) -> None:
         cos, sin = rotary_tables(self.rope, self.head_dim, self.max_positions)
@@ -197,8 +198,8 @@ class RotaryEmbedding(nn.Module, NativeElementwise):
         Rotations compose (the angle is linear in the position, with every rope type here), so this gives the
         keys at their new positions up to float rounding."""
         distance = offsets.abs()
-        sign = torch.where(offsets < 0, -1.0, 1.0).to(k.dtype)[:, None, None]
-        cos = self.cos_table[distance].unsqueeze(1).to(k.dtype)
+        sign = torch.where(offsets < 0, -1.0, 1.0).to(k.dtype)[:, None, None] / self.attention_factor
+        cos = self.cos_table[distance].unsqueeze(1).to(k.dtype) / self.attention_factor
         sin = self.sin_table[distance].unsqueeze(1).to(k.dtype) * sign
         return _rotate(k, cos, sin)
 
