@@ -129,6 +129,55 @@ def test_a_shared_expert_adds_its_gated_output_to_every_token() -> None:
     assert torch.equal(moe(one), moe._one_token(one, weights[0], experts[0]) + shared_one)
 
 
+def test_deepseek_v3_routing_matches_transformers() -> None:
+    """Sigmoid scores, a selection bias, group-limited top-k, normalized and scaled weights and an ungated shared
+    expert: DeepSeek-V3's expert layer, against transformers' own module on the same weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        experts_implementation="eager",
+    )
+    torch.manual_seed(3)
+    reference = DeepseekV3MoE(config).eval()
+    for tensor in [*reference.parameters(), *reference.buffers()]:
+        tensor.data.normal_(0, 0.3)
+    ours = SparseMoE(
+        32,
+        MoeConfig(8, 3, 16, True, frozenset({0}), 32, False, "sigmoid", True, num_groups=4, top_groups=2,
+                  routed_scaling=2.5),
+    )  # fmt: skip
+    ours.gate.weight.data.copy_(reference.gate.weight)
+    assert ours.e_score_correction_bias is not None and ours.shared_expert is not None
+    ours.e_score_correction_bias.data.copy_(reference.gate.e_score_correction_bias)
+    for index, expert in enumerate(ours.experts):
+        expert.gate_up_proj.weight.data.copy_(reference.experts.gate_up_proj[index])
+        expert.down_proj.weight.data.copy_(reference.experts.down_proj[index])
+    shared = reference.shared_experts
+    ours.shared_expert.gate_up_proj.weight.data.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+    ours.shared_expert.down_proj.weight.data.copy_(shared.down_proj.weight)
+    x = torch.randn(11, 32)
+    with torch.no_grad():
+        _, expected_weights, expected_experts = reference.gate(x)
+        weights, experts = ours.route(x)
+        order, expected_order = experts.argsort(-1), expected_experts.argsort(-1)
+        assert torch.equal(experts.gather(1, order), expected_experts.gather(1, expected_order))
+        torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+        torch.testing.assert_close(ours(x), reference(x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(x[:1]), reference(x[:1]), rtol=0, atol=1e-5)  # one token's own path
+    with pytest.raises(UnsupportedModelError, match="groups"):
+        MoeConfig(8, 2, 16, True, frozenset({0}), scoring="sigmoid", num_groups=3)
+
+
 def test_the_fast_start_leaves_expert_models_to_pytorch(moe_model_dirs: dict[str, Path]) -> None:
     reason = fast_start_blocker(EngineConfig.create(str(moe_model_dirs["mixtral"])))
     assert reason is not None and "mixture-of-experts" in reason

@@ -60,7 +60,31 @@ class MoeConfig:
     expert_intermediate_size: int
     normalize_top_k: bool  # the chosen experts' weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     sparse_layers: frozenset[int]  # the layers whose MLP is the experts; the others keep a dense MLP
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token uses, its output gated (0: none)
+    shared_expert_intermediate_size: int = 0  # an expert every token uses besides its routed ones (0: none)
+    shared_expert_gated: bool = True  # Qwen2-MoE scales the shared expert's output by a sigmoid gate; DeepSeek not
+    # DeepSeek-V3's routing: each expert's score a sigmoid (not a softmax over all), chosen after adding a learned
+    # bias, only within the `top_groups` of `num_groups` groups whose two best scores sum highest; the chosen
+    # experts' unbiased scores, normalized (normalize_top_k), times `routed_scaling`, weight their outputs.
+    scoring: str = "softmax"
+    selection_bias: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"expert scoring {self.scoring!r} is not implemented (softmax or sigmoid)")
+        per_group = self.num_experts // max(1, self.num_groups)
+        grouped = self.num_groups > 1
+        if grouped and (self.num_experts % self.num_groups or per_group < 2):
+            raise UnsupportedModelError(
+                f"{self.num_experts} experts cannot be split into {self.num_groups} groups of at least two"
+            )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.top_groups * per_group:
+            raise UnsupportedModelError(
+                f"{self.experts_per_token} experts per token cannot be chosen from {self.top_groups} groups of "
+                f"{per_group}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""The expert layer of a mixture-of-experts decoder (Mixtral, Qwen2-MoE, Qwen3-MoE): each token's MLP output is the
-weighted sum of the outputs of the few experts its router scores highest (plus Qwen2-MoE's gated shared expert).
+"""The expert layer of a mixture-of-experts decoder (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3's routing): each
+token's MLP output is the weighted sum of the outputs of the few experts its router scores highest (plus a shared
+expert every token uses: Qwen2-MoE's gated, DeepSeek-V3's not).
 
 Every expert is a dense layer's gated MLP (gate and up fused), so the checkpoint's per-expert tensors load as a
 dense layer's do, and what converts or speeds up linear layers applies to experts too: int8, fp16 and bf16 weights
@@ -22,31 +23,56 @@ class SparseMoE(nn.Module):
         self.num_experts = moe.num_experts
         self.top_k = moe.experts_per_token
         self.normalize = moe.normalize_top_k
+        self.moe = moe
         self.gate = Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        # DeepSeek-V3: added to the scores to choose experts, never to weight them
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.selection_bias else None
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, moe.expert_intermediate_size) for _ in range(moe.num_experts)
         )
-        # Qwen2-MoE's shared expert: every token's, its output scaled by a sigmoid gate of the token
+        # The shared expert: every token's; Qwen2-MoE scales its output by a sigmoid gate of the token
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts): each token's chosen experts, highest score first, and the weights of their outputs."""
+        """(weights, experts): each token's chosen experts and the weights of their outputs."""
+        if self.moe.scoring == "sigmoid":
+            return self._route_by_groups(x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def _route_by_groups(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (MoeConfig), in fp32."""
+        moe = self.moe
+        scores = torch.sigmoid(self.gate(x).float())
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if moe.num_groups > 1:
+            per_group = self.num_experts // moe.num_groups
+            group_scores = choice.view(-1, moe.num_groups, per_group).topk(2, dim=-1).values.sum(dim=-1)
+            kept = torch.topk(group_scores, moe.top_groups, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(per_group, dim=1), float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * moe.routed_scaling).to(x.dtype), experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         # One token (a single stream's decode step) has no grouping to do.
         out = self._one_token(x, weights[0], experts[0]) if x.shape[0] == 1 else self._grouped(x, weights, experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + (torch.sigmoid(gate(x)) * shared if gate is not None else shared)
         return out
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
