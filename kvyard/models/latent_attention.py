@@ -1,0 +1,130 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): what a token leaves behind for later tokens is one compressed row,
+not a key and a value per head.
+
+Each token's hidden state is projected to a latent `c` of `kv_lora_rank` values (normalized) and one rotary key
+`k_pe` of `qk_rope_head_dim` values shared by every head; the row `c ‖ k_pe` is all that is cached. A head's key
+is `W_UK c` beside `k_pe`, its value `W_UV c` (`kv_b_proj` holds W_UK and W_UV). Attention runs in the latent space
+instead of expanding them (the "absorbed" form): a head's query part without position is turned into latent space
+once, `q_lat = q_nope W_UK`, so that
+
+    score(t, s) = scale * (q_lat(t) · c(s) + q_pe(t) · k_pe(s)),   out(t) = W_UV (Σ_s softmax(score) c(s))
+
+which equals expanding every key and value and attending to them, in real arithmetic, at a cache of
+kv_lora_rank + qk_rope_head_dim values per token per layer (576 for DeepSeek-V3, against 2 x 128 x 192 expanded).
+
+Rotary dimensions are rotated the rotate-half way (kvyard's RotaryEmbedding); checkpoints that pair dimensions
+interleaved (DeepSeek's `rope_interleave`) have their rotary rows reordered at load (`deinterleave_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvyard.models.layers import Linear, RMSNorm, RotaryEmbedding
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek normalizes both latents with this, whatever the model's rms_norm_eps
+
+
+@dataclass(frozen=True, slots=True)
+class LatentConfig:
+    q_lora_rank: int  # 0: queries straight from the hidden state (q_proj), else through a normalized low rank
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+
+    @property
+    def row_width(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def scale_of(qk_head_dim: int, rope_type: str, factor: float, mscale_all_dim: float) -> float:
+        """1/sqrt(qk head size), times yarn's mscale(factor, mscale_all_dim) squared where the rope is scaled."""
+        scale = qk_head_dim**-0.5
+        if rope_type != "default" and mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, latent: LatentConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.latent = latent
+        self.rotary = rotary
+        query_size = num_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim)
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: Linear | None = None
+        if latent.q_lora_rank:
+            self.q_a_proj = Linear(hidden_size, latent.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(latent.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(latent.q_lora_rank, query_size, bias=False)
+        else:
+            self.q_proj = Linear(hidden_size, query_size, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, latent.row_width, bias=False)
+        self.kv_a_layernorm = RMSNorm(latent.kv_lora_rank, LATENT_NORM_EPS)
+        up_rows = num_heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+        self.kv_b_proj = LatentUpProjection(up_rows, latent.kv_lora_rank)
+        self.o_proj = Linear(num_heads * latent.v_head_dim, hidden_size, bias=False)
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope [T, H, nope], q_pe [T, H, rope] rotated, rows [T, kv_lora_rank + rope]: what the cache keeps)."""
+        latent, num_tokens = self.latent, hidden.shape[0]
+        if self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None:
+            queries = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            assert self.q_proj is not None
+            queries = self.q_proj(hidden)
+        queries = queries.view(num_tokens, self.num_heads, latent.qk_nope_head_dim + latent.qk_rope_head_dim)
+        q_nope, q_pe = queries.split([latent.qk_nope_head_dim, latent.qk_rope_head_dim], dim=-1)
+        compressed = self.kv_a_proj_with_mqa(hidden)
+        c, k_pe = compressed.split([latent.kv_lora_rank, latent.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous().view(num_tokens, 1, -1))
+        return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c), k_pe.view(num_tokens, -1)], dim=-1)
+
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries [T, H, ·] over the cached rows [S, kv_lora_rank + rope] of their context, `mask` [T, S] additive
+        (None: every row visible); returns the attention's output through o_proj, [T, hidden]."""
+        latent = self.latent
+        weight = self.kv_b_proj.weight.view(self.num_heads, latent.qk_nope_head_dim + latent.v_head_dim, -1)
+        w_uk, w_uv = weight.split([latent.qk_nope_head_dim, latent.v_head_dim], dim=1)
+        c, k_pe = rows.split([latent.kv_lora_rank, latent.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("thd,hdr->htr", q_nope, w_uk)
+        scores = torch.matmul(q_latent, c.T) + torch.matmul(q_pe.transpose(0, 1), k_pe.T)  # [H, T, S]
+        scores = scores * latent.softmax_scale
+        if mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        out = torch.einsum("hts,sr,hvr->thv", probs, c, w_uv)
+        return self.o_proj(out.reshape(q_nope.shape[0], self.num_heads * latent.v_head_dim))
+
+
+class LatentUpProjection(nn.Module):
+    """kv_b_proj: every head's W_UK and W_UV, [heads * (nope + v), kv_lora_rank]. Read as matrices by the absorbed
+    attention, never applied as a linear layer, so weight conversions that swap linear layers leave it be."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
+def deinterleave_rows(weight: torch.Tensor, head_width: int, rope_offset: int, rope_dim: int) -> torch.Tensor:
+    """A projection's output rows with each head's rotary rows reordered from pairs (x0, x1), (x2, x3), ... to
+    (x0, x2, ..., x1, x3, ...): the rotate-half layout that gives the interleaved rotation's result."""
+    rows = weight.view(-1, head_width, *weight.shape[1:])
+    rope = rows[:, rope_offset : rope_offset + rope_dim]
+    reordered = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    out = rows.clone()
+    out[:, rope_offset : rope_offset + rope_dim] = reordered
+    return out.view_as(weight)

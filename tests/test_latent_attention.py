@@ -1,0 +1,88 @@
+"""Multi-head latent attention (kvyard.models.latent_attention) against transformers' DeepseekV3Attention on the same
+weights: the absorbed form over the cached latent rows gives the expanded attention's output, with and without a
+low-rank query, interleaved or rotate-half rotary rows, plain and yarn-scaled rotary embeddings; and a query whose
+context comes from rows cached earlier (a decode step) gives the same as in one pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from kvyard.models.config import _parse_rope
+from kvyard.models.latent_attention import LatentAttention, LatentConfig, deinterleave_rows
+from kvyard.models.layers import RotaryEmbedding
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+CASES: dict[str, dict[str, Any]] = {
+    "low-rank q, interleaved": {"q_lora_rank": 24, "rope_interleave": True},
+    "plain q, rotate-half": {"q_lora_rank": None, "rope_interleave": False},
+    "yarn": {"q_lora_rank": 24, "rope_interleave": True, "rope_parameters": YARN},
+}
+
+
+def _pair(case: dict[str, Any]) -> tuple[DeepseekV3Attention, DeepseekV3RotaryEmbedding, LatentAttention]:
+    config = DeepseekV3Config(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=128, attn_implementation="eager",
+        **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **case},
+    )  # fmt: skip
+    torch.manual_seed(5)
+    reference = DeepseekV3Attention(config, 0).eval()
+    for parameter in reference.parameters():
+        parameter.data.normal_(0, 0.2)
+    rope = _parse_rope({"rope_parameters": config.rope_parameters, "max_position_embeddings": 128})
+    qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    scale = LatentConfig.scale_of(qk_head_dim, rope.rope_type, rope.factor, rope.mscale_all_dim)
+    latent = LatentConfig(config.q_lora_rank or 0, 16, 12, 8, 10, scale)
+    rotary = RotaryEmbedding(rope, 8, 128)
+    rotary.build(torch.device("cpu"))
+    ours = LatentAttention(48, 4, latent, rotary)
+    _copy_weights(reference, ours, interleaved=config.rope_interleave)
+    return reference, DeepseekV3RotaryEmbedding(config), ours
+
+
+def _copy_weights(reference: DeepseekV3Attention, ours: LatentAttention, interleaved: bool) -> None:
+    def rope_rows(weight: torch.Tensor, width: int, offset: int) -> torch.Tensor:
+        return deinterleave_rows(weight, width, offset, 8) if interleaved else weight
+
+    ours.kv_a_proj_with_mqa.weight.data.copy_(rope_rows(reference.kv_a_proj_with_mqa.weight.data, 24, 16))
+    ours.kv_a_layernorm.weight.data.copy_(reference.kv_a_layernorm.weight)
+    ours.kv_b_proj.weight.data.copy_(reference.kv_b_proj.weight)
+    ours.o_proj.weight.data.copy_(reference.o_proj.weight)
+    if reference.q_proj is not None:
+        assert ours.q_proj is not None
+        ours.q_proj.weight.data.copy_(rope_rows(reference.q_proj.weight.data, 20, 12))
+        return
+    assert reference.q_a_proj is not None and reference.q_a_layernorm is not None and reference.q_b_proj is not None
+    assert ours.q_a_proj is not None and ours.q_a_layernorm is not None and ours.q_b_proj is not None
+    ours.q_a_proj.weight.data.copy_(reference.q_a_proj.weight)
+    ours.q_a_layernorm.weight.data.copy_(reference.q_a_layernorm.weight)
+    ours.q_b_proj.weight.data.copy_(rope_rows(reference.q_b_proj.weight.data, 20, 12))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_absorbed_latent_attention_matches_transformers(name: str) -> None:
+    reference, rotary, ours = _pair(CASES[name])
+    length = 50  # past the yarn case's 32 pretrained positions
+    x = torch.randn(1, length, 48)
+    positions = torch.arange(length)
+    causal = torch.full((length, length), float("-inf")).triu(1)
+    with torch.no_grad():
+        expected, _ = reference(x, rotary(x, positions[None]), causal[None, None])
+        q_nope, q_pe, rows = ours.project(positions, x[0])
+        torch.testing.assert_close(ours.attend(q_nope, q_pe, rows, causal), expected[0], rtol=0, atol=2e-5)
+        last = ours.attend(q_nope[-1:], q_pe[-1:], rows, None)  # a decode step over every row cached so far
+        torch.testing.assert_close(last, expected[0, -1:], rtol=0, atol=2e-5)
