@@ -12,6 +12,8 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
+from kvyard.models.attention import build_attention_metadata
+from kvyard.models.attention_backends import TorchSDPABackend
 from kvyard.models.config import _parse_rope
 from kvyard.models.latent_attention import LatentAttention, LatentConfig, deinterleave_rows
 from kvyard.models.layers import RotaryEmbedding
@@ -86,3 +88,57 @@ def test_absorbed_latent_attention_matches_transformers(name: str) -> None:
         torch.testing.assert_close(ours.attend(q_nope, q_pe, rows, causal), expected[0], rtol=0, atol=2e-5)
         last = ours.attend(q_nope[-1:], q_pe[-1:], rows, None)  # a decode step over every row cached so far
         torch.testing.assert_close(last, expected[0, -1:], rtol=0, atol=2e-5)
+
+
+def test_a_paged_step_of_decodes_and_prefill_chunks_gives_each_sequence_its_own_attention() -> None:
+    """Rows cached in a paged cache of one plane and one head, read back through block tables: two decodes over 7
+    and 20 cached tokens, a 5-token chunk after 9 cached ones, and a whole 6-token prompt, in one step, each equal
+    to its sequence computed alone in one pass."""
+    _, _, ours = _pair(CASES["low-rank q, interleaved"])
+    block = 4
+    lengths = {"decode-a": 8, "decode-b": 21, "chunk": 14, "whole": 6}
+    torch.manual_seed(9)
+    hidden = {name: torch.randn(length, 48) for name, length in lengths.items()}
+    tables = {"decode-a": [3, 0], "decode-b": [7, 1, 8, 2, 9, 4], "chunk": [5, 11, 6, 10], "whole": [12, 13]}
+    cache = torch.zeros(1, 16 * block, 1, ours.latent.row_width)
+    with torch.no_grad():
+        expected = {}
+        for name, x in hidden.items():
+            positions = torch.arange(len(x))
+            q_nope, q_pe, rows = ours.project(positions, x)
+            expected[name] = ours.attend(q_nope, q_pe, rows, torch.full((len(x), len(x)), -torch.inf).triu(1))
+        earlier = {"decode-a": 7, "decode-b": 20, "chunk": 9}  # cached by an earlier step
+        _step(ours, cache, block, [(tables[n], hidden[n][:k], 0) for n, k in earlier.items()])
+        out = _step(
+            ours,
+            cache,
+            block,
+            [
+                (tables["decode-a"], hidden["decode-a"][7:], 7),
+                (tables["decode-b"], hidden["decode-b"][20:], 20),
+                (tables["chunk"], hidden["chunk"][9:], 9),
+                (tables["whole"], hidden["whole"], 0),
+            ],
+        )
+    torch.testing.assert_close(out[0:1], expected["decode-a"][7:], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out[1:2], expected["decode-b"][20:], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out[2:7], expected["chunk"][9:], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out[7:13], expected["whole"], rtol=0, atol=2e-5)
+
+
+def _step(
+    ours: LatentAttention, cache: torch.Tensor, block: int, sequences: list[tuple[list[int], torch.Tensor, int]]
+) -> torch.Tensor:
+    """One step over (block table, new tokens' hidden states, first new position) per sequence, decodes first."""
+    meta = build_attention_metadata(
+        TorchSDPABackend(),
+        [table for table, _, _ in sequences],
+        [start + len(x) for _, x, start in sequences],
+        [len(x) for _, x, _ in sequences],
+        block,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    positions = torch.cat([torch.arange(start, start + len(x)) for _, x, start in sequences])
+    result: torch.Tensor = ours(positions, torch.cat([x for _, x, _ in sequences]), cache, meta)
+    return result

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvyard.models.attention import AttentionMetadata, gather_blocks
+from kvyard.models.kv_format import from_storage, store_rows
 from kvyard.models.layers import Linear, RMSNorm, RotaryEmbedding
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek normalizes both latents with this, whatever the model's rms_norm_eps
@@ -91,23 +93,72 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous().view(num_tokens, 1, -1))
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c), k_pe.view(num_tokens, -1)], dim=-1)
 
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A step's tokens (decodes first, then prefill chunks) over the paged cache [1, slots, 1, row]: each token's
+        row is stored at its slot, then each attends to its sequence's rows up to its own position."""
+        q_nope, q_pe, rows = self.project(positions, hidden)
+        store_rows(kv_cache[0], meta.slot_mapping, rows[:, None, :])
+        out = hidden.new_empty(hidden.shape[0], self.o_proj.in_features)
+        decodes = meta.num_decode_tokens
+        if decodes:
+            context = _gathered(kv_cache[0], meta.decode_block_tables, meta.block_size, q_nope.dtype)
+            visible = torch.arange(context.shape[1], device=context.device)[None, :] < meta.decode_context_lens[:, None]
+            mask = torch.zeros(visible.shape, dtype=q_nope.dtype, device=context.device).masked_fill(
+                ~visible, -torch.inf
+            )
+            out[:decodes] = self._attend(q_nope[:decodes, None], q_pe[:decodes, None], context, mask[:, None])[:, 0]
+        for span in meta.prefills:
+            chunk = slice(span.query_start, span.query_start + span.query_len)
+            if span.block_table is None:  # the whole context is this chunk, exactly as computed
+                context = rows[chunk][None]
+            else:
+                table = span.block_table[None]
+                context = _gathered(kv_cache[0], table, meta.block_size, q_nope.dtype)[:, : span.context_len]
+            mask = _causal(span.context_len - span.query_len, span.query_len, span.context_len, q_nope)
+            out[chunk] = self._attend(q_nope[chunk][None], q_pe[chunk][None], context, mask[None])[0]
+        return self.o_proj(out)
+
     def attend(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Queries [T, H, ·] over the cached rows [S, kv_lora_rank + rope] of their context, `mask` [T, S] additive
-        (None: every row visible); returns the attention's output through o_proj, [T, hidden]."""
+        """One sequence's queries [T, H, ·] over its rows [S, kv_lora_rank + rope], `mask` [T, S] additive (None:
+        every row visible); the attention's output through o_proj, [T, hidden]."""
+        out = self._attend(q_nope[None], q_pe[None], rows[None], mask[None] if mask is not None else None)[0]
+        return self.o_proj(out)
+
+    def _attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Batched: queries [B, T, H, ·], rows [B, S, row], mask [B, T, S]; returns [B, T, H * v_head_dim]."""
         latent = self.latent
         weight = self.kv_b_proj.weight.view(self.num_heads, latent.qk_nope_head_dim + latent.v_head_dim, -1)
         w_uk, w_uv = weight.split([latent.qk_nope_head_dim, latent.v_head_dim], dim=1)
         c, k_pe = rows.split([latent.kv_lora_rank, latent.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thd,hdr->htr", q_nope, w_uk)
-        scores = torch.matmul(q_latent, c.T) + torch.matmul(q_pe.transpose(0, 1), k_pe.T)  # [H, T, S]
+        q_latent = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)
+        scores = torch.matmul(q_latent, c[:, None].transpose(-1, -2))  # [B, H, T, S]
+        scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe[:, None].transpose(-1, -2))
         scores = scores * latent.softmax_scale
         if mask is not None:
-            scores = scores + mask
+            scores = scores + mask[:, None]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        out = torch.einsum("hts,sr,hvr->thv", probs, c, w_uv)
-        return self.o_proj(out.reshape(q_nope.shape[0], self.num_heads * latent.v_head_dim))
+        out = torch.einsum("hvr,bhtr->bthv", w_uv, probs @ c[:, None])
+        return out.reshape(*q_nope.shape[:2], self.num_heads * latent.v_head_dim)
+
+
+def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, blocks * block_size, row]: the rows of each table's blocks (one cached head), as `dtype`."""
+    return from_storage(gather_blocks(cache, block_tables, block_size), dtype)[:, :, 0]
+
+
+def _causal(first: int, query_len: int, context_len: int, like: torch.Tensor) -> torch.Tensor:
+    """[query_len, context_len] additive mask: query i (at position first + i) sees keys up to its position."""
+    query = torch.arange(first, first + query_len, device=like.device)[:, None]
+    keys = torch.arange(context_len, device=like.device)[None, :]
+    return torch.zeros(query_len, context_len, dtype=like.dtype, device=like.device).masked_fill(
+        keys > query, -torch.inf
+    )
 
 
 class LatentUpProjection(nn.Module):
