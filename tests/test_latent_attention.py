@@ -14,8 +14,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 from kvyard.models.attention import build_attention_metadata
 from kvyard.models.attention_backends import TorchSDPABackend
-from kvyard.models.config import _parse_rope
-from kvyard.models.latent_attention import LatentAttention, LatentConfig, deinterleave_rows
+from kvyard.models.config import LatentConfig, _parse_rope
+from kvyard.models.latent_attention import LatentAttention, deinterleave_rows
 from kvyard.models.layers import RotaryEmbedding
 
 YARN = {

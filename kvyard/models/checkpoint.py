@@ -45,8 +45,11 @@ _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 def checkpoint_tensor_name(name: str) -> str:
     """A checkpoint tensor's name as kvyard's causal LM names it: a base model (`Qwen3Model`, as embedding
     checkpoints such as Qwen3-Embedding ship) stores `layers.0....` where the causal LM stores `model.layers.0....`;
-    Mixtral names its router and experts `block_sparse_moe.gate` and `block_sparse_moe.experts.E.w1/w2/w3`."""
+    Mixtral names its router and experts `block_sparse_moe.gate` and `block_sparse_moe.experts.E.w1/w2/w3`;
+    DeepSeek-V3 its shared experts `shared_experts` and its selection bias `gate.e_score_correction_bias`."""
     name = f"model.{name}" if name.startswith(BACKBONE_ROOTS) else name
+    if ".mlp.shared_experts." in name or ".mlp.gate.e_score_correction_bias" in name:  # DeepSeek-V3's names
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.").replace(".mlp.gate.e_score", ".mlp.e_score")
     if ".block_sparse_moe." not in name:
         return name
     name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_MIXTRAL_PROJECTIONS[m.group(2)]}.", name)

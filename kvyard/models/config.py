@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # latent attention (kvyard.models.latent_attention) and experts
     # base models, as embedding checkpoints are saved: no LM head (they pool, kvyard.engine.pooling.params)
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -25,7 +27,9 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen3Model": "qwen3",
 }
 MODEL_TYPE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+MOE_ARCHITECTURES = frozenset(
+    {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"}
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -48,6 +52,32 @@ class RopeConfig:
     attention_factor: float | None = None  # None: from mscale and mscale_all_dim, else 0.1 ln(factor) + 1
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LatentConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3; kvyard.models.latent_attention)."""
+
+    q_lora_rank: int  # 0: queries straight from the hidden state (q_proj), else through a normalized low rank
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+
+    @property
+    def row_width(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def scale_of(qk_head_dim: int, rope_type: str, factor: float, mscale_all_dim: float) -> float:
+        """1/sqrt(qk head size), times yarn's mscale(factor, mscale_all_dim) squared where the rope is scaled."""
+        scale = qk_head_dim**-0.5
+        if rope_type != "default" and mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +139,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int | None = None  # attention sees only this many tokens back (None: the whole context)
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # Latent attention: then num_kv_heads (1) and head_dim (the latent row's width) describe the cache, not heads
+    latent: LatentConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors the paged cache keeps per layer: keys and values, or latent attention's one row."""
+        return 1 if self.latent is not None else 2
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.latent.qk_rope_head_dim if self.latent is not None else self.head_dim
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -132,6 +173,8 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+    rope = _parse_rope(raw)
+    latent = _parse_latent(raw, rope) if family == "deepseek_v3" else None
     return ModelConfig(
         architecture=architecture,
         family=family,
@@ -139,11 +182,11 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         hidden_size=hidden_size,
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        num_kv_heads=1 if latent else int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=latent.row_width if latent else int(raw.get("head_dim") or hidden_size // num_heads),
         intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(raw),
+        rope=rope,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
@@ -153,7 +196,20 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
         moe=_parse_moe(architecture, raw),
+        latent=latent,
         raw=raw,
+    )
+
+
+def _parse_latent(raw: dict[str, Any], rope: RopeConfig) -> LatentConfig:
+    nope, rotary = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    return LatentConfig(
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rotary,
+        v_head_dim=int(raw["v_head_dim"]),
+        softmax_scale=LatentConfig.scale_of(nope + rotary, rope.rope_type, rope.factor, rope.mscale_all_dim),
     )
 
 
@@ -161,6 +217,8 @@ def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
     if architecture not in MOE_ARCHITECTURES:
         return None
     num_layers = int(raw["num_hidden_layers"])
+    if architecture == "DeepseekV3ForCausalLM":
+        return _parse_deepseek_moe(raw, num_layers)
     if architecture == "MixtralForCausalLM":  # every layer sparse; the experts' size is intermediate_size
         return MoeConfig(
             int(raw.get("num_local_experts") or raw.get("num_experts") or 8),
@@ -185,6 +243,26 @@ def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
     )
 
 
+def _parse_deepseek_moe(raw: dict[str, Any], num_layers: int) -> MoeConfig:
+    """The first `first_k_dense_replace` layers dense (intermediate_size), the others experts with DeepSeek-V3's
+    grouped sigmoid routing and ungated shared experts (moe_intermediate_size x n_shared_experts)."""
+    expert_size = int(raw["moe_intermediate_size"])
+    return MoeConfig(
+        int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 256),
+        int(raw.get("num_experts_per_tok", 8)),
+        expert_size,
+        bool(raw.get("norm_topk_prob", True)),
+        frozenset(range(int(raw.get("first_k_dense_replace", 0)), num_layers)),
+        expert_size * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        scoring="sigmoid",
+        selection_bias=True,
+        num_groups=int(raw.get("n_group") or 1),
+        top_groups=int(raw.get("topk_group") or 1),
+        routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
+    )
+
+
 def _refuse_unimplemented(architecture: str, raw: dict[str, Any]) -> None:
     """Config fields that change the model's math in ways kvyard does not implement: serving such a checkpoint
     would give wrong output, so it is refused at load."""
@@ -195,12 +273,30 @@ def _refuse_unimplemented(architecture: str, raw: dict[str, Any]) -> None:
     if raw.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP projections without bias only)")
     shared = raw.get("shared_expert_intermediate_size") if architecture != "Qwen2MoeForCausalLM" else None
-    if shared or raw.get("n_shared_experts"):
-        problems.append("shared experts outside Qwen2-MoE (experts every token uses besides its routed ones)")
+    deepseek = architecture == "DeepseekV3ForCausalLM"
+    if shared or (raw.get("n_shared_experts") and not deepseek):
+        problems.append("shared experts outside Qwen2-MoE and DeepSeek-V3 (experts every token uses)")
+    if deepseek:
+        problems += _deepseek_problems(raw)
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append(f"partial_rotary_factor={raw['partial_rotary_factor']} (rotary embedding on whole heads only)")
     if problems:
         raise UnsupportedModelError("config.json asks for what kvyard does not implement: " + "; ".join(problems))
+
+
+def _deepseek_problems(raw: dict[str, Any]) -> list[str]:
+    """DeepSeek-V3 configs kvyard's routing and latent attention do not compute as written."""
+    problems = []
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={raw['scoring_func']!r} (DeepSeek-V3's sigmoid routing only)")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        problems.append(f"topk_method={raw['topk_method']!r} (DeepSeek-V3's noaux_tc routing only)")
+    if raw.get("attention_bias"):
+        problems.append("attention_bias=true (latent attention without biases only)")
+    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        problems.append(f"num_key_value_heads={kv_heads} (latent attention has one latent per head)")
+    return problems
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:

@@ -1,5 +1,5 @@
 """Decoder-only transformer covering the Llama, Qwen2 and Qwen3 families, dense or with expert layers (Mixtral,
-Qwen2-MoE, Qwen3-MoE: kvyard.models.experts).
+Qwen2-MoE, Qwen3-MoE: kvyard.models.experts), and DeepSeek-V3 (latent attention: kvyard.models.latent_attention).
 
 Parameter names follow the Hugging Face checkpoints, except that Q/K/V and gate/up projections
 are fused (`qkv_proj`, `gate_up_proj`) so each layer runs three large matmuls instead of six;
@@ -16,6 +16,7 @@ from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.experts import SparseMoE
 from kvyard.models.fused_decode import FusedDecode
+from kvyard.models.latent_attention import LatentAttention
 from kvyard.models.layers import (
     GatedMLP,
     Linear,
@@ -72,7 +73,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn: Attention | LatentAttention
+        if config.latent is not None:
+            self.self_attn = LatentAttention(config.hidden_size, config.num_heads, config.latent, rotary)
+        else:
+            self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: GatedMLP | SparseMoE
         if config.moe is not None and index in config.moe.sparse_layers:
@@ -119,7 +124,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(config.rope, config.rotary_dim, max_positions)
         self.model = DecoderBody(config, self.rotary)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode: FusedDecode | None = None  # set by use_cpu_fast_paths

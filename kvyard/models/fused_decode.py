@@ -22,7 +22,7 @@ from kvyard.models.layers import GatedMLP, Linear
 from kvyard.models.quantization import HalfLinear, Int8Linear
 
 if TYPE_CHECKING:
-    from kvyard.models.decoder import CausalLM, DecoderLayer
+    from kvyard.models.decoder import Attention, CausalLM, DecoderLayer
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class FusedDecode:
         """None when a layer has something the fused call does not compute (a projection without its native
         kernel, a bias other than the QKV projection's, fused elementwise work switched off)."""
         config = model.config
-        if config.moe is not None:  # the fused call computes dense MLPs only
+        if config.moe is not None or config.latent is not None:  # the fused call: dense MLPs, GQA attention only
             return None
         shape = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim)
         decoder_layers = [cast("DecoderLayer", layer) for layer in model.model.layers]
@@ -106,7 +106,7 @@ def _chunks(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _layer_args(
     layer: DecoderLayer, kernel: DecodeLayerKernel, shape: tuple[int, int, int, int, int], model: CausalLM
 ) -> tuple[Any, ...] | None:
-    attn, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)
+    attn, mlp = cast("Attention", layer.self_attn), cast("GatedMLP", layer.mlp)  # GQA, dense layers only (build)
     natives = (layer.input_layernorm, layer.post_attention_layernorm, mlp, attn.rotary)
     if any(module.native is None for module in natives):
         return None
@@ -129,7 +129,7 @@ def _layer_args(
 
 
 def _linears(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    attn, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)  # dense layers only (build)
+    attn, mlp = cast("Attention", layer.self_attn), cast("GatedMLP", layer.mlp)  # GQA, dense layers only (build)
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 

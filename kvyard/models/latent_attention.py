@@ -18,41 +18,15 @@ interleaved (DeepSeek's `rope_interleave`) have their rotary rows reordered at l
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from kvyard.models.attention import AttentionMetadata, gather_blocks
+from kvyard.models.config import LatentConfig, ModelConfig
 from kvyard.models.kv_format import from_storage, store_rows
 from kvyard.models.layers import Linear, RMSNorm, RotaryEmbedding
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek normalizes both latents with this, whatever the model's rms_norm_eps
-
-
-@dataclass(frozen=True, slots=True)
-class LatentConfig:
-    q_lora_rank: int  # 0: queries straight from the hidden state (q_proj), else through a normalized low rank
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    softmax_scale: float
-
-    @property
-    def row_width(self) -> int:
-        """Values cached per token per layer."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @staticmethod
-    def scale_of(qk_head_dim: int, rope_type: str, factor: float, mscale_all_dim: float) -> float:
-        """1/sqrt(qk head size), times yarn's mscale(factor, mscale_all_dim) squared where the rope is scaled."""
-        scale = qk_head_dim**-0.5
-        if rope_type != "default" and mscale_all_dim and factor > 1:
-            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
-            scale *= mscale * mscale
-        return scale
 
 
 class LatentAttention(nn.Module):
@@ -179,3 +153,17 @@ def deinterleave_rows(weight: torch.Tensor, head_width: int, rope_offset: int, r
     out = rows.clone()
     out[:, rope_offset : rope_offset + rope_dim] = reordered
     return out.view_as(weight)
+
+
+def latent_checkpoint_tensor(module: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A latent attention checkpoint tensor as kvyard's module takes it: the query projection's and the latent
+    projection's rotary rows reordered to rotate-half where the checkpoint pairs them interleaved."""
+    latent = config.latent
+    if latent is None or not config.raw.get("rope_interleave", True):
+        return tensor
+    rope = latent.qk_rope_head_dim
+    if module in ("q_proj", "q_b_proj"):
+        return deinterleave_rows(tensor, latent.qk_nope_head_dim + rope, latent.qk_nope_head_dim, rope)
+    if module == "kv_a_proj_with_mqa":
+        return deinterleave_rows(tensor, latent.row_width, latent.kv_lora_rank, rope)
+    return tensor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 from kvyard.models.checkpoint import FUSED_SHARDS, checkpoint_tensor_name, model_digest, safetensors_files
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
+from kvyard.models.latent_attention import latent_checkpoint_tensor
 
 __all__ = ["DTYPES", "load_model", "materialize", "model_digest", "resolve_dtype"]
 
@@ -23,6 +25,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
@@ -93,10 +98,13 @@ def _load_tensor(
     params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, config: ModelConfig
 ) -> str | None:
     """Copy one checkpoint tensor into its (possibly fused) parameter; return the parameter name."""
-    if "rotary_emb" in name:
+    if "rotary_emb" in name or _beyond_layers(name, config):
         return None
     prefix, _, leaf = name.rpartition(".")
     module_prefix, _, module = prefix.rpartition(".")
+    if config.latent is not None and module_prefix.endswith(".self_attn"):  # latent attention: nothing is fused
+        params[name].data.copy_(latent_checkpoint_tensor(module, tensor, config))
+        return name
     if module in FUSED_SHARDS:
         fused, shard = FUSED_SHARDS[module]
         target = f"{module_prefix}.{fused}.{leaf}"
@@ -108,6 +116,12 @@ def _load_tensor(
         raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
     params[name].data.copy_(tensor)
     return name
+
+
+def _beyond_layers(name: str, config: ModelConfig) -> bool:
+    """A tensor of a layer past num_hidden_layers: DeepSeek-V3's multi-token-prediction layers, which serving skips."""
+    match = _LAYER.match(name)
+    return match is not None and int(match.group(1)) >= config.num_layers
 
 
 def _fused_slice(param: torch.Tensor, shard: int, fused: str, config: ModelConfig) -> torch.Tensor:

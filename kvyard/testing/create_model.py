@@ -86,6 +86,7 @@ class _Arch:
     extra: Mapping[str, object] = field(default_factory=dict)  # config fields beyond the preset's (MoE experts)
     # MLP-size fields of an MoE model's experts, each set to the preset's MLP size divided by the number given
     expert_sizes: Mapping[str, int] = field(default_factory=dict)
+    latent: bool = False  # DeepSeek-V3's latent attention: its sizes from the preset's (_latent_fields)
 
 
 _ARCHS = MappingProxyType(
@@ -115,6 +116,27 @@ _ARCHS = MappingProxyType(
             MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2}),
             MappingProxyType({"intermediate_size": 4}),
         ),
+        # DeepSeek-V3: 8 routed experts in 4 groups (2 groups a token, 2 experts), one shared, the first layer dense
+        "deepseek_v3": _Arch(
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            CHATML,
+            MappingProxyType(
+                {
+                    "n_routed_experts": 8,
+                    "n_shared_experts": 1,
+                    "num_experts_per_tok": 2,
+                    "n_group": 4,
+                    "topk_group": 2,
+                    "routed_scaling_factor": 2.5,
+                    "norm_topk_prob": True,
+                    "first_k_dense_replace": 1,
+                    "num_mtp_layers": 0,
+                }
+            ),
+            MappingProxyType({"moe_intermediate_size": 4}),
+            latent=True,
+        ),
     }
 )
 
@@ -143,6 +165,10 @@ def create_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, spec.model_class)(config)
+        if spec.latent:  # its norms start at ones and its selection bias at zero: a misplaced one would not show
+            for name, tensor in model.state_dict().items():
+                if name.endswith("norm.weight") or name.endswith("e_score_correction_bias"):
+                    tensor.add_(torch.randn_like(tensor) * 0.1)
     model.to(getattr(torch, dtype))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=bos_id, eos_token_id=[eos_id, text_end_id], pad_token_id=text_end_id
@@ -187,6 +213,16 @@ def _model_config(spec: _Arch, p: Preset, vocab_size: int, bos_id: int, eos_id: 
     }
     for name, divisor in spec.expert_sizes.items():
         fields[name] = p.intermediate_size // divisor
+    if spec.latent:
+        fields.pop("head_dim")
+        fields |= {
+            "num_key_value_heads": p.num_heads,
+            "q_lora_rank": p.hidden_size // 2,
+            "kv_lora_rank": p.hidden_size // 4,
+            "qk_nope_head_dim": p.head_dim,
+            "qk_rope_head_dim": p.head_dim // 2,
+            "v_head_dim": p.head_dim,
+        }
     config: PretrainedConfig = getattr(transformers, spec.config_class)(**fields)
     return config
 

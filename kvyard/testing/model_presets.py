@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")  # mixture-of-experts: 8 experts, 2 a token
+# mixture-of-experts: 8 experts, 2 a token (DeepSeek-V3: also latent attention, a dense first layer, a shared expert)
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 PRESETS = ("tiny", "small", "bench", "demo", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 

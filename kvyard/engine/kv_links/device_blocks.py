@@ -16,17 +16,17 @@ from kvyard.kvcache.codec import BlockFormat, DecodedBlock
 
 
 def block_shape(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[int, ...]:
-    _, _, num_kv_heads, head_dim = kv_caches[0].shape
-    return (len(kv_caches), 2, block_size, num_kv_heads, head_dim)
+    planes, _, num_kv_heads, head_dim = kv_caches[0].shape  # keys and values, or latent attention's one row
+    return (len(kv_caches), planes, block_size, num_kv_heads, head_dim)
 
 
 def read_blocks(kv_caches: Sequence[torch.Tensor], block_size: int, block_ids: Sequence[int]) -> torch.Tensor:
-    """A host copy of the blocks' KV: `[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+    """A host copy of the blocks' KV: `[len(block_ids), num_layers, planes, block_size, num_kv_heads, head_dim]`."""
     first = kv_caches[0]
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     out = torch.empty((len(block_ids), *block_shape(kv_caches, block_size)), dtype=first.dtype)
     for layer, cache in enumerate(kv_caches):
-        paged = cache.view(2, -1, block_size, *cache.shape[2:])
+        paged = cache.view(cache.shape[0], -1, block_size, *cache.shape[2:])
         out[:, layer] = paged.index_select(1, index).transpose(0, 1)
     return out
 
@@ -39,7 +39,7 @@ def write_blocks(
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     data = blocks.to(device=first.device, dtype=first.dtype)
     for layer, cache in enumerate(kv_caches):
-        paged = cache.view(2, -1, block_size, *cache.shape[2:])  # [2, num_blocks, block_size, Hkv, D]
+        paged = cache.view(cache.shape[0], -1, block_size, *cache.shape[2:])  # [planes, blocks, block_size, Hkv, D]
         paged.index_copy_(1, index, data[:, layer].transpose(0, 1))
 
 

@@ -44,7 +44,9 @@ def zeroed_cache(
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * kv_format.row_bytes(config.head_dim)
+    return (
+        config.kv_planes * config.num_layers * block_size * config.num_kv_heads * kv_format.row_bytes(config.head_dim)
+    )
 
 
 @dataclass(slots=True)
@@ -93,7 +95,12 @@ class PagedModel:
         self.dtype = dtype
         self.kv_format = KVFormat.resolve(kv_cache_dtype, dtype)
         config = model.config
-        shape = (2, num_blocks * block_size, config.num_kv_heads, self.kv_format.row_width(config.head_dim))
+        shape = (
+            config.kv_planes,
+            num_blocks * block_size,
+            config.num_kv_heads,
+            self.kv_format.row_width(config.head_dim),
+        )
         # Zeroed, not empty: padded decode slots read block 0 and must never hold NaNs.
         storage = self.kv_format.storage_dtype
         buffers = kv_buffers if kv_buffers is not None else [None] * config.num_layers
@@ -152,7 +159,11 @@ class PagedModel:
 class ModelRunner(PagedModel):
     """The engine's PagedModel: samples a token for every request a step completes."""
 
-    blends = True  # runs a blended prompt (a ScheduledRequest with segments: kvyard.engine.blend)
+    @property
+    def blends(self) -> bool:
+        """Whether it runs a blended prompt (a ScheduledRequest with segments: kvyard.engine.blend): blending moves
+        keys and values; latent attention's rows are not written for it yet."""
+        return self.model.config.latent is None
 
     @cached_property
     def _generators(self) -> dict[str, torch.Generator]:
