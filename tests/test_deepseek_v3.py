@@ -1,6 +1,7 @@
 """DeepSeek-V3 (latent attention over a cache of one latent row per token, grouped sigmoid routing, a shared expert,
 a dense first layer) gives transformers' greedy tokens and log-probs on the same random weights: in a batch of mixed
-lengths, from the prefix cache, in 7-token prefill chunks and after preemption."""
+lengths, from the prefix cache, in 7-token prefill chunks and after preemption; its latent blocks go through the KV
+tier byte for byte."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.runners.model_runner import kv_block_bytes
+from kvyard.kvcache.block_key import chain_block_keys
+from kvyard.kvcache.config import KVTierConfig
 from kvyard.models.config import load_model_config
 from kvyard.models.kv_format import KVFormat
 from kvyard.testing.create_model import create_model
@@ -88,3 +91,26 @@ def test_the_cache_keeps_one_latent_row_per_token_and_layer(deepseek: Path) -> N
     assert config.latent is not None and config.kv_planes == 1 and config.num_kv_heads == 1
     per_token = kv_block_bytes(config, 16, KVFormat.resolve("auto", torch.float32)) // 16 // config.num_layers
     assert per_token == 4 * (config.latent.kv_lora_rank + config.latent.qk_rope_head_dim)  # fp32: 24 values
+
+
+def test_latent_rows_round_trip_through_the_disk_tier(deepseek: Path, tmp_path: Path) -> None:
+    """A second engine loads the first one's latent blocks from disk, byte for byte, and answers the same."""
+    tier = KVTierConfig(tiers=("disk",), disk_dir=str(tmp_path / "blocks"), load_deadline_s=60)
+    prompt = _prompts(5, 4)[4]
+    with LLM(str(deepseek), kv_tier=tier) as writer:
+        first = writer.generate([prompt], GREEDY)[0]
+        written = _stored_blocks(writer, prompt)
+    with LLM(str(deepseek), kv_tier=tier) as reader:
+        second = reader.generate([prompt], GREEDY)[0]
+        loaded = _stored_blocks(reader, prompt)
+    assert second.num_cached_tokens == len(prompt) // 16 * 16
+    assert second.token_ids == first.token_ids
+    assert loaded == written
+
+
+def _stored_blocks(llm: LLM, prompt: list[int]) -> list[bytes]:
+    engine = llm.engine
+    keys = chain_block_keys(engine.root_key(None), prompt, engine.engine_config.block_size)
+    block_ids = [engine.block_pool.lookup(key) for key in keys]
+    assert None not in block_ids
+    return [bytes(block) for block in engine.device_blocks.read(block_ids)]  # type: ignore[arg-type]
