@@ -15,7 +15,7 @@ from kvyard.kernels.ops import NativeKernels, bind_kernels, load_native_kernels
 from kvyard.testing.create_model import create_model
 
 ARCHS = ("llama", "qwen2", "qwen3")
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
 
 @pytest.fixture(scope="session")
