@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kv_format import _stored_blocks
 from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.engine.runners.model_runner import kv_block_bytes
-from kvyard.kvcache.block_key import chain_block_keys
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.models.config import load_model_config
 from kvyard.models.kv_format import KVFormat
@@ -106,11 +106,3 @@ def test_latent_rows_round_trip_through_the_disk_tier(deepseek: Path, tmp_path: 
     assert second.num_cached_tokens == len(prompt) // 16 * 16
     assert second.token_ids == first.token_ids
     assert loaded == written
-
-
-def _stored_blocks(llm: LLM, prompt: list[int]) -> list[bytes]:
-    engine = llm.engine
-    keys = chain_block_keys(engine.root_key(None), prompt, engine.engine_config.block_size)
-    block_ids = [engine.block_pool.lookup(key) for key in keys]
-    assert None not in block_ids
-    return [bytes(block) for block in engine.device_blocks.read(block_ids)]  # type: ignore[arg-type]
