@@ -138,7 +138,10 @@ def run_config(name: str, model: Path, shapes: dict[str, Shape], seed: int, scra
     results: dict[str, Any] = {}
     try:
         for shape_name, shape in shapes.items():
-            results[shape_name] = run_shape(url, f"{name}-{shape_name}".replace(" ", "_"), shape, seed, scratch)
+            # Each shape its own prompts: the same seed would give later shapes prefix-cache hits on earlier ones.
+            shape_seed = seed + 1000 * (list(SHAPES).index(shape_name) + 1)
+            label = f"{name}-{shape_name}".replace(" ", "_")
+            results[shape_name] = run_shape(url, label, shape, shape_seed, scratch)
             row = results[shape_name]
             print(
                 f"  {shape_name}: {row['output_tokens_per_s']:.1f} out tok/s, TTFT p50 {row['ttft_s']['p50']:.2f} s "

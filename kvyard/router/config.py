@@ -74,7 +74,7 @@ class RouterConfig:
     # least: charged per replica without long work, more as fewer are left (router.policies, CacheAware). Long is
     # relative to the prompts the router sees, so the rule follows the workload instead of a length.
     long_prompt_factor: float = setting(
-        0.0,
+        8.0,
         help="cache_aware: a prompt whose prefill work is this many times the median of recent prompts' counts as "
         "long; placed on a replica with no long work queued, it is charged --long-prompt-weight times its work "
         "over the replicas left without any (0: off)",
