@@ -115,7 +115,7 @@ def run_shape(url: str, name: str, shape: Shape, seed: int, scratch: Path) -> di
     return {
         "completed": summary["requests"]["completed"],
         "output_tokens_per_s": throughput["output_tokens_per_s"],
-        "prompt_tokens_per_s": throughput.get("prompt_tokens_per_s"),
+        "prompt_tokens_per_s": throughput.get("input_tokens_per_s"),
         "ttft_s": {key: summary["ttft_s"][key] for key in ("p50", "p99", "mean")},
         "tpot_s": {key: summary["tpot_s"][key] for key in ("p50", "p99")} if shape.output_len > 1 else None,
     }
