@@ -9,6 +9,9 @@ Two sources, kept apart so each can be replaced without touching the other:
   them there waits for its first token (however long its queue), and expire `routed_ttl_s` after it.
   This keeps a burst of sibling requests, or the next turn of a conversation whose last turn is still
   queued, from being routed on a stale index.
+
+A routed entry names the request (its batch) that put it there, and the batch carries the time: when a request's
+first byte arrives, its thousands of entries start their time-to-live by one assignment, not one each.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ class CacheIndex:
     # values (it walks every set, and a router holds millions of keys).
     exact: dict[bytes, None] | None = None
     seq: int = 0
-    routed: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    routed: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # key -> the batch that routed it last
     local: dict[bytes, None] = field(default_factory=dict)
     # The fleet-wide inverted index this one keeps current, and who it names as the holder (its replica).
     holders: KeyHolders | None = None
     owner: Any = None
     segments: SegmentHolds = field(default_factory=SegmentHolds)  # device blocks by their own tokens (blending)
+    # Batch -> its time (math.inf while its request waits for a first byte), oldest batch first. Integers, not
+    # objects, as the routed map's values: the collector does not walk a map of untracked keys and values.
+    _stamps: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    _next_batch: int = 0
 
     @property
     def has_events(self) -> bool:
@@ -46,26 +53,47 @@ class CacheIndex:
     def holds(self, key: bytes, now: float) -> bool:
         if self.exact is not None and key in self.exact:
             return True
-        stamp = self.routed.get(key)
-        if stamp is None:
+        batch = self.routed.get(key)
+        if batch is None:
             return False
-        if self.exact is not None and now - stamp > self.routed_ttl_s:
+        if self.exact is not None and now - self._stamps.get(batch, -math.inf) > self.routed_ttl_s:
             del self.routed[key]
             self._release(key)
             return False
         return True
 
-    def note_routed(self, keys: Iterable[bytes], now: float | None = None) -> None:
-        """Record keys of a prompt routed here; `now=math.inf` keeps them until noted again with a time."""
+    def note_routed(self, keys: Iterable[bytes], now: float | None = None) -> int:
+        """Record keys of a prompt routed here, as one batch (returned); `now=math.inf` keeps them until the
+        batch is stamped (`stamp`)."""
         stamp = time.monotonic() if now is None else now
-        routed, holders = self.routed, self.holders
+        batch = self._next_batch
+        self._next_batch += 1
+        self._stamps[batch] = stamp
+        self._forget_expired_batches(time.monotonic() if stamp == math.inf else stamp)
+        routed, fresh = self.routed, []
         for key in keys:
-            routed[key] = stamp
-            routed.move_to_end(key)
-            if holders is not None:
-                holders.add(key, self.owner)
+            if routed.pop(key, None) is None:  # popped and put back: the most recently routed go last
+                fresh.append(key)
+            routed[key] = batch
+        if self.holders is not None:
+            self.holders.add_all(fresh, self.owner)
         while len(routed) > self.routed_capacity:
             self._release(routed.popitem(last=False)[0])
+        return batch
+
+    def stamp(self, batch: int, now: float | None = None) -> None:
+        """The request of `batch` got its first byte: its entries' time-to-live starts."""
+        if batch in self._stamps:
+            self._stamps[batch] = time.monotonic() if now is None else now
+
+    def _forget_expired_batches(self, now: float) -> None:
+        """Drop the times of the oldest batches once expired (their entries then read as expired)."""
+        stamps, limit = self._stamps, now - self.routed_ttl_s
+        while len(stamps) > 1:
+            batch, stamp = next(iter(stamps.items()))
+            if stamp >= limit:  # a batch still waiting for its first byte (inf) keeps the later ones too
+                return
+            del stamps[batch]
 
     # ------------------------------------------------------------------ the replica's own account
 
@@ -83,6 +111,7 @@ class CacheIndex:
         self.local = dict.fromkeys(local_keys)
         self.seq = seq
         self.routed.clear()
+        self._stamps.clear()
         self._hold(self.exact)
         self._hold(self.local)
 
@@ -113,10 +142,10 @@ class CacheIndex:
     def _forget_computed(self, keys: list[bytes]) -> None:
         """Routed entries of requests past their first token bridge nothing once the replica evicts the block (a
         request still waiting keeps its entry: it will compute the block again)."""
-        routed = self.routed
+        routed, stamps = self.routed, self._stamps
         for key in keys:
-            stamp = routed.get(key)
-            if stamp is not None and stamp != math.inf:
+            batch = routed.get(key)
+            if batch is not None and stamps.get(batch) != math.inf:
                 del routed[key]
 
     def clear(self) -> None:
@@ -126,6 +155,7 @@ class CacheIndex:
         if self.exact is not None:
             self.exact.clear()
         self.routed.clear()
+        self._stamps.clear()
         self.local.clear()
 
     def forget_events(self) -> None:
@@ -134,6 +164,7 @@ class CacheIndex:
         self.segments.clear()
         self.exact = None
         self.routed.clear()
+        self._stamps.clear()
         self.local.clear()
 
     def holds_anywhere(self, key: bytes) -> bool:
@@ -141,10 +172,8 @@ class CacheIndex:
         return (self.exact is not None and key in self.exact) or key in self.routed or key in self.local
 
     def _hold(self, keys: Iterable[bytes]) -> None:
-        holders = self.holders
-        if holders is not None:
-            for key in keys:
-                holders.add(key, self.owner)
+        if self.holders is not None:
+            self.holders.add_all(keys, self.owner)
 
     def _release(self, key: bytes) -> None:
         """`key` left one of the sources: the fleet index forgets this holder once it is in none."""

@@ -12,7 +12,7 @@ in a large fleet; a map to the replicas themselves, or to sets of them, was walk
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,11 @@ class KeyHolders:
     def add(self, key: bytes, holder: Any) -> None:
         masks = self._masks
         masks[key] = masks.get(key, 0) | self._bit(holder)
+
+    def add_all(self, keys: Iterable[bytes], holder: Any) -> None:
+        masks, bit = self._masks, self._bit(holder)
+        for key in keys:
+            masks[key] = masks.get(key, 0) | bit
 
     def discard(self, key: bytes, holder: Any) -> None:
         masks = self._masks

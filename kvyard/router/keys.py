@@ -1,7 +1,7 @@
 """Block keys of a prompt, computed the way every replica computes them (docs/contracts.md §1).
 
 The same keys as `kvyard.kvcache.block_key.chain_block_keys` (built from its `encode_tokens` and
-`key_from_encoded`), computed lazily: routing often needs only the keys up to the first miss.
+`chain_encoded_keys`), computed lazily: routing often needs only the keys up to the first miss.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvyard.kvcache.block_key import KeyNamespace, encode_tokens, key_from_encoded
+from kvyard.kvcache.block_key import KeyNamespace, chain_encoded_keys, encode_tokens
+
+AHEAD = 8  # keys computed past the one asked for
 
 
 @dataclass(slots=True)
@@ -27,12 +29,13 @@ class PromptKeys:
         return cls(root, block_size, encode_tokens(token_ids), len(token_ids) // block_size)
 
     def key(self, index: int) -> bytes:
-        """Key of block `index` (computing every key before it first)."""
-        keys, width = self._keys, self.block_size * 4
-        while len(keys) <= index:
+        """Key of block `index` (computing every key before it first, and a few after it: a lookup that needs
+        this one mostly needs the next ones too)."""
+        keys = self._keys
+        if len(keys) <= index:
+            count = min(max(index + 1 - len(keys), AHEAD), self.num_blocks - len(keys))
             parent = keys[-1] if keys else self.root
-            start = len(keys) * width
-            keys.append(key_from_encoded(parent, self.token_bytes[start : start + width]))
+            keys += chain_encoded_keys(parent, self.token_bytes, self.block_size, count, len(keys))
         return keys[index]
 
     def all(self) -> list[bytes]:

@@ -81,9 +81,9 @@ class _Relay:
             data = self.follower.feed(data)
             if not data:
                 return
-        if not self.started:
+        first = not self.started
+        if first:
             self.started = True
-            self.on_first_byte()
             self.replica.streaming += 1
             if not self.responder.started:  # a resumed stream's head went out with the first replica's bytes
                 headers = [("Content-Type", self.content_type), ("X-Kvyard-Replica", self.replica.url)]
@@ -92,9 +92,11 @@ class _Relay:
                 if self.ignored_fields:
                     headers.append((IGNORED_FIELDS_HEADER, self.ignored_fields))
                 self.responder.start(200, headers)
+        self.responder.write(data)
+        if first:  # the client's first token goes out before the router's accounting
+            self.on_first_byte()
         if b'"usage"' in data:
             self.on_usage(data)
-        self.responder.write(data)
 
 
 @dataclass(slots=True)
@@ -120,8 +122,8 @@ class Forwarder:
         replica.pending_prefill_cost += decision.prefill_cost
         replica.pending_load_s += decision.load_s
         replica.pending_kv_tokens += decision.kv_tokens
-        if decision.keys:
-            replica.index.note_routed(decision.keys, math.inf)  # held until the first byte, see CacheIndex
+        # Held until the first byte, see CacheIndex
+        batch = replica.index.note_routed(decision.keys, math.inf) if decision.keys else None
         self.metrics.replica(replica.url).routed.inc()
         first_byte = False
 
@@ -134,8 +136,8 @@ class Forwarder:
                 replica.pending_prefill_cost -= decision.prefill_cost
                 replica.pending_load_s -= decision.load_s
                 replica.pending_kv_tokens -= decision.kv_tokens
-                if decision.keys:
-                    replica.index.note_routed(decision.keys)
+                if batch is not None:
+                    replica.index.stamp(batch)
 
         sent = time.monotonic()
 
@@ -217,12 +219,11 @@ class Forwarder:
         replica.awaiting_first_byte += 1
         replica.pending_prefill_cost += decision.prefill_cost
         replica.pending_load_s += decision.load_s
-        if decision.keys:
-            replica.index.note_routed(decision.keys, math.inf)
+        batch = replica.index.note_routed(decision.keys, math.inf) if decision.keys else None
         self.metrics.replica(replica.url).routed.inc()
-        return self._send_prefill(decision, path, body)
+        return self._send_prefill(decision, path, body, batch)
 
-    async def _send_prefill(self, decision: Decision, path: str, body: bytes) -> None:
+    async def _send_prefill(self, decision: Decision, path: str, body: bytes, batch: int | None) -> None:
         replica = decision.replica
         outcome = "ok"
         try:
@@ -242,8 +243,8 @@ class Forwarder:
             replica.first_bytes_since_load += 1
             replica.pending_prefill_cost -= decision.prefill_cost
             replica.pending_load_s -= decision.load_s
-            if decision.keys:
-                replica.index.note_routed(decision.keys)
+            if batch is not None:
+                replica.index.stamp(batch)
             self.metrics.pd_prefills.labels(outcome).inc()
 
     def _broken_mid_stream(self, responder: Responder, follower: Follower | None, reason: str) -> Retry | None:
