@@ -181,6 +181,12 @@ def test_a_malformed_option_is_an_argparse_error() -> None:
     assert result.returncode == 2 and "invalid int value: 'many'" in result.stderr
 
 
+def test_a_blend_fraction_out_of_range_is_refused_naming_the_option() -> None:
+    result = run_kvyard("serve", "--blend-recompute-fraction", "2")
+    assert result.returncode == 2
+    assert "argument --blend-recompute-fraction: must be from 0 to 1, not 2" in result.stderr
+
+
 @pytest.mark.parametrize(("command", "code"), [("generate", 2), ("serve", 1)])
 def test_a_model_that_cannot_load_ends_the_command_with_the_reason(tmp_path: Path, command: str, code: int) -> None:
     extra = ["--prompt", "x"] if command == "generate" else ["--port", "0"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.engine.blend.settings import NON_PREFIX_REUSE, SELECTIONS
+from kvyard.engine.blend.settings import NON_PREFIX_REUSE, SELECTIONS, fraction
 from kvyard.engine.scheduling.scheduler import SchedulerConfig
 from kvyard.engine.speculative.policy import SpeculativeConfig
 from kvyard.kvcache.config import KVTierConfig, KVTransferConfig
@@ -74,7 +74,9 @@ class EngineConfig:
         "the exact one's); a request's non_prefix_reuse field overrides it",
     )
     blend_recompute_fraction: float = setting(
-        0.1, help="blend: the fraction of reused tokens recomputed (more: closer to exact, slower)"
+        0.1,
+        parse=fraction,
+        help="blend: the fraction of reused tokens recomputed, 0 to 1 (more: closer to exact, slower)",
     )
     blend_selection: str = setting(
         "leading",

@@ -57,12 +57,14 @@ class SegmentIndex:
     def __len__(self) -> int:
         return len(self._hash_of_block)
 
-    def add(self, block_id: int, start: int, tokens: Sequence[int], root: bytes) -> None:
-        """Index `block_id`, holding `tokens` (exactly block_size of them) computed from position `start`."""
+    def add(self, block_id: int, start: int, tokens: Sequence[int], root: bytes, rolling: int | None = None) -> None:
+        """Index `block_id`, holding `tokens` (exactly block_size of them) computed from position `start`;
+        `rolling`: their `window_hash`, when the caller has it already."""
         if len(tokens) != self.block_size:
             raise ValueError(f"a segment holds {self.block_size} tokens, not {len(tokens)}")
         self.discard(block_id)
-        rolling = window_hash(tokens)
+        if rolling is None:
+            rolling = window_hash(tokens)
         self._by_hash.setdefault(rolling, []).append(SegmentSource(block_id, start, root, encode_tokens(list(tokens))))
         self._hash_of_block[block_id] = rolling
 

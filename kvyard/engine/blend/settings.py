@@ -9,6 +9,14 @@ SELECTIONS = ("leading", "deviation")
 NON_PREFIX_REUSE = ("off", "blend")
 
 
+def fraction(text: str) -> float:
+    """A number from 0 to 1, read from an option's text."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be from 0 to 1, not {text}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class BlendSettings:
     """`recompute_fraction` of the reused tokens is recomputed on top of the ones always recomputed (the tokens no

@@ -19,7 +19,7 @@ from kvyard.engine.scheduling.block_pool import BlockPool
 from kvyard.engine.scheduling.request import BlockSource, Request, TierLoad
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.pd_stream import TransferHandle
-from kvyard.kvcache.segment_key import segment_fingerprint
+from kvyard.kvcache.segment_key import root_mix, window_hash
 
 _LOG = logging.getLogger(__name__)
 LOAD_WAIT_IN_STEP_S = 0.005
@@ -337,17 +337,21 @@ class KVCacheManager:
         start = request.num_registered_blocks
         if num_full <= start:
             return
+        rolling: list[int] = []
         fingerprints = None
         if self.segments is not None:  # announced with the keys, for a router to find moved text by
-            size, tokens, root = self.block_size, request.all_token_ids, request.cache_root_key
-            blocks = range(start * size, num_full * size, size)
-            fingerprints = [segment_fingerprint(tokens[first : first + size], root) for first in blocks]
+            size, tokens = self.block_size, request.all_token_ids
+            firsts = range(start * size, num_full * size, size)
+            rolling = [window_hash(tokens[first : first + size]) for first in firsts]
+            mix = root_mix(request.cache_root_key)
+            fingerprints = [value ^ mix for value in rolling]
         registered = self.pool.register_blocks(
             request.block_table[start:num_full], request.block_keys[start:num_full], fingerprints
         )
         request.num_registered_blocks = num_full
         if self.segments is not None and registered:
-            _index_segments(self.segments, request, range(start, num_full), {block_id for block_id, _ in registered})
+            newly = {block_id for block_id, _ in registered}
+            _index_segments(self.segments, request, range(start, num_full), newly, rolling)
         if self.tier is not None and registered:
             self.tier.offload(request.cache_root_key, [key for _, key in registered], [b for b, _ in registered])
 
@@ -359,11 +363,14 @@ class KVCacheManager:
         request.num_registered_blocks = 0
 
 
-def _index_segments(segments: SegmentIndex, request: Request, numbers: range, registered: set[int]) -> None:
-    """Add the request's blocks `numbers` that were newly registered to the segment index."""
+def _index_segments(
+    segments: SegmentIndex, request: Request, numbers: range, registered: set[int], rolling: list[int]
+) -> None:
+    """Add the request's blocks `numbers` that were newly registered to the segment index (`rolling`: each
+    block's window hash, computed once for its fingerprint)."""
     size = segments.block_size
-    for number in numbers:
+    for offset, number in enumerate(numbers):
         block_id = request.block_table[number]
         if block_id in registered:
             tokens = request.all_token_ids[number * size : (number + 1) * size]
-            segments.add(block_id, number * size, tokens, request.cache_root_key)
+            segments.add(block_id, number * size, tokens, request.cache_root_key, rolling[offset])
