@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvyard.api.engine_kv_events import AllCleared, EngineEvent, EngineHash, RemovedBlocks, StoredBlocks
-from kvyard.kvcache.block_key import KeyNamespace, encode_tokens, key_from_encoded
+from kvyard.kvcache.block_key import KeyNamespace, chain_encoded_keys, encode_tokens
 from kvyard.router.cache_index import CacheIndex
 
 # Where an engine's medium puts a block among kvyard's sources: its device cache, or its own lower tiers
@@ -82,13 +82,11 @@ class EngineBlockKeys:
         while len(keys) < keyable and (key := known.get(event.hashes[len(keys)])) is not None:
             keys.append(key)
         if len(keys) < keyable:
-            size, width = event.block_size, 4 * event.block_size
-            parent = keys[-1] if keys else parent
-            encoded = encode_tokens(event.token_ids[len(keys) * size : keyable * size])
-            for number, engine_hash in enumerate(event.hashes[len(keys) : keyable]):
-                parent = key_from_encoded(parent, encoded[number * width : (number + 1) * width])
-                known[engine_hash] = parent
-                keys.append(parent)
+            size, done = event.block_size, len(keys)
+            encoded = encode_tokens(event.token_ids[done * size : keyable * size])
+            new = chain_encoded_keys(keys[-1] if keys else parent, encoded, size, keyable - done)
+            known.update(zip(event.hashes[done:keyable], new))
+            keys += new
         self.index.apply(seq, "stored", keys, medium_source(event.medium))
 
     def _removed(self, seq: int, event: RemovedBlocks) -> None:
