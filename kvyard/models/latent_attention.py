@@ -19,6 +19,7 @@ interleaved (DeepSeek's `rope_interleave`) have their rotary rows reordered at l
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvyard.models.attention import AttentionMetadata, gather_blocks
@@ -78,20 +79,32 @@ class LatentAttention(nn.Module):
         decodes = meta.num_decode_tokens
         if decodes:
             context = _gathered(kv_cache[0], meta.decode_block_tables, meta.block_size, q_nope.dtype)
-            visible = torch.arange(context.shape[1], device=context.device)[None, :] < meta.decode_context_lens[:, None]
-            mask = torch.zeros(visible.shape, dtype=q_nope.dtype, device=context.device).masked_fill(
-                ~visible, -torch.inf
+            hidden_rows = (
+                torch.arange(context.shape[1], device=context.device)[None, :] >= meta.decode_context_lens[:, None]
             )
-            out[:decodes] = self._attend(q_nope[:decodes, None], q_pe[:decodes, None], context, mask[:, None])[:, 0]
+            mask = torch.zeros(hidden_rows.shape, dtype=q_nope.dtype, device=context.device).masked_fill(
+                hidden_rows, -torch.inf
+            )
+            # The heads share the one cached row a token has: they ride along as query rows of one head.
+            query = self._latent_query(q_nope[:decodes, None], q_pe[:decodes, None]).transpose(1, 2)
+            mixed = F.scaled_dot_product_attention(
+                query,
+                context[:, None],
+                context[:, None],
+                attn_mask=mask[:, None, None],
+                scale=self.latent.softmax_scale,
+            )
+            out[:decodes] = self._values(mixed.transpose(1, 2))[:, 0]
         for span in meta.prefills:
             chunk = slice(span.query_start, span.query_start + span.query_len)
+            causal_mask = None
             if span.block_table is None:  # the whole context is this chunk, exactly as computed
                 context = rows[chunk][None]
             else:
                 table = span.block_table[None]
                 context = _gathered(kv_cache[0], table, meta.block_size, q_nope.dtype)[:, : span.context_len]
-            mask = _causal(span.context_len - span.query_len, span.query_len, span.context_len, q_nope)
-            out[chunk] = self._attend(q_nope[chunk][None], q_pe[chunk][None], context, mask[None])[0]
+                causal_mask = _causal(span.context_len - span.query_len, span.query_len, span.context_len, q_nope)
+            out[chunk] = self._attend(q_nope[chunk][None], q_pe[chunk][None], context, causal_mask, causal=True)[0]
         return self.o_proj(out)
 
     def attend(
@@ -99,26 +112,46 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         """One sequence's queries [T, H, ·] over its rows [S, kv_lora_rank + rope], `mask` [T, S] additive (None:
         every row visible); the attention's output through o_proj, [T, hidden]."""
-        out = self._attend(q_nope[None], q_pe[None], rows[None], mask[None] if mask is not None else None)[0]
+        out = self._attend(q_nope[None], q_pe[None], rows[None], mask, causal=False)[0]
         return self.o_proj(out)
 
     def _attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, causal: bool
     ) -> torch.Tensor:
-        """Batched: queries [B, T, H, ·], rows [B, S, row], mask [B, T, S]; returns [B, T, H * v_head_dim]."""
+        """Queries [B, T, H, ·] over rows [B, S, row]; `mask` [T, S] additive, shared by the batch, else (None) causal
+        from the first row when `causal`, every row visible when not; returns [B, T, H * v_head_dim]."""
+        query = self._latent_query(q_nope, q_pe)
+        keys = rows[:, None]  # one cached head, shared by every query head
+        mixed = F.scaled_dot_product_attention(
+            query,
+            keys,
+            keys,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            scale=self.latent.softmax_scale,
+            enable_gqa=True,
+        )
+        return self._values(mixed)
+
+    def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, kv_lora_rank + rope]: each head's query turned into latent space beside its rotary part, the
+        row a cached row is scored against."""
+        w_uk = self._up_weights()[0]
+        return torch.cat([torch.einsum("bthd,hdr->bhtr", q_nope, w_uk), q_pe.transpose(1, 2)], dim=-1)
+
+    def _values(self, mixed: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, row] mixtures of cached rows (their latent part is the heads' values before W_UV) to
+        [B, T, H * v_head_dim]."""
+        w_uv = self._up_weights()[1]
+        out = torch.einsum("hvr,bhtr->bthv", w_uv, mixed[..., : self.latent.kv_lora_rank])
+        return out.reshape(out.shape[0], out.shape[1], self.num_heads * self.latent.v_head_dim)
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]) from kv_b_proj."""
         latent = self.latent
         weight = self.kv_b_proj.weight.view(self.num_heads, latent.qk_nope_head_dim + latent.v_head_dim, -1)
         w_uk, w_uv = weight.split([latent.qk_nope_head_dim, latent.v_head_dim], dim=1)
-        c, k_pe = rows.split([latent.kv_lora_rank, latent.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)
-        scores = torch.matmul(q_latent, c[:, None].transpose(-1, -2))  # [B, H, T, S]
-        scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe[:, None].transpose(-1, -2))
-        scores = scores * latent.softmax_scale
-        if mask is not None:
-            scores = scores + mask[:, None]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        out = torch.einsum("hvr,bhtr->bthv", w_uv, probs @ c[:, None])
-        return out.reshape(*q_nope.shape[:2], self.num_heads * latent.v_head_dim)
+        return w_uk, w_uv
 
 
 def _gathered(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
