@@ -130,6 +130,9 @@ _ARCHS = MappingProxyType(
                     "topk_group": 2,
                     "routed_scaling_factor": 2.5,
                     "norm_topk_prob": True,
+                    # As DeepSeek-V3's own config says them; vLLM builds the routing's bias only when told noaux_tc
+                    "topk_method": "noaux_tc",
+                    "scoring_func": "sigmoid",
                     "first_k_dense_replace": 1,
                     "num_mtp_layers": 0,
                 }
