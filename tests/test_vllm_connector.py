@@ -194,7 +194,8 @@ def test_a_corrupt_block_is_dropped_and_computed_instead(pair: Pair) -> None:
     client.set(keys[4], bytes(blob))
     answer, _, _ = complete(pair.b, text)  # vLLM's cached_tokens still counts what was offered, not what came
     assert answer == computed
-    assert not client.exists(keys[4]), "a corrupt block is removed from the store"
+    # B deletes the damaged block on load; its writer may already have stored the block it computed instead.
+    assert client.get(keys[4]) != bytes(blob), "a corrupt block is removed from the store"
     log = pair.b.log()
     assert f"4 of {loadable(length) // BLOCK} blocks loaded, the rest is computed" in log
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
