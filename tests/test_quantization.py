@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
-from kvyard.models.layers import Linear
+from kvyard.models.layers import Linear, onednn_runs_bf16
 from kvyard.models.package import convert
 from kvyard.models.quantization import (
     BF16_MATMUL_FROM_ROWS,
@@ -168,7 +168,8 @@ def _bf16_model_reference(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tens
     return (x.to(torch.bfloat16).double() @ weight16.double().T).to(torch.bfloat16).double()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int8 kept", "bf16", "none"])  # int8 kept: a widened copy kept
+# int8 kept: a widened copy kept; bf16 packed: a copy in oneDNN's layout
+@pytest.mark.parametrize("scheme", ["int8", "int8 kept", "bf16", "bf16 packed", "none"])
 def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_threshold_on(
     native_kernels: NativeKernels, scheme: str
 ) -> None:
@@ -190,13 +191,16 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
         weight16 = exact_weight.to(torch.bfloat16)
     else:
         layer = HalfLinear.from_linear(linear, torch.bfloat16)
-        layer.use_native_kernel(native_kernels.small_linear_half, onednn, True)
+        packed = scheme == "bf16 packed"
+        layer.use_native_kernel(native_kernels.small_linear_half, onednn, True, pack=packed)
+        assert (layer.packed_weight is not None) == (packed and layer.bf16_onednn)
         weight16 = layer.weight16
         exact_weight = weight16.float()
     first_rows = {
         "int8": BF16_MATMUL_FROM_ROWS["int8"],
         "int8 kept": BF16_MATMUL_FROM_ROWS["bf16"],
         "bf16": BF16_MATMUL_FROM_ROWS["bf16"],
+        "bf16 packed": BF16_MATMUL_FROM_ROWS["bf16"],
         "none": Linear.max_small_rows + 1,
     }
     first = first_rows[scheme]
@@ -211,6 +215,21 @@ def test_a_layer_multiplying_in_bf16_rounds_as_a_bf16_model_from_its_row_thresho
     assert torch.allclose(fp32_rows.double(), few.double() @ exact_weight.double().T, rtol=1e-5, atol=1e-5 * 16)
     with pytest.raises(ValueError, match="bf16 weights"):
         HalfLinear.from_linear(linear, torch.float16).use_native_kernel(None, False, True)
+
+
+def test_a_bf16_layer_packed_for_onednn_gives_the_bits_of_its_unpacked_weight(native_kernels: NativeKernels) -> None:
+    """The packed copy only changes the layout oneDNN reads (and saves the reorder it otherwise does every call)."""
+    if not (torch.backends.mkldnn.is_available() and onednn_runs_bf16()):
+        pytest.skip("oneDNN does not multiply bf16 on this CPU: nothing is packed")
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 1408, bias=True)
+    layers = [HalfLinear.from_linear(linear, torch.bfloat16) for _ in range(2)]
+    for layer, pack in zip(layers, (False, True)):
+        layer.use_native_kernel(native_kernels.small_linear_half, True, True, pack=pack)
+    assert layers[0].packed_weight is None and layers[1].packed_weight is not None
+    for rows in (BF16_MATMUL_FROM_ROWS["bf16"], 16, 300):
+        x = torch.randn(rows, 512)
+        assert torch.equal(layers[0](x), layers[1](x))
 
 
 def test_bf16_matmul_is_opt_in_cached_apart_and_close_to_the_fp32_model(llama_dir: Path) -> None:

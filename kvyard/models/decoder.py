@@ -177,11 +177,14 @@ class CausalLM(nn.Module):
             int8_layer.use_native_kernel(
                 kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16, keep_bf16
             )
+        half_layers = [module for module in self.modules() if isinstance(module, HalfLinear)]
+        pack_half = fits_in_half_of_memory(sum(m.weight16.numel() * m.weight16.element_size() for m in half_layers))
+        for half_layer in half_layers:
+            in_bf16 = bf16_matmul and half_layer.weight16.dtype == torch.bfloat16
+            small_kernel = kernels.small_linear_half if kernels is not None else None
+            half_layer.use_native_kernel(small_kernel, onednn, in_bf16, pack_half)
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
-            if isinstance(module, HalfLinear):
-                in_bf16 = bf16_matmul and module.weight16.dtype == torch.bfloat16
-                module.use_native_kernel(kernels.small_linear_half if kernels is not None else None, onednn, in_bf16)
         self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
         return True

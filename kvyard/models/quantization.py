@@ -165,6 +165,7 @@ class HalfLinear(nn.Module):
         self.onednn = False
         self.bf16_onednn = False  # bf16 matmuls through oneDNN (where it runs bf16), else PyTorch's
         self.bf16_matmul = False
+        self.packed_weight: torch.Tensor | None = None  # weight16 in oneDNN's layout, for many-row bf16 matmuls
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> HalfLinear:
@@ -174,20 +175,28 @@ class HalfLinear(nn.Module):
         if self.kernel is not None and x.shape[0] <= self.max_small_rows and x.dtype == torch.float32:
             return self.kernel(x, self.weight16, self.bias)
         if self.bf16_matmul and x.dtype == torch.float32:
-            return bf16_linear(x, self.weight16, self.bias, self.bf16_onednn)
+            weight = self.weight16 if self.packed_weight is None else self.packed_weight
+            return bf16_linear(x, weight, self.bias, self.bf16_onednn)
         return widened_linear(x, self.weight16.to(x.dtype), self.bias, self.onednn)
 
     def use_native_kernel(
-        self, kernel: SmallLinearHalfKernel | None, onednn: bool = False, bf16_matmul: bool = False
+        self,
+        kernel: SmallLinearHalfKernel | None,
+        onednn: bool = False,
+        bf16_matmul: bool = False,
+        pack: bool = False,
     ) -> None:
         """fp32 CPU activations: few rows through `kernel` (None: not), the rest through oneDNN if `onednn`; with
-        `bf16_matmul` (bf16 weights only), from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul."""
+        `bf16_matmul` (bf16 weights only), from BF16_MATMUL_FROM_ROWS rows on as one bf16 matmul, from a copy of
+        the weight in oneDNN's layout with `pack` (2 more bytes a weight; without it oneDNN reorders the weight on
+        every call, which about doubles a decode step's matmul time)."""
         if bf16_matmul and self.weight16.dtype != torch.bfloat16:
             raise ValueError(f"a bf16 matmul needs bf16 weights, not {self.weight16.dtype}")
         self.kernel = kernel
         self.onednn = onednn
         self.bf16_onednn = onednn and bf16_matmul and onednn_runs_bf16()
         self.bf16_matmul = bf16_matmul
+        self.packed_weight = onednn_layout(self.weight16) if self.bf16_onednn and pack else None
         self.max_small_rows = BF16_MATMUL_FROM_ROWS["bf16"] - 1 if bf16_matmul else HalfLinear.max_small_rows
 
 
