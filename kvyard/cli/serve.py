@@ -8,6 +8,7 @@ from typing import Any
 from kvyard.cli import fail
 from kvyard.cli.models import add_engine_options, add_model_argument, engine_config_from_args
 from kvyard.cli.options import add_config_options, config_from_args
+from kvyard.kernels.threads import reserve_threads_for_engine
 from kvyard.server.options import ServerOptions
 
 DESCRIPTION = """Serve one model over the OpenAI-compatible API (/v1/completions, /v1/chat/completions), plus
@@ -28,6 +29,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    reserve_threads_for_engine()  # before anything loads PyTorch or the kernels
     try:
         options = config_from_args(ServerOptions, args)
         engine = engine_config_from_args(args, record_kv_events=True)

@@ -17,6 +17,7 @@ import torch
 
 from kvyard.kernels.bindings import bind_functions
 from kvyard.kernels.build import HEADER, KernelsUnavailable, compiled_library
+from kvyard.kernels.threads import engine_threads
 
 # The KV-cache formats the kernels read and write (kv_rows.h), by the cache tensor's dtype (uint8: int8 rows with
 # their scale, kvyard.models.kv_format).
@@ -616,7 +617,7 @@ def load_native_kernels() -> NativeKernels:
         library = ctypes.CDLL(str(path))
     except OSError as error:
         raise KernelsUnavailable(f"the compiled kernels at {path} would not load: {error}") from error
-    return bind_kernels(library, torch.get_num_threads())
+    return bind_kernels(library, engine_threads() or torch.get_num_threads())
 
 
 def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = None) -> NativeKernels:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvyard.kernels.bindings import bind_functions
 from kvyard.kernels.build import HEADER, KernelsUnavailable, compiled_library
+from kvyard.kernels.threads import engine_threads
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.mapped_safetensors import map_tensors
 from kvyard.models.package_info import PackageError, checked_tensors_file, read_info
@@ -50,8 +51,10 @@ def kernel_functions() -> dict[str, Any]:
 
 
 def default_num_threads() -> int:
-    """One kernel thread per CPU this process may run on, as PyTorch's default intra-op pool."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The served engine's threads (kvyard.kernels.threads), else one kernel thread per CPU this process may
+    run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return engine_threads() or cpus
 
 
 @dataclass(frozen=True, slots=True)

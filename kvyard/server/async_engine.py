@@ -25,6 +25,7 @@ from kvyard.engine.kv_links.exports import ExportRead
 from kvyard.engine.pooling.params import PoolingParams
 from kvyard.engine.sampling.params import SamplingParams
 from kvyard.engine.scheduling.request import KVTransferParams
+from kvyard.kernels.threads import use_engine_threads
 from kvyard.kvcache.events import KVEventLog
 from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
@@ -178,6 +179,7 @@ class AsyncEngine:
         def swap(current: Engine) -> None:
             if not isinstance(current, NativeStartEngine):
                 raise RuntimeError("only a fast-start engine is taken over")
+            use_engine_threads()  # on the engine thread, now that PyTorch computes here
             engine.take_over(current)
             self.engine = engine
             self._publish_stats()
@@ -249,6 +251,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if not isinstance(self.engine, NativeStartEngine):
+                use_engine_threads()
             while self._drain_commands():
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvyard.api.auth import admin_key_of
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.fast_start.engine import NativeStartEngine, fast_start_blocker
+from kvyard.kernels.threads import use_engine_threads
 from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.options import ServerOptions
@@ -23,6 +26,8 @@ from kvyard.server.serve import host, say, stop_within, wait_for_stop_signal
 
 if TYPE_CHECKING:
     from kvyard.engine.llm_engine import LLMEngine
+
+T = TypeVar("T")
 
 
 def serve_model(engine: EngineConfig, options: ServerOptions, host_name: str, port: int) -> int:
@@ -72,7 +77,7 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
     native = await _native_start(app, config, engine_box, pull_headers) if app.options.fast_start else None
     try:
         kv_buffers = native.engine.kv_buffers if native and isinstance(native.engine, NativeStartEngine) else None
-        engine = await asyncio.to_thread(_torch_engine, config, kv_buffers)
+        engine = await _on_own_thread(_torch_engine, config, kv_buffers)
     except Exception as error:
         if native is not None:  # requests waiting for it get a 503 with the reason; the replica then exits
             native.fail_takeover(error)
@@ -116,7 +121,18 @@ def _serve_with(
 def _torch_engine(config: EngineConfig, kv_buffers: list[Any] | None) -> LLMEngine:
     from kvyard.engine.llm_engine import LLMEngine  # PyTorch, imported off the event loop: /health answers meanwhile
 
+    use_engine_threads()
     return LLMEngine(config, kv_buffers)
+
+
+async def _on_own_thread(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` on a thread that ends with it: a thread that ran OpenMP keeps its team of workers while
+    it lives (kvyard.kernels.threads), and asyncio's own pool threads live on."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvyard-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
+    finally:
+        executor.shutdown(wait=False)
 
 
 async def _native_start(
@@ -129,7 +145,7 @@ async def _native_start(
         if blocker is not None:
             say(f"no fast start: {blocker}")
             return None
-        engine = await asyncio.to_thread(NativeStartEngine, config)
+        engine = await _on_own_thread(NativeStartEngine, config)
     except Exception as error:  # the PyTorch engine loads next and says what is wrong, if anything is
         say(f"no fast start: {error}")
         return None
