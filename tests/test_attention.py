@@ -23,14 +23,19 @@ def _dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "torch", "native bf16 prefill"])
 def backend(request: pytest.FixtureRequest) -> AttentionBackend:
     if request.param == "torch":
         return TorchSDPABackend()
-    return CPUNativeBackend(request.getfixturevalue("native_kernels"))
+    return CPUNativeBackend(request.getfixturevalue("native_kernels"), request.param == "native bf16 prefill")
 
 
-def test_mixed_step_matches_dense_attention(backend: AttentionBackend) -> None:
+def _bf16(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("keys_from_cache", [False, True])
+def test_mixed_step_matches_dense_attention(backend: AttentionBackend, keys_from_cache: bool) -> None:
     generator = torch.Generator().manual_seed(0)
     # Two decodes, one fresh prefill, one prefill chunk continuing after 9 cached tokens.
     context_lens, query_lens = [7, 13, 5, 15], [1, 1, 5, 6]
@@ -58,12 +63,17 @@ def test_mixed_step_matches_dense_attention(backend: AttentionBackend) -> None:
     new_v = torch.cat([h[1][-q:] for h, q in zip(histories, query_lens)])
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=generator)
     meta = build_attention_metadata(
-        backend, tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu")
+        backend, tables, context_lens, query_lens, BLOCK_SIZE, torch.float32, torch.device("cpu"), keys_from_cache
     )
     out = paged_attention(q, new_k, new_v, cache, meta, scale=HEAD_DIM**-0.5)
+    in_bf16 = isinstance(backend, CPUNativeBackend) and backend.bf16_prefill
     start = 0
     for (keys, values), context_len, query_len in zip(histories, context_lens, query_lens):
         rows = slice(start, start + query_len)
-        expected = _dense_reference(q[rows], keys, values, context_len - query_len)
-        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+        if in_bf16 and query_len > 1:  # a prefill: bf16 queries, keys and values, fp32 sums
+            expected = _dense_reference(_bf16(q[rows]), _bf16(keys), _bf16(values), context_len - query_len)
+            torch.testing.assert_close(out[rows], expected, atol=2e-2, rtol=2e-2)
+        else:
+            expected = _dense_reference(q[rows], keys, values, context_len - query_len)
+            torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
         start += query_len

@@ -26,6 +26,7 @@ from kvyard.models.attention_backends import CPUNativeBackend, select_attention_
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import CausalLM
 from kvyard.models.kv_format import KVFormat
+from kvyard.models.quantization import cpu_has_fast_bf16
 
 
 def zeroed_cache(
@@ -120,7 +121,10 @@ class PagedModel:
         else:
             self.kv_caches = [zeroed_cache(shape, storage, device, buffer) for buffer in buffers]
         self._keys_from_cache = not self.kv_format.is_exact_for(dtype)
-        self.attention_backend: AttentionBackend = select_attention_backend(attention_backend, device, dtype)
+        bf16_prefill = bf16_matmul and cpu_has_fast_bf16()
+        self.attention_backend: AttentionBackend = select_attention_backend(
+            attention_backend, device, dtype, bf16_prefill
+        )
         backend = self.attention_backend
         self.kernels = backend.kernels if isinstance(backend, CPUNativeBackend) else None
         self.uses_cpu_fast_paths = model.use_cpu_fast_paths(self.kernels, bf16_matmul)
