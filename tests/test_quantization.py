@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.kernels.ops import NativeKernels
-from kvyard.models.layers import Linear, onednn_runs_bf16
+from kvyard.models.layers import GatedMLP, Linear, onednn_runs_bf16
 from kvyard.models.package import convert
 from kvyard.models.quantization import (
     BF16_MATMUL_FROM_ROWS,
@@ -230,6 +230,51 @@ def test_a_bf16_layer_packed_for_onednn_gives_the_bits_of_its_unpacked_weight(na
     for rows in (BF16_MATMUL_FROM_ROWS["bf16"], 16, 300):
         x = torch.randn(rows, 512)
         assert torch.equal(layers[0](x), layers[1](x))
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8 kept", "bf16"])
+def test_an_mlp_multiplying_in_bf16_keeps_bf16_between_its_matmuls_as_a_bf16_model(
+    native_kernels: NativeKernels, scheme: str
+) -> None:
+    """From the bf16 row threshold on, gate/up, SiLU, the product and down are rounded to bf16 where a bf16 model
+    rounds them; fewer rows take the fp32 kernels."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96)
+    onednn = torch.backends.mkldnn.is_available()
+    for name in ("gate_up_proj", "down_proj"):
+        linear = getattr(mlp, name)
+        if scheme == "none":
+            linear.use_cpu_fast_paths(native_kernels.small_linear, onednn, pack=True, bf16_matmul=True)
+        elif scheme == "int8 kept":
+            int8 = Int8Linear.from_linear(linear)
+            int8.use_native_kernel(native_kernels.small_linear_int8, onednn, native_kernels.int8_to_bf16, True)
+            setattr(mlp, name, int8)
+        else:
+            half = HalfLinear.from_linear(linear, torch.bfloat16)
+            half.use_native_kernel(native_kernels.small_linear_half, onednn, True, pack=True)
+            setattr(mlp, name, half)
+    mlp.use_native_kernels(native_kernels.elementwise)
+    weights = []
+    for projection in (mlp.gate_up_proj, mlp.down_proj):
+        if isinstance(projection, Int8Linear):
+            weights.append(dequantize_int8(projection.qweight, projection.scales).to(torch.bfloat16).double())
+        elif isinstance(projection, HalfLinear):
+            weights.append(projection.weight16.double())
+        else:
+            weights.append(projection.weight.detach().to(torch.bfloat16).double())
+    rows = 40
+    assert all(p.bf16_weight_for(rows) is not None for p in (mlp.gate_up_proj, mlp.down_proj))
+    x = torch.randn(rows, 64)
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).double()
+
+    gate, up = bf16(bf16(x) @ weights[0].T).split(96, dim=-1)
+    reference = bf16(bf16(bf16(F.silu(gate)) * up) @ weights[1].T)
+    out = mlp(x)
+    assert torch.equal(out.to(torch.bfloat16).float(), out)  # rounded to bf16: the bf16 chain ran
+    # fp32 sums (and SiLU in fp32 before its rounding) may cross a rounding boundary: one bf16 step, no more.
+    assert bool(((out.double() - reference).abs() <= reference.abs() * 2**-7 + 1e-3).all())
 
 
 def test_bf16_matmul_is_opt_in_cached_apart_and_close_to_the_fp32_model(llama_dir: Path) -> None:

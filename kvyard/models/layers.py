@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,13 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def bf16_weight_for(self, rows: int) -> torch.Tensor | None:
+        """The bf16 weight `rows` fp32 rows are multiplied with, for a caller that keeps them in bf16 (None: they
+        are not multiplied in bf16, or a bias is added)."""
+        if self.bf16_weight is None or rows <= self.max_small_rows or self.bias is not None:
+            return None
+        return self.bf16_weight
+
     def use_cpu_fast_paths(
         self, small_kernel: SmallLinearKernel | None, onednn: bool, pack: bool, bf16_matmul: bool = False
     ) -> None:
@@ -76,13 +84,24 @@ def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
     """x W^T + b for fp32 x and a bf16 weight, computed as a bf16 model does: x rounded to bf16, fp32 accumulation,
     the product rounded to bf16; returned in fp32, the fp32 bias added. `onednn` only where `onednn_runs_bf16()`."""
-    rounded = x.to(torch.bfloat16)
-    if onednn:
-        product = torch.ops.mkldnn._linear_pointwise(rounded, weight, None, "none", [], "")
-    else:
-        product = F.linear(rounded, weight)
-    out = product.float()
+    out = bf16_product(x.to(torch.bfloat16), weight, onednn).float()
     return out if bias is None else out.add_(bias)
+
+
+def bf16_product(x16: torch.Tensor, weight: torch.Tensor, onednn: bool) -> torch.Tensor:
+    """x W^T in bf16 (fp32 accumulation) for bf16 x and weight, oneDNN's where `onednn` (its layout or plain)."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(x16, weight, None, "none", [], "")
+    return F.linear(x16, weight)
+
+
+@runtime_checkable
+class Bf16Matmuls(Protocol):
+    """A linear layer that can say which bf16 weight it would multiply a number of rows with."""
+
+    bf16_onednn: bool
+
+    def bf16_weight_for(self, rows: int) -> torch.Tensor | None: ...
 
 
 class NativeElementwise:
@@ -157,11 +176,31 @@ class GatedMLP(nn.Module, NativeElementwise):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both_bf16 = self._bf16_weights(x)
+        if both_bf16 is not None:
+            # Kept in bf16 from one matmul to the next, as a bf16 model computes: no fp32 copies between them.
+            (gate_up_weight, gate_up_onednn), (down_weight, down_onednn) = both_bf16
+            gate, up = bf16_product(x.to(torch.bfloat16), gate_up_weight, gate_up_onednn).split(
+                self.intermediate_size, dim=-1
+            )
+            return bf16_product(F.silu(gate).mul_(up), down_weight, down_onednn).float()
         gate_up = self.gate_up_proj(x)
         if self.native is not None:
             return self.down_proj(self.native.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _bf16_weights(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, bool], tuple[torch.Tensor, bool]] | None:
+        """Both projections' bf16 weights and oneDNN flags, where both multiply x's rows in bf16."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return None
+        weights = []
+        for projection in (self.gate_up_proj, self.down_proj):
+            weight = projection.bf16_weight_for(x.shape[0]) if isinstance(projection, Bf16Matmuls) else None
+            if weight is None:
+                return None
+            weights.append((weight, projection.bf16_onednn))
+        return weights[0], weights[1]
 
 
 class RotaryEmbedding(nn.Module, NativeElementwise):

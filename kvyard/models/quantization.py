@@ -124,6 +124,13 @@ class Int8Linear(nn.Module):
         weight = dequantize_int8(self.qweight, self.scales).to(x.dtype)
         return widened_linear(x, weight, self.bias, self.onednn)
 
+    def bf16_weight_for(self, rows: int) -> torch.Tensor | None:
+        """As Linear.bf16_weight_for: the kept bf16 copy, or the weight widened now."""
+        small = self.kernel is not None and rows <= self.max_small_rows
+        if self.to_bf16 is None or small or self.bias is not None:
+            return None
+        return self.bf16_weight if self.bf16_weight is not None else self.to_bf16(self.qweight, self.scales)
+
     def use_native_kernel(
         self,
         kernel: SmallLinearInt8Kernel | None,
@@ -178,6 +185,13 @@ class HalfLinear(nn.Module):
             weight = self.weight16 if self.packed_weight is None else self.packed_weight
             return bf16_linear(x, weight, self.bias, self.bf16_onednn)
         return widened_linear(x, self.weight16.to(x.dtype), self.bias, self.onednn)
+
+    def bf16_weight_for(self, rows: int) -> torch.Tensor | None:
+        """As Linear.bf16_weight_for."""
+        small = self.kernel is not None and rows <= self.max_small_rows
+        if not self.bf16_matmul or small or self.bias is not None:
+            return None
+        return self.weight16 if self.packed_weight is None else self.packed_weight
 
     def use_native_kernel(
         self,
