@@ -16,7 +16,7 @@ ALLOWED: dict[str, set[str]] = {
     "net": {"api", "settings"},
     "kernels": {"paths"},
     "models": {"kernels"},
-    "engine": {"api", "kvcache", "models", "settings"},
+    "engine": {"api", "kernels", "kvcache", "models", "settings"},
     "sim": {"engine", "api", "kvcache", "net", "settings"},
     "server": {"engine", "api", "kvcache", "net", "settings", ""},
     "router": {"api", "kvcache", "net", "settings", ""},

@@ -384,6 +384,11 @@ class EngineCore:
         if self.speculation is not None:
             self.speculation.observe_step(scheduled, seconds)
 
+    def use_compute_threads(self) -> None:
+        """On the thread that runs this engine's steps, before its first: take the threads a server reserved for
+        its engine (kvyard.kernels.threads). Nothing here: the fast-start engine's kernels are given their
+        thread count; LLMEngine's PyTorch takes it."""
+
     def housekeeping(self, now: float | None = None) -> None:
         """Time-driven upkeep, also while idle: end the leases of transfers nobody released, free the blocks
         reserved for pulls whose request went away, and unpin those that finished pulls wrote."""

@@ -29,6 +29,7 @@ from kvyard.engine.runners.model_runner import ModelRunner, kv_block_bytes
 from kvyard.engine.speculative.draft_proposer import DraftModelProposer, load_draft_model
 from kvyard.engine.speculative.policy import MODEL_METHODS
 from kvyard.engine.speculative.self_draft import SelfDraftProposer
+from kvyard.kernels.threads import use_engine_threads
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.checkpoint import has_lm_head
@@ -56,6 +57,7 @@ class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig, kv_buffers: Sequence[Any] | None = None) -> None:
         """`kv_buffers`: memory for the layers' KV caches, one buffer each, as a fast-start engine's runner holds
         them (`take_over`); by default the runner allocates its own."""
+        use_engine_threads()  # a server's loading thread loads with the engine's threads (kvyard.kernels.threads)
         self.engine_config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,6 +113,9 @@ class LLMEngine(EngineCore):
         # Taking over from a fast-start engine (kv_buffers given), this engine adopts its tier instead.
         self.kv_tier = attach_kv_tier(self, config, self.device_blocks) if kv_buffers is None else None
         self.kv_puller: KVPullLink | None = None
+
+    def use_compute_threads(self) -> None:
+        use_engine_threads()
 
     def take_over(self, started: NativeStartEngine) -> None:
         """Continue the requests, blocks, prefix cache and KV tier of a fast-start engine whose KV memory this

@@ -25,7 +25,6 @@ from kvyard.engine.kv_links.exports import ExportRead
 from kvyard.engine.pooling.params import PoolingParams
 from kvyard.engine.sampling.params import SamplingParams
 from kvyard.engine.scheduling.request import KVTransferParams
-from kvyard.kernels.threads import use_engine_threads
 from kvyard.kvcache.events import KVEventLog
 from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
@@ -179,7 +178,7 @@ class AsyncEngine:
         def swap(current: Engine) -> None:
             if not isinstance(current, NativeStartEngine):
                 raise RuntimeError("only a fast-start engine is taken over")
-            use_engine_threads()  # on the engine thread, now that PyTorch computes here
+            engine.use_compute_threads()  # on the engine thread, now that PyTorch computes here
             engine.take_over(current)
             self.engine = engine
             self._publish_stats()
@@ -251,8 +250,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            if not isinstance(self.engine, NativeStartEngine):
-                use_engine_threads()
+            self.engine.use_compute_threads()
             while self._drain_commands():
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()

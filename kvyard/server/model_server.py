@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvyard.api.auth import admin_key_of
 from kvyard.engine.config import EngineConfig
 from kvyard.engine.fast_start.engine import NativeStartEngine, fast_start_blocker
-from kvyard.kernels.threads import use_engine_threads
 from kvyard.server.app import ReplicaApp
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.options import ServerOptions
@@ -121,7 +120,6 @@ def _serve_with(
 def _torch_engine(config: EngineConfig, kv_buffers: list[Any] | None) -> LLMEngine:
     from kvyard.engine.llm_engine import LLMEngine  # PyTorch, imported off the event loop: /health answers meanwhile
 
-    use_engine_threads()
     return LLMEngine(config, kv_buffers)
 
 
