@@ -12,8 +12,9 @@ Shapes (input tokens / output tokens / requests in flight / requests): the seed'
 2,048 / 256 / 16 / 32 and 7,168 / 1,024 / 16 / 32 (the model's context is 8,192: the protocol's 8,192-token
 prompt does not fit with its output), a prefill-only shape (2,048 / 1 / 16 / 32) and a decode-only one
 (64 / 512 / 16 / 32). Configurations: fp32 against fp32, bf16 weights and KV against vLLM's bf16, and kvyard's
-fastest (int8 weights, int8 KV cache, bf16 matmuls) against vLLM's bf16; vLLM's bf16 both with its default thread
-binding (a core kept for its scheduler) and bound to every core, each ratio against the faster of the two.
+fastest (int8 weights, int8 KV cache, bf16 matmuls) against vLLM's bf16; vLLM both with its default thread
+binding (a core kept for its scheduler) and bound to every core, each ratio against the faster of the two (the
+same for fp32).
 
     bash scripts/setup.sh --vllm
     .venv/bin/python benchmarks/online_serving.py --out benchmarks/results/online_serving.json
@@ -66,15 +67,16 @@ KVYARD_OPTIONS = {
 }
 VLLM_OPTIONS = {
     "vllm fp32": ["--dtype", "float32"],
+    "vllm fp32 all cores": ["--dtype", "float32"],
     "vllm bf16": ["--dtype", "bfloat16"],
     "vllm bf16 all cores": ["--dtype", "bfloat16"],
 }
 # vLLM-CPU's default binding (VLLM_CPU_OMP_THREADS_BIND=auto) keeps a core for its scheduler and API server: on a
-# small machine that halves its compute, so its bf16 also runs with its OpenMP threads bound to every core.
-VLLM_ALL_CORES = {"vllm bf16 all cores"}
+# small machine that halves its compute, so each dtype also runs with its OpenMP threads bound to every core.
+VLLM_ALL_CORES = {"vllm fp32 all cores", "vllm bf16 all cores"}
 # kvyard's configuration against vLLM's; where several vLLM configurations ran, the faster one on each shape.
 PAIRS = {
-    "fp32": ("kvyard fp32", ("vllm fp32",)),
+    "fp32": ("kvyard fp32", ("vllm fp32", "vllm fp32 all cores")),
     "bf16": ("kvyard bf16", ("vllm bf16", "vllm bf16 all cores")),
     "best": ("kvyard int8", ("vllm bf16", "vllm bf16 all cores")),
 }
