@@ -4,6 +4,8 @@ counts: its own streams, plus what a load report counts beyond the router's own 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 from kvyard.api.load import LoadReport
 from kvyard.router.policies import _running
@@ -64,3 +66,20 @@ def test_running_requests_are_the_routers_streams_plus_other_clients_ones() -> N
     assert _running(replica) == 1 + (5 - 4)
     replica.load = LoadReport(num_running=2)  # fewer than the router's own at report time: none are others'
     assert _running(replica) == 1
+
+
+def test_a_fit_loads_nothing_on_the_routers_event_loop() -> None:
+    """np.median imports numpy.ma on its first call (26 ms here), which would stall every stream the router relays
+    at its first fit; the fit's medians do without it (a fresh interpreter, as a router process starts)."""
+    probe = (
+        "import random, sys\n"
+        "import kvyard.router.app\n"
+        "from kvyard.router.ttft_fit import TtftFit\n"
+        "fit = TtftFit()\n"
+        "for _ in range(40):\n"
+        "    fit.observe(random.uniform(100, 3000), random.randrange(4), random.uniform(0.05, 0.5))\n"
+        "assert fit.s_per_token > 0\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"

@@ -95,7 +95,13 @@ def _without_outliers(data: np.ndarray, plane: tuple[float, float]) -> np.ndarra
     """The samples within OUTLIER_SIGMAS robust deviations of the plane (its overhead refitted as their median)."""
     predicted = plane[0] * data[:, 0] + plane[1] * data[:, 1]
     residual = data[:, 2] - predicted
-    residual -= np.median(residual)
+    residual -= _median(residual)
     # The floor: samples on the plane to rounding (no noise at all) have no spread to measure deviations by.
-    spread = max(_MAD_TO_SIGMA * float(np.median(np.abs(residual))), SPREAD_FLOOR * float(np.mean(data[:, 2])))
+    spread = max(_MAD_TO_SIGMA * _median(np.abs(residual)), SPREAD_FLOOR * float(np.mean(data[:, 2])))
     return data[np.abs(residual) <= OUTLIER_SIGMAS * spread]
+
+
+def _median(values: np.ndarray) -> float:
+    """np.median's value; np.median itself imports numpy.ma on its first call, 26 ms on the router's event loop."""
+    ordered = np.sort(values)
+    return float(ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2.0
