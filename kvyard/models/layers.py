@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -95,15 +94,6 @@ def bf16_product(x16: torch.Tensor, weight: torch.Tensor, onednn: bool) -> torch
     return F.linear(x16, weight)
 
 
-@runtime_checkable
-class Bf16Matmuls(Protocol):
-    """A linear layer that can say which bf16 weight it would multiply a number of rows with."""
-
-    bf16_onednn: bool
-
-    def bf16_weight_for(self, rows: int) -> torch.Tensor | None: ...
-
-
 class NativeElementwise:
     """A layer whose elementwise work the native kernels can fuse; plain PyTorch while `native` is None."""
 
@@ -191,16 +181,15 @@ class GatedMLP(nn.Module, NativeElementwise):
         return self.down_proj(F.silu(gate) * up)
 
     def _bf16_weights(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, bool], tuple[torch.Tensor, bool]] | None:
-        """Both projections' bf16 weights and oneDNN flags, where both multiply x's rows in bf16."""
+        """Both projections' bf16 weights and oneDNN flags, where both multiply x's rows in bf16. (The projections
+        are Linear, or the Int8Linear and HalfLinear that replace it: each says which weight it would use.)"""
         if x.dtype != torch.float32 or x.dim() != 2:
             return None
-        weights = []
-        for projection in (self.gate_up_proj, self.down_proj):
-            weight = projection.bf16_weight_for(x.shape[0]) if isinstance(projection, Bf16Matmuls) else None
-            if weight is None:
-                return None
-            weights.append((weight, projection.bf16_onednn))
-        return weights[0], weights[1]
+        gate_up = self.gate_up_proj.bf16_weight_for(x.shape[0])
+        down = self.down_proj.bf16_weight_for(x.shape[0]) if gate_up is not None else None
+        if gate_up is None or down is None:
+            return None
+        return (gate_up, self.gate_up_proj.bf16_onednn), (down, self.down_proj.bf16_onednn)
 
 
 class RotaryEmbedding(nn.Module, NativeElementwise):
