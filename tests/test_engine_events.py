@@ -30,6 +30,7 @@ from kvyard.api.engine_kv_events import (
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.engine_index import EngineBlockKeys
+from kvyard.router.engine_probe import VLLM, EngineMetrics
 from kvyard.router.engine_sync import EngineEventSync
 from kvyard.router.replica import Replica
 
@@ -180,6 +181,42 @@ def test_removal_tiers_and_clearing() -> None:
     assert second not in blocks.index.local and len(blocks) == 1
     apply(blocks, 5, {"type": "AllBlocksCleared"})
     assert not blocks.index.exact and not blocks.index.local and len(blocks) == 0
+
+
+def test_blocks_in_the_shared_store_go_to_the_store_not_to_the_replica() -> None:
+    """kvyard's connector announces what it put into the shared store with medium KVYARD_SHARED: those blocks are
+    handed to the router's index of that store (any replica loading from it can take them), never to the replica's
+    own device or tier index."""
+    shared: list[tuple[str, list[bytes]]] = []
+    blocks = EngineBlockKeys(CacheIndex(), NAMESPACE, on_shared=lambda kind, keys: shared.append((kind, keys)))
+    blocks.reset(0)
+    tokens = list(range(8))
+    apply(blocks, 1, stored([1, 2], tokens))
+    apply(blocks, 2, stored([1], tokens[:4], medium="KVYARD_SHARED"), stored([2], tokens[4:], 1, medium="KVYARD"))
+    apply(blocks, 3, stored([2], tokens[4:], 1, medium="KVYARD_SHARED"))
+    first, second = keys_of(tokens)
+    assert shared == [("stored", [first]), ("stored", [second])]
+    assert set(blocks.index.local) == {second} and blocks.index.exact == {first: None, second: None}
+    apply(blocks, 4, removed([1], medium="KVYARD_SHARED"))
+    assert shared[-1] == ("removed", [first]) and first in (blocks.index.exact or {})
+
+
+def test_engine_metrics_name_the_connectors_shared_store_and_its_load_costs() -> None:
+    text = "\n".join(
+        (
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+            'vllm:kvyard_shared_store_info{engine="0",model_name="m",store="3f2a",ttl_s="600"} 1.0',
+            'vllm:kvyard_tier_load_seconds_total{engine="0",medium="local",model_name="m"} 0.5',
+            'vllm:kvyard_tier_loaded_blocks_total{engine="0",medium="local",model_name="m"} 100.0',
+            'vllm:kvyard_tier_load_seconds_total{engine="0",medium="shared",model_name="m"} 0.0',
+            'vllm:kvyard_tier_loaded_blocks_total{engine="0",medium="shared",model_name="m"} 0.0',
+        )
+    )
+    metrics = EngineMetrics.parse(VLLM, text)
+    assert (metrics.running, metrics.shared_store, metrics.shared_ttl_s) == (2, "3f2a", 600.0)
+    assert metrics.tier_loads == (("local", 0.5, 100.0), ("shared", 0.0, 0.0))
+    plain = EngineMetrics.parse(VLLM, 'vllm:num_requests_running{engine="0",model_name="m"} 1.0')
+    assert plain.shared_store is None and plain.tier_loads == ()
 
 
 def test_events_of_another_block_size_replace_the_configured_one() -> None:

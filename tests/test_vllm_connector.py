@@ -23,7 +23,7 @@ import pytest
 import redis
 import zmq
 from redis_utils import RedisProcess, start_redis
-from router_utils import start_router
+from router_utils import admin, labelled_metric, replica_state, start_router, wait_for
 from transformers import AutoTokenizer
 
 from kvyard.api.engine_kv_events import EventBatchDecoder, StoredBlocks
@@ -79,13 +79,13 @@ def transfer_config(scratch: Path, name: str, store: RedisProcess) -> str:
 
 
 def start(scratch: Path, name: str, store: RedisProcess, cpu: int, *extra: str) -> VllmReplica:
-    """Replica `a` also publishes vLLM's KV events (without a replay socket)."""
+    """Both replicas publish vLLM's KV events (without a replay socket)."""
     cores = os.cpu_count() or 1
     return start_vllm(
         DEMO_MODEL_DIR,
         scratch,
         served_name=MODEL,
-        events=name == "a",
+        events=True,
         replay=False,
         cpus=str(cpu % cores),
         extra=("--kv-transfer-config", transfer_config(scratch, name, store), *extra),
@@ -170,7 +170,7 @@ def test_what_the_tier_holds_is_announced_in_vllms_kv_events(pair: Pair) -> None
             assert time.monotonic() < deadline, f"{len(tier)} tier blocks announced, {len(device)} device blocks"
             if subscriber.poll(500):
                 for event in decoder.decode(subscriber.recv_multipart()).events:
-                    if isinstance(event, StoredBlocks):
+                    if isinstance(event, StoredBlocks) and event.medium != "KVYARD_SHARED":
                         blocks = tier if event.medium == "KVYARD" else device
                         for number, block_hash in enumerate(event.hashes):
                             blocks[block_hash] = list(event.token_ids[number * BLOCK : (number + 1) * BLOCK])
@@ -181,6 +181,58 @@ def test_what_the_tier_holds_is_announced_in_vllms_kv_events(pair: Pair) -> None
     token_ids = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)(text)["input_ids"]
     prompt_blocks = list(device)[: length // BLOCK]
     assert [token for block in prompt_blocks for token in tier[block]] == token_ids[: length // BLOCK * BLOCK]
+
+
+def test_the_router_credits_every_replica_with_what_one_put_into_the_shared_store(pair: Pair) -> None:
+    """`kvyard route` over both replicas, following their KV events and metrics: A's prompt, computed on A alone,
+    reaches Redis; A announces those blocks with medium KVYARD_SHARED, and the router files them under the store
+    both replicas' metrics name. With A drained, the router predicts B holds every full block of the prompt, and B
+    loads them (vLLM reports them cached) and answers with A's text."""
+    events = [f"tcp://127.0.0.1:{replica.events_port}" for replica in (pair.a, pair.b)]
+    router = start_router(
+        pair.scratch,
+        [pair.a.url, pair.b.url],
+        *(option for url in events for option in ("--replica-events", url)),
+        "--policy",
+        "cache_aware",
+        timeout=120,
+    )
+    try:
+        text = prompt("Shared store")
+        computed, length, _ = complete(pair.a, text)
+        settle(pair.store.client(), stored_keys(text))
+
+        def store_announced() -> bool:
+            listing = admin(router, "GET", "/admin/replicas").json()
+            stores = {replica["shared_store"] for replica in listing["replicas"]}
+            held = listing["shared_stores"].get(next(iter(stores)), 0) if len(stores) == 1 else 0
+            if held < loadable(length) // BLOCK:
+                complete(pair.a, "Another step, to carry the worker's last report.")
+            return None not in stores and held >= loadable(length) // BLOCK
+
+        wait_for(store_announced, 60, "A's blocks filed under the store both replicas use")
+        admin(router, "POST", "/admin/replicas/drain", json={"url": pair.a.url}).raise_for_status()
+        body = {"model": MODEL, "prompt": text, "max_tokens": 24, "temperature": 0}
+        response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvyard-replica"] == pair.b.url
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable(length)
+        assert response.json()["choices"][0]["text"] == computed
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        predicted = labelled_metric(metrics, "kvyard_router_predicted_cached_tokens_total", replica=pair.b.url)
+        assert predicted == loadable(length)
+        # B's metrics count what it loaded from the store, and the router takes B's seconds per block from them.
+        loaded = labelled_metric(
+            httpx.get(f"{pair.b.url}/metrics", timeout=10).text, "vllm:kvyard_tier_loaded_blocks_total", medium="shared"
+        )
+        assert loaded >= loadable(length) // BLOCK
+        wait_for(
+            lambda: replica_state(router, pair.b.url)["load"]["shared_tier_s_per_block"] > 0,
+            10,
+            "the router's figure of B's load seconds per shared block",
+        )
+    finally:
+        router.stop()
 
 
 def test_a_corrupt_block_is_dropped_and_computed_instead(pair: Pair) -> None:

@@ -39,6 +39,7 @@ from kvyard.integrations.connector_config import connector_config
 from kvyard.integrations.paged_blocks import PagedBlocks
 from kvyard.integrations.tier_presence import Source, TierPresence
 from kvyard.integrations.vllm_events import TierEvents
+from kvyard.integrations.vllm_metrics import KvyardConnectorStats, KvyardPromMetrics, load_stats, store_stats
 from kvyard.kvcache.block_key import KeyNamespace
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.tiered_store import BlockWrite, TieredStore
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -84,13 +86,15 @@ class KvyardStepMeta(KVConnectorMetadata):
 
 @dataclass
 class KvyardWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: what the worker's own tiers gained and lost this step (`snapshot`: all they hold), and
-    blocks a load did not find."""
+    """Worker -> scheduler: what the worker's own tiers gained and lost this step (`snapshot`: all they hold),
+    blocks a load did not find, and what the writer put into (or saw leave) the shared store."""
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     snapshot: bool = False
     missing: list[bytes] = field(default_factory=list)
+    shared_stored: list[bytes] = field(default_factory=list)
+    shared_removed: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KvyardWorkerMeta):
@@ -101,6 +105,13 @@ class KvyardWorkerMeta(KVConnectorWorkerMetadata):
             first.removed + (other.removed if first is self else []),
             first.snapshot,
             self.missing + other.missing,
+            self.shared_stored + other.shared_stored,
+            self.shared_removed + other.shared_removed,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.stored or self.removed or self.snapshot or self.missing or self.shared_stored or self.shared_removed
         )
 
 
@@ -166,10 +177,13 @@ class KvyardConnector(KVConnectorBase_V1):
         events = self._vllm_config.kv_events_config
         # Only when vLLM publishes KV events: naming each block as vLLM's events do costs a hash lookup per block.
         publish = events is not None and events.enable_kv_cache_events
-        self._tier_events = TierEvents(self._namespace.block_size) if publish else None
+        block_size = self._namespace.block_size
+        local = bool({"memory", "disk"} & set(self._tier_config.active_tiers))
+        self._tier_events = TierEvents(block_size, local, shared is not None) if publish else None
         self._requests: dict[str, Request] = {}
         self._prefill_waits: dict[str, PrefillWait] = {}
         self._idle = False  # the last step scheduled nothing
+        self._reported_store: str | None = None  # the shared store's id as last told to vLLM's metrics
         log.info("kvyard connector: %s, namespace %s", self._tier_config.describe(), self._namespace)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -247,8 +261,11 @@ class KvyardConnector(KVConnectorBase_V1):
 
         plan = self._planner.plan_step(scheduled, token_ids_of, block_ids_of)
         if self._tier_events is not None:
-            for copy in (*plan.loads, *plan.saves):
+            for copy in plan.loads:
                 self._tier_events.planned(self._requests[copy.request_id], zip(copy.block_indexes, copy.keys))
+            for copy in plan.saves:
+                request = self._requests[copy.request_id]
+                self._tier_events.planned(request, zip(copy.block_indexes, copy.keys), saved=True)
         return KvyardStepMeta(plan)
 
     def _scheduled(self, output: SchedulerOutput) -> list[ScheduledRequest]:
@@ -269,9 +286,34 @@ class KvyardConnector(KVConnectorBase_V1):
             self._presence.apply(report.stored, report.removed + report.missing, report.snapshot)
             if self._tier_events is not None:
                 self._tier_events.reported(report.stored, report.removed, report.snapshot)
+                self._tier_events.reported_shared(report.shared_stored, report.shared_removed)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._tier_events.take() if self._tier_events is not None else []
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler tells vLLM's metrics a new shared store id; the worker, what its loads took."""
+        if self._role != KVConnectorRole.SCHEDULER:
+            return self._worker_stats()
+        store_id = self._presence.shared_store_id
+        if store_id is None or store_id == self._reported_store:
+            return None
+        self._reported_store = store_id
+        return store_stats(store_id, self._presence.shared_ttl_s)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvyardConnectorStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvyardPromMetrics:
+        return KvyardPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
@@ -289,6 +331,7 @@ class KvyardConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._missing: list[bytes] = []  # keys a load did not find, for the scheduler to forget
         self._unwritten: set[bytes] = set()  # keys given to the writer since it was last seen idle
+        self._reported_loads: dict[str, tuple[float, int]] = {}  # load totals by medium as last told to vLLM
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._blocks = PagedBlocks(kv_caches, self._num_blocks)
@@ -361,9 +404,19 @@ class KvyardConnector(KVConnectorBase_V1):
             return KvyardWorkerMeta(self._store.local_keys(), [], snapshot=True, missing=missing)
         report = KvyardWorkerMeta(missing=missing)
         for event in events:
+            if event.kind == "cleared":
+                continue
             if event.medium == "local":
                 (report.stored if event.kind == "stored" else report.removed).extend(event.block_keys)
-        return report if report.stored or report.removed or report.missing else None
+            elif event.medium == "shared":
+                (report.shared_stored if event.kind == "stored" else report.shared_removed).extend(event.block_keys)
+        return report if report else None
+
+    def _worker_stats(self) -> KVConnectorStats | None:
+        if self._store is None:
+            return None
+        stats = load_stats(self._store.load_totals(), self._reported_loads)
+        return None if stats.is_empty() else stats
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

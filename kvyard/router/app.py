@@ -512,7 +512,10 @@ async def _metrics(router: Router, request: HttpRequest, responder: Responder) -
 
 
 async def _list_replicas(router: Router, request: HttpRequest, responder: Responder) -> None:
-    responder.send_json(200, {"replicas": [replica.describe() for replica in router.registry.replicas.values()]})
+    registry = router.registry
+    stores = {store_id: len(index) for store_id, index in registry.shared_stores.stores.items()}
+    replicas = [replica.describe() for replica in registry.replicas.values()]
+    responder.send_json(200, {"replicas": replicas, "shared_stores": stores})
 
 
 def _admin_url(request: HttpRequest) -> str:

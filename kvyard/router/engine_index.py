@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvyard.api.engine_kv_events import AllCleared, EngineEvent, EngineHash, RemovedBlocks, StoredBlocks
 from kvyard.kvcache.block_key import KeyNamespace, chain_encoded_keys, encode_tokens
 from kvyard.router.cache_index import CacheIndex
 
-# Where an engine's medium puts a block among kvyard's sources: its device cache, or its own lower tiers
-# (vLLM's CPU offloading and storage, SGLang's host memory and disk).
+# Where an engine's medium puts a block among kvyard's sources: its device cache, its own lower tiers (vLLM's CPU
+# offloading and storage, SGLang's host memory and disk, kvyard's connector's memory and disk), or the shared store
+# kvyard's connector writes to (which every replica loading from that store can take a block from).
 _DEVICE_MEDIA = frozenset({"GPU", "DEVICE", "HBM"})
+SHARED_MEDIUM = "KVYARD_SHARED"
 
 
 def medium_source(medium: str | None) -> str:
-    return "device" if medium is None or medium.upper() in _DEVICE_MEDIA else "local"
+    if medium is None:
+        return "device"
+    medium = medium.upper()
+    return "device" if medium in _DEVICE_MEDIA else "shared" if medium == SHARED_MEDIUM else "local"
 
 
 @dataclass(slots=True)
@@ -38,6 +44,9 @@ class EngineBlockKeys:
     # When the index last learned it does not know everything the engine holds (a block whose parent it never saw,
     # or a history it could not replay whole): `engine_sync` then asks the engine to announce reused blocks.
     missed_at: float = -math.inf
+    # Blocks the replica put into (kind "stored") or saw leave ("removed") the shared store it loads from: the
+    # router files them under that store (tier_index), not under the replica.
+    on_shared: Callable[[str, list[bytes]], None] | None = None
 
     def apply(self, seq: int, event: EngineEvent) -> None:
         if isinstance(event, StoredBlocks):
@@ -87,13 +96,22 @@ class EngineBlockKeys:
             new = chain_encoded_keys(keys[-1] if keys else parent, encoded, size, keyable - done)
             known.update(zip(event.hashes[done:keyable], new))
             keys += new
-        self.index.apply(seq, "stored", keys, medium_source(event.medium))
+        source = medium_source(event.medium)
+        if source != "shared":
+            self.index.apply(seq, "stored", keys, source)
+        elif self.on_shared is not None:
+            self.on_shared("stored", keys)
 
     def _removed(self, seq: int, event: RemovedBlocks) -> None:
         if event.group != 0:
             return
         keys = [key for engine_hash in event.hashes if (key := self._keys.get(engine_hash)) is not None]
-        self.index.apply(seq, "removed", keys, medium_source(event.medium))
+        source = medium_source(event.medium)
+        if source == "shared":
+            if self.on_shared is not None:
+                self.on_shared("removed", keys)
+            return
+        self.index.apply(seq, "removed", keys, source)
         exact, local = self.index.exact, self.index.local
         for engine_hash in event.hashes:
             key = self._keys.get(engine_hash)

@@ -25,6 +25,11 @@ _LOAD_METRICS = {
     SGLANG: ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
 }
 _CACHE_INFO = {VLLM: "vllm:cache_config_info", SGLANG: "sglang:cache_config_info"}
+# What kvyard's KV connector inside vLLM adds (kvyard.integrations.vllm_metrics): the shared store it loads from, and
+# its load seconds and blocks by tier medium.
+_STORE_INFO = "vllm:kvyard_shared_store_info"
+_LOAD_SECONDS = "vllm:kvyard_tier_load_seconds_total"
+_LOADED_BLOCKS = "vllm:kvyard_tier_loaded_blocks_total"
 
 
 def kind_from_owner(owned_by: str | None) -> str | None:
@@ -54,19 +59,24 @@ class EngineMetrics:
     cache_dtype: str | None = None
     started_at: float | None = None  # process_start_time_seconds: changes when the server restarts
     has_load: bool = False  # the load gauges were there (vLLM drops them with --disable-log-stats)
+    shared_store: str | None = None  # kvyard's connector: the shared store's id, and its blocks' expiry
+    shared_ttl_s: float | None = None
+    tier_loads: tuple[tuple[str, float, float], ...] = ()  # kvyard's connector: (medium, seconds, blocks) so far
 
     @classmethod
     def parse(cls, kind: str, text: str) -> EngineMetrics:
         """Only the lines of the few metrics the router reads are parsed (an engine publishes hundreds)."""
         running_name, waiting_name, usage_name = _LOAD_METRICS[kind]
         info_name = _CACHE_INFO[kind]
-        wanted = (running_name, waiting_name, usage_name, info_name, "process_start_time_seconds")
+        wanted = (running_name, waiting_name, usage_name, info_name, "process_start_time_seconds", "vllm:kvyard_")
         lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
         running = waiting = 0.0
         has_load = False
         usages: list[float] = []
         info: dict[str, str] = {}
         started_at = None
+        store: dict[str, str] = {}
+        loads: dict[str, list[float]] = {}
         for family in text_string_to_metric_families(lines):
             for sample in family.samples:
                 if not math.isfinite(sample.value):
@@ -82,6 +92,11 @@ class EngineMetrics:
                     info = dict(sample.labels)
                 elif sample.name == "process_start_time_seconds":
                     started_at = sample.value
+                elif sample.name == _STORE_INFO and sample.value > 0:
+                    store = dict(sample.labels)
+                elif sample.name in (_LOAD_SECONDS, _LOADED_BLOCKS) and "medium" in sample.labels:
+                    totals = loads.setdefault(sample.labels["medium"], [0.0, 0.0])
+                    totals[sample.name == _LOADED_BLOCKS] += sample.value
         return cls(
             int(running),
             int(waiting),
@@ -91,7 +106,18 @@ class EngineMetrics:
             info.get("cache_dtype"),
             started_at,
             has_load,
+            store.get("store") or None,
+            _float_label(store, "ttl_s"),
+            tuple((medium, seconds, blocks) for medium, (seconds, blocks) in sorted(loads.items())),
         )
+
+
+def _float_label(labels: dict[str, str], name: str) -> float | None:
+    try:
+        value = float(labels.get(name, ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:

@@ -19,6 +19,7 @@ from kvyard.api.auth import ADMIN_KEY_HEADER, REPLICA_ADMIN_KEY_ENV, REPLICA_API
 from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.stats import RecentCost
 from kvyard.net.http_client import HttpError, Response
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.config import RouterConfig
@@ -285,8 +286,30 @@ class Registry:
         except (HttpError, TimeoutError, ValueError) as error:
             _LOG.info("metrics of %s unread (%s): the block size is taken from its events", replica.url, error)
             metrics = EngineMetrics()
-        blocks = EngineBlockKeys(replica.index, engine_namespace(replica, metrics))
+        self._join_shared_store(replica, metrics)
+
+        def on_shared(kind: str, keys: list[bytes]) -> None:
+            store = self.shared_stores.get(replica.shared_store_id)
+            if store is None:  # the replica wrote before its metrics said which store: nothing to file it under
+                return
+            if kind == "stored":
+                store.stored(keys, time.monotonic())
+            else:
+                store.removed(keys)
+
+        blocks = EngineBlockKeys(replica.index, engine_namespace(replica, metrics), on_shared=on_shared)
         await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()
+
+    def _join_shared_store(self, replica: Replica, metrics: EngineMetrics) -> None:
+        """The shared store a vLLM replica's kvyard connector loads from, as its metrics name it (a new id: the
+        store was flushed or restarted, and what the router knew of the old one is dropped)."""
+        store_id = metrics.shared_store
+        if store_id is None:
+            return
+        if store_id != replica.shared_store_id:
+            self.shared_stores.cleared(replica.shared_store_id, store_id)
+            replica.shared_store_id = store_id
+        self.shared_stores.joined(store_id, metrics.shared_ttl_s)
 
     async def _load(self, replica: Replica, timeout: float) -> LoadReport | None:
         """The replica's load report, after checking its health; None when only its health was checked (the report
@@ -320,6 +343,12 @@ class Registry:
         replica.started_at = metrics.started_at
         if replica.namespace is None and metrics.block_size:  # without events: what PD pairs replicas by
             replica.namespace = engine_namespace(replica, metrics)
+        self._join_shared_store(replica, metrics)
+        costs: dict[str, float] = {}
+        for medium, seconds, blocks in metrics.tier_loads:
+            estimate = replica.tier_costs.setdefault(medium, RecentCost()).update(seconds, blocks)
+            if estimate is not None:
+                costs[medium] = estimate
         total = metrics.num_blocks or 0
         return LoadReport(
             num_waiting=metrics.waiting,
@@ -327,6 +356,8 @@ class Registry:
             kv_blocks_used=round(metrics.kv_usage * total),
             kv_blocks_total=total,
             prefill_s_per_token=replica.ttft.s_per_token,
+            local_tier_s_per_block=costs.get("local", 0.0),
+            shared_tier_s_per_block=costs.get("shared", 0.0),
         )
 
     async def _health_only(self, replica: Replica, timeout: float) -> LoadReport:

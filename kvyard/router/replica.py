@@ -10,6 +10,7 @@ from kvyard.api.engine_kv_events import EventEndpoints
 from kvyard.api.kv_events import BlendAdvert
 from kvyard.api.load import LoadReport
 from kvyard.kvcache.block_key import KeyNamespace
+from kvyard.kvcache.stats import RecentCost
 from kvyard.net.http_client import HttpClient
 from kvyard.router.cache_index import CacheIndex
 from kvyard.router.ttft_fit import TtftFit
@@ -56,7 +57,9 @@ class Replica:
     configured_role: str | None = None  # --prefill/--decode; None: the role its load report states
     index: CacheIndex = field(default_factory=CacheIndex)
     namespace: KeyNamespace | None = None  # from /kv/snapshot; None for a replica without KV events
-    shared_store_id: str | None = None  # the shared KV store it loads from (tier_index), from its KV events
+    # The shared KV store it loads from (tier_index), from its KV events (kvyard) or its metrics (vLLM with kvyard's
+    # connector).
+    shared_store_id: str | None = None
     blend: BlendAdvert | None = None  # it blends moved text (kvyard serve --non-prefix-reuse), from its snapshot
     salt_key: str | None = None  # the router's key, when the replica salts its cache by caller key (tenant_salt)
     model_ids: tuple[str, ...] = ()
@@ -83,6 +86,8 @@ class Replica:
     ttft: TtftFit = field(default_factory=TtftFit)  # its engine's speed from first-token times (ttft_fit), shared
     started_at: float | None = None  # its server's start time, where its metrics say (a change is a restart)
     metrics_at: float = -1e9  # time.monotonic() of its last metrics scrape (vLLM, SGLang)
+    # Recent load seconds per block by tier medium, from the totals its metrics give (vLLM with kvyard's connector).
+    tier_costs: dict[str, RecentCost] = field(default_factory=dict)
     report_reuse_until: float = 0.0  # time.monotonic() until which it is asked to announce reused blocks (vLLM)
     api_headers: dict[str, str] = field(default_factory=dict)  # the router's own key, on every call
     admin_headers: dict[str, str] = field(default_factory=dict)  # the replicas' admin key, for /kv/*
