@@ -150,6 +150,7 @@ class KvyardConnector(KVConnectorBase_V1):
         self._writer_cpus = config.writer_cpus
         self._namespace = vllm_namespace(vllm_config)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        self._reported_store: str | None = None  # the shared store's id as last told to vLLM's metrics
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(transfer.is_kv_consumer, transfer.is_kv_producer)
             if transfer.kv_load_failure_policy != "recompute":
@@ -183,7 +184,6 @@ class KvyardConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._prefill_waits: dict[str, PrefillWait] = {}
         self._idle = False  # the last step scheduled nothing
-        self._reported_store: str | None = None  # the shared store's id as last told to vLLM's metrics
         log.info("kvyard connector: %s, namespace %s", self._tier_config.describe(), self._namespace)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -413,9 +413,15 @@ class KvyardConnector(KVConnectorBase_V1):
         return report if report else None
 
     def _worker_stats(self) -> KVConnectorStats | None:
+        """What loads took since the last report, and the shared store's id when the writer saw it change (a
+        flush or a restart, seen by the writer's idle look before any request asks the scheduler)."""
         if self._store is None:
             return None
         stats = load_stats(self._store.load_totals(), self._reported_loads)
+        store = self._store.shared_store()
+        if store is not None and store[0] != self._reported_store:
+            self._reported_store = store[0]
+            stats = stats.aggregate(store_stats(*store))
         return None if stats.is_empty() else stats
 
     def _plan(self) -> StepPlan | None:
