@@ -231,6 +231,21 @@ def test_the_router_credits_every_replica_with_what_one_put_into_the_shared_stor
             10,
             "the router's figure of B's load seconds per shared block",
         )
+
+        # Redis flushed: each replica's writer sees the store's new id when idle and reports it with its next step;
+        # the router drops what it knew of the old store.
+        old = replica_state(router, pair.b.url)["shared_store"]
+        pair.store.client().flushall()
+        time.sleep(2.0)
+        for replica in (pair.a, pair.b):
+            complete(replica, "A step, to carry the store's new id.")
+
+        def moved() -> bool:
+            listing = admin(router, "GET", "/admin/replicas").json()
+            ids = {replica["shared_store"] for replica in listing["replicas"]}
+            return old not in ids and len(ids) == 1 and old not in listing["shared_stores"]
+
+        wait_for(moved, 15, "both replicas on the flushed store's new id, the old one forgotten")
     finally:
         router.stop()
 

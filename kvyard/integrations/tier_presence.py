@@ -60,15 +60,6 @@ class TierPresence:
             sources.extend(["redis"] * self._shared.leading_held(rest))
         return sources
 
-    @property
-    def shared_store_id(self) -> str | None:
-        """The shared store's id as the last lookup read it (None: no shared tier, or not reached yet)."""
-        return self._shared.store_id if self._shared is not None else None
-
-    @property
-    def shared_ttl_s(self) -> float | None:
-        return self._shared.ttl_s if self._shared is not None else None
-
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()

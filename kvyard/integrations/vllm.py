@@ -150,7 +150,6 @@ class KvyardConnector(KVConnectorBase_V1):
         self._writer_cpus = config.writer_cpus
         self._namespace = vllm_namespace(vllm_config)
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-        self._reported_store: str | None = None  # the shared store's id as last told to vLLM's metrics
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(transfer.is_kv_consumer, transfer.is_kv_producer)
             if transfer.kv_load_failure_policy != "recompute":
@@ -292,14 +291,10 @@ class KvyardConnector(KVConnectorBase_V1):
         return self._tier_events.take() if self._tier_events is not None else []
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The scheduler tells vLLM's metrics a new shared store id; the worker, what its loads took."""
-        if self._role != KVConnectorRole.SCHEDULER:
-            return self._worker_stats()
-        store_id = self._presence.shared_store_id
-        if store_id is None or store_id == self._reported_store:
-            return None
-        self._reported_store = store_id
-        return store_stats(store_id, self._presence.shared_ttl_s)
+        """The worker's: what its loads took, and the shared store's id when it changed. (Not the scheduler's: its
+        view of the store's id is only as fresh as its last lookup, and vLLM lets the scheduler's stats override
+        the worker's.)"""
+        return self._worker_stats() if self._role != KVConnectorRole.SCHEDULER else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -332,6 +327,7 @@ class KvyardConnector(KVConnectorBase_V1):
         self._missing: list[bytes] = []  # keys a load did not find, for the scheduler to forget
         self._unwritten: set[bytes] = set()  # keys given to the writer since it was last seen idle
         self._reported_loads: dict[str, tuple[float, int]] = {}  # load totals by medium as last told to vLLM
+        self._reported_store: str | None = None  # the shared store's id as last told to vLLM's metrics
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._blocks = PagedBlocks(kv_caches, self._num_blocks)

@@ -1,12 +1,12 @@
 """What the connector tells a router through vLLM's own `/metrics`: which shared store the replica loads from, and
 what a block loaded from each of its tier media costs.
 
-vLLM carries a connector's stats from its worker and scheduler to the API server (`KVConnectorStats`), which hands
-them to the connector's Prometheus metrics (`build_prom_metrics`). kvyard's router reads:
+vLLM carries a connector's stats from its worker to the API server (`KVConnectorStats`), which hands them to the
+connector's Prometheus metrics (`build_prom_metrics`). kvyard's router reads:
 
 - `vllm:kvyard_shared_store_info{store, ttl_s}` = 1: the shared store's id (it changes when the store is flushed or
   restarted) and its blocks' expiry. A replica that has not served a request yet is already a member: the API server
-  reads the store's id once at start.
+  reads the store's id once at start; later changes come from the worker, whose writer looks at the store when idle.
 - `vllm:kvyard_tier_load_seconds_total{medium}` and `vllm:kvyard_tier_loaded_blocks_total{medium}` (`local`: the
   replica's memory and disk tiers; `shared`: the store): the router's seconds per loaded block, as kvyard's own
   replicas report theirs in `/load`.
@@ -37,7 +37,7 @@ LOADED_BLOCKS = "vllm:kvyard_tier_loaded_blocks_total"
 @dataclass
 class KvyardConnectorStats(KVConnectorStats):
     """`data`: {"load_seconds": {medium: s}, "loaded_blocks": {medium: n}} since the last report, and the shared
-    store ({"shared_store": id, "shared_ttl_s": s}) when the scheduler learned a new one."""
+    store ({"shared_store": id, "shared_ttl_s": s}) when the worker saw a new one."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -120,7 +120,7 @@ class KvyardPromMetrics(KVConnectorPromMetrics):
         self._stores: dict[int, tuple[str, str]] = {}
         config = connector_config(vllm_config.kv_transfer_config.kv_connector_extra_config).tier
         ttl = str(config.redis_ttl_s)
-        store_id = current_store_id(config)  # None while the store is down: the scheduler reports it later
+        store_id = current_store_id(config)  # None while the store is down: the worker reports it later
         for engine in per_engine_labelvalues:
             for medium in MEDIA:  # zero from the start, so a scrape tells "no loads yet" from "no connector"
                 self._load_seconds.labels(*per_engine_labelvalues[engine], medium)
