@@ -13,7 +13,10 @@ hit ratio in tokens), the client's TTFT and throughput, and the router process's
 Routers: kvyard `cache_aware` following the replicas' KV events (--replica-events), vllm-router 0.1.17 (PyPI
 `vllm-router`, in $KVYARD_PEERS_DIR/routers, made by benchmarks/setup_peers.sh routers) with its `kv_aware` policy
 reading the same events (--kv-event-source, --kv-event-replay-source), its `cache_aware` and its `round_robin`.
-Each router runs with its defaults. With `--repeats N` the routers take turns N times (round by round, so a slow
+Each router runs with its defaults. With `--kv-tier redis` every replica runs kvyard's KV connector with one shared
+Redis as its only tier (flushed before each router's run, with the prefix caches): a replica can load a history
+another replica computed, and kvyard route, reading the connector's announcements and metrics, knows it; the
+peers see the same replicas. With `--repeats N` the routers take turns N times (round by round, so a slow
 spell of a shared VM falls on every router), and each router's figures are the mean over its N runs, with their
 range. Writes JSON (conditions beside the numbers, every run) and a PNG next to it.
 """
@@ -21,6 +24,7 @@ range. Writes JSON (conditions beside the numbers, every run) and a PNG next to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
+from vllm_tier import redis_server
 
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
 from kvyard.testing.vllm_replicas import VLLM_BLOCK_SIZE, VllmReplica, free_port, start_vllm, wait_ready
@@ -186,8 +192,19 @@ def wait_router(url: str, process: subprocess.Popen[bytes], timeout: float = 120
 
 
 def run_one(
-    name: str, command: list[str], replicas: list[VllmReplica], workload: list[str], seed: int, scratch: Path, log: Path
+    name: str,
+    command: list[str],
+    replicas: list[VllmReplica],
+    workload: list[str],
+    seed: int,
+    scratch: Path,
+    log: Path,
+    store: str | None = None,
 ) -> dict[str, Any]:
+    if store is not None:  # before the router starts: it learns the emptied store's new id from the replicas
+        empty_when_written(redis.Redis.from_url(store))
+        time.sleep(2.0)  # an idle connector's writer looks at the store every second, and sees its new id
+        reset_caches(replicas)  # a step on each replica carries the new id to its metrics
     port = free_port()
     with log.open("wb") as out:
         router = subprocess.Popen(
@@ -375,6 +392,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every router, taken in turns")
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="each replica's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument(
+        "--kv-tier",
+        choices=("none", "redis"),
+        default="none",
+        help="redis: every replica runs kvyard's KV connector over one shared Redis (needs redis-server)",
+    )
+    parser.add_argument(
         "--workload-arg",
         action="append",
         default=[],
@@ -400,6 +423,37 @@ def main() -> None:
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="vllm-fleet-"))
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(redis_server(scratch)) if args.kv_tier == "redis" else None
+        run_fleet(args, scratch, store)
+
+
+def connector_options(redis_url: str) -> tuple[str, ...]:
+    config = {
+        "kv_connector": "KvyardConnector",
+        "kv_connector_module_path": "kvyard.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tiers": "redis", "redis_url": redis_url},
+    }
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+def empty_when_written(client: redis.Redis, quiet_s: float = 3.0, timeout_s: float = 300.0) -> None:
+    """Flush the store once the replicas' writers are done with the last run's blocks (the key count has not moved
+    for `quiet_s`): a flush while they still write leaves the next run blocks of prompts it sends again."""
+    deadline, last, quiet_since = time.monotonic() + timeout_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = int(client.dbsize())
+        if count != last:
+            last, quiet_since = count, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+        time.sleep(0.5)
+    client.flushall()
+
+
+def run_fleet(args: argparse.Namespace, scratch: Path, store: str | None) -> None:
     cores = os.cpu_count() or 1
     replicas = [
         start_vllm(
@@ -408,6 +462,7 @@ def main() -> None:
             served_name=MODEL,
             cpus=str(number % cores),
             kv_cache_gb=args.kv_cache_gb,
+            extra=connector_options(store) if store is not None else (),
             environment={"VLLM_SERVER_DEV_MODE": "1"},
         )
         for number in range(args.replicas)
@@ -426,7 +481,7 @@ def main() -> None:
         for round_number, (name, command) in ((r, item) for r in range(args.repeats) for item in chosen.items()):
             print(f"{name} (round {round_number + 1} of {args.repeats}) ...", file=sys.stderr, flush=True)
             log = scratch / f"{name.replace(' ', '_')}_{round_number}.log"
-            run = run_one(name, command, replicas, workload, args.seed, scratch, log)
+            run = run_one(name, command, replicas, workload, args.seed, scratch, log, store)
             if args.log_dir is not None:
                 shutil.copy(log, args.log_dir / log.name)
                 shutil.copy(scratch / f"{name.replace(' ', '_')}.json", args.log_dir / f"{log.stem}_requests.json")
@@ -443,7 +498,7 @@ def main() -> None:
     finally:
         for replica in replicas:
             replica.stop()
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "vllm_fleet",
         "conditions": {
             "date": time.strftime("%Y-%m-%d"),
@@ -455,6 +510,9 @@ def main() -> None:
             "seed": args.seed,
             "engine": "vllm-cpu 0.32.0, demo model (fp32), block size 32, one core per replica (round robin), "
             f"KV cache {args.kv_cache_gb} GB each",
+            "kv_tier": "kvyard's connector, one shared local redis-server as the only tier"
+            if store is not None
+            else "none",
             "peer": "vllm-router 0.1.17 (PyPI), default settings",
             "order": "one router at a time, prefix caches reset before each, routers in turns for each of "
             f"{args.repeats} round(s); the client and the router share the machine with the replicas",
