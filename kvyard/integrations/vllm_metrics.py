@@ -60,7 +60,9 @@ class KvyardConnectorStats(KVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return not any(self.data.get("loaded_blocks", {}).values()) and "shared_store" not in self.data
+        """Nothing loaded, no time spent on loads (a load that timed out brought nothing but took time), no store."""
+        loads = (*self.data.get("loaded_blocks", {}).values(), *self.data.get("load_seconds", {}).values())
+        return not any(loads) and "shared_store" not in self.data
 
 
 def load_stats(totals: dict[str, tuple[float, int]], reported: dict[str, tuple[float, int]]) -> KvyardConnectorStats:
