@@ -210,6 +210,25 @@ def test_blocks_a_step_saves_count_as_held_before_the_worker_reports_them() -> N
     assert planner.matched_tokens("t", "", tokens, 0) == BLOCK
 
 
+def test_without_tiers_of_its_own_saved_blocks_are_looked_up_in_the_shared_store(store: RedisProcess) -> None:
+    """With Redis as the only tier, a block the step saved is offered only while Redis holds it: after a flush,
+    nothing is offered (a block counted as held by no tier was loaded, failed and computed again)."""
+    tokens = list(range(3 * BLOCK + 1))
+    keys = chain_block_keys(NAMESPACE.root_key(), tokens, BLOCK)
+    presence = TierPresence(KVTierConfig(tiers=("redis",), redis_url=store.url), RedisTier(store.url))
+    planner = BlockPlanner(NAMESPACE, presence, load=True, save=True)
+    planner.matched_tokens("r", "", tokens, 0)
+    planner.allocated("r", 0)
+    saves = planner.plan_step([ScheduledRequest("r", 3 * BLOCK + 1)], lambda _: tokens, lambda _: [1, 2, 3, 4]).saves
+    assert [key for save in saves for key in save.keys] == keys
+    assert planner.matched_tokens("s", "", tokens, 0) == 0  # not written yet
+    RedisTier(store.url).put_many([(key, blob(key)) for key in keys])
+    assert planner.matched_tokens("t", "", tokens, 0) == 3 * BLOCK
+    store.client().flushall()
+    assert planner.matched_tokens("u", "", tokens, 0) == 0
+    presence.close()
+
+
 def test_the_wait_for_a_prefill_replica_is_configured_and_checked() -> None:
     assert connector_config({"remote_prefill_wait_s": 5}).remote_prefill_wait_s == 5.0
     assert connector_config({}).remote_prefill_wait_s == 60.0

@@ -26,6 +26,7 @@ class TierPresence:
     def __init__(self, config: KVTierConfig, shared: RedisTier | None = None) -> None:
         tiers = config.active_tiers
         self._local: set[bytes] = set()
+        self._has_local = "memory" in tiers or "disk" in tiers
         self._local_source: Source = "memory" if "memory" in tiers else "disk"
         self._disk_dir: Path | None = Path(config.disk_dir or default_disk_dir()) if "disk" in tiers else None
         self._shared = shared
@@ -38,9 +39,12 @@ class TierPresence:
         self._local.difference_update(removed)
 
     def expect(self, keys: Iterable[bytes]) -> None:
-        """Blocks the worker is saving: counted as held from now (the worker waits for a write that a load needs,
-        and reports a block it did not find, which is forgotten then)."""
-        self._local.update(keys)
+        """Blocks the worker is saving: counted as held by its own tiers from now (the worker waits for a write that
+        a load needs, and reports a block it did not find, which is forgotten then). Without tiers of its own, the
+        shared store is asked instead: counting them would offer, after a flush or an eviction there, blocks that
+        no tier holds, each a failed load vLLM computes again."""
+        if self._has_local:
+            self._local.update(keys)
 
     def held_locally(self, key: bytes) -> bool:
         return key in self._local
