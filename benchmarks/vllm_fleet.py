@@ -375,8 +375,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hits.set_ylabel("prefix hit ratio (vLLM's counters)")
     hits.legend(fontsize=8)
     conditions = result["conditions"]
+    tier = ", each with kvyard's KV connector over one Redis" if conditions.get("kv_tier", "none") != "none" else ""
     figure.suptitle(
-        f"{conditions['replicas']} vLLM-CPU replicas, {conditions['workload']} workload, {conditions['cpu']}",
+        f"{conditions['replicas']} vLLM-CPU replicas{tier}, {conditions['workload']} workload, {conditions['cpu']}",
         fontsize=9,
     )
     figure.tight_layout()
