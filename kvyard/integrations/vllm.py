@@ -109,7 +109,7 @@ class KvyardWorkerMeta(KVConnectorWorkerMetadata):
             self.shared_removed + other.shared_removed,
         )
 
-    def __bool__(self) -> bool:
+    def has_news(self) -> bool:
         return bool(
             self.stored or self.removed or self.snapshot or self.missing or self.shared_stored or self.shared_removed
         )
@@ -406,7 +406,7 @@ class KvyardConnector(KVConnectorBase_V1):
                 (report.stored if event.kind == "stored" else report.removed).extend(event.block_keys)
             elif event.medium == "shared":
                 (report.shared_stored if event.kind == "stored" else report.shared_removed).extend(event.block_keys)
-        return report if report else None
+        return report if report.has_news() else None
 
     def _worker_stats(self) -> KVConnectorStats | None:
         """What loads took since the last report, and the shared store's id when the writer saw it change (a

@@ -75,8 +75,10 @@ class TierEvents:
         reaches the replica's own tiers; a saved one, the shared store too."""
         media = self._saved_to if saved else self._loaded_to
         for index, key in keys:
+            if key in self._pending:
+                continue
             media_left = {medium for medium in media if key not in self._held[medium]}
-            if not media_left or key in self._pending:
+            if not media_left:
                 continue
             block = identity(request, index, self.block_size)
             if block is not None:

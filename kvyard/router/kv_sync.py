@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,10 +127,4 @@ class KVSync:
             stores.cleared(replica.shared_store_id, event.store)
             replica.shared_store_id = event.store
             return
-        store = stores.get(replica.shared_store_id)
-        if store is None:  # the replica wrote before it learned the store's id: nothing to file it under
-            return
-        if event.kind == "stored":
-            store.stored(event.block_keys, time.monotonic())
-        else:
-            store.removed(event.block_keys)
+        stores.record(replica.shared_store_id, event.kind, event.block_keys)

@@ -289,13 +289,7 @@ class Registry:
         self._join_shared_store(replica, metrics)
 
         def on_shared(kind: str, keys: list[bytes]) -> None:
-            store = self.shared_stores.get(replica.shared_store_id)
-            if store is None:  # the replica wrote before its metrics said which store: nothing to file it under
-                return
-            if kind == "stored":
-                store.stored(keys, time.monotonic())
-            else:
-                store.removed(keys)
+            self.shared_stores.record(replica.shared_store_id, kind, keys)
 
         blocks = EngineBlockKeys(replica.index, engine_namespace(replica, metrics), on_shared=on_shared)
         await EngineEventSync(replica, events, self._zmq, self._on_resync, blocks).run()

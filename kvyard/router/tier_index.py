@@ -11,6 +11,7 @@ replicas report: a request that loaded fewer shared blocks than predicted remove
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -100,6 +101,17 @@ class SharedStores:
         if index is None:
             index = self.stores[store_id] = SharedStoreIndex(ttl_s, self.max_keys)
         return index
+
+    def record(self, store_id: str | None, kind: str, keys: Iterable[bytes]) -> None:
+        """A replica using `store_id` wrote `keys` to it (kind "stored") or saw them leave ("removed"); nothing is
+        filed while the replica's store is unknown (it wrote before it learned the store's id)."""
+        index = self.get(store_id)
+        if index is None:
+            return
+        if kind == "stored":
+            index.stored(keys, time.monotonic())
+        else:
+            index.removed(keys)
 
     def forget_after(self, store_id: str | None, keys: Sequence[bytes]) -> None:
         index = self.get(store_id)
