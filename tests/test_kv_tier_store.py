@@ -20,6 +20,7 @@ from kvyard.kvcache.codec import (
     BlockMismatchError,
     decode_block,
     encode_block,
+    frame_block,
 )
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.disk_tier import DiskTier
@@ -63,6 +64,14 @@ def test_codec_round_trip_is_byte_exact() -> None:
     decoded = decode_block(encode_block(ROOT, key, FMT, data), ROOT, key, FMT)
     assert bytes(decoded.payload) == data
     assert decoded.key == key
+
+
+def test_a_frame_filled_in_place_is_the_same_block_as_an_encoded_one() -> None:
+    key, data = keys(1)[0], payload(2)
+    frame = memoryview(bytearray(HEADER_BYTES + len(data)))
+    frame[HEADER_BYTES:] = data
+    assert bytes(frame_block(frame, ROOT, key, FMT)) == encode_block(ROOT, key, FMT, data)
+    assert bytes(decode_block(frame, ROOT, key, FMT).payload) == data
 
 
 @pytest.mark.parametrize("offset", [0, 10, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 100, -1])
@@ -317,6 +326,24 @@ def test_store_writes_behind_to_every_tier_and_drops_when_the_queue_is_full(tmp_
     assert tiny_queue.snapshot().queue_dropped_blocks == 1
     store.close()
     tiny_queue.close()
+
+
+def test_store_writes_frames_to_every_tier_as_encoded_blocks(tmp_path: Path, redis_server: RedisProcess) -> None:
+    ks = keys(3)
+    memory, disk = MemoryTier(1 << 20), DiskTier(tmp_path / "disk", 1 << 30)
+    redis_tier = RedisTier(redis_server.url, ttl_s=60)
+    store = TieredStore([memory, disk, redis_tier])
+    step = bytearray(b"".join(bytes(HEADER_BYTES) + payload(number) for number in range(len(ks))))
+    width = len(step) // len(ks)
+    frames = [memoryview(step)[number * width : (number + 1) * width] for number in range(len(ks))]
+    assert store.submit([BlockWrite(ROOT, key, FMT, frame=frame) for key, frame in zip(ks, frames)]) == 3
+    assert store.flush()
+    expected = [blob(key, seed=number) for number, key in enumerate(ks)]
+    for tier in (memory, disk, redis_tier):
+        assert [bytes(found) for found in tier.get_prefix(ks, FOREVER)] == expected, tier.name
+    assert [bytes(b.payload) for b in store.load_prefix(ROOT, ks, FMT, FOREVER)] == [payload(i) for i in range(3)]
+    assert all(isinstance(kept, bytes) for kept in memory.get_prefix(ks, FOREVER))  # not views into the step's buffer
+    store.close()
 
 
 def test_store_never_serves_a_block_of_another_namespace(tmp_path: Path) -> None:

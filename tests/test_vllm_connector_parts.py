@@ -19,7 +19,7 @@ from kvyard.integrations.connector_config import connector_config
 from kvyard.integrations.paged_blocks import PagedBlocks
 from kvyard.integrations.tier_presence import TierPresence
 from kvyard.kvcache.block_key import KeyNamespace, chain_block_keys
-from kvyard.kvcache.codec import BlockFormat, encode_block
+from kvyard.kvcache.codec import HEADER_BYTES, BlockFormat, encode_block
 from kvyard.kvcache.config import KVTierConfig
 from kvyard.kvcache.disk_tier import DiskTier
 from kvyard.kvcache.memory_tier import MemoryTier
@@ -166,9 +166,10 @@ def test_blocks_the_workers_tiers_hold_are_not_saved_again() -> None:
 # ---------------------------------------------------------------------- paged KV cache <-> block payloads
 
 
+@pytest.mark.parametrize("gather_on_device", [False, True], ids=["per layer", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["blocks first", "kv first"])
-def test_blocks_round_trip_byte_exact_between_caches(dtype: torch.dtype, layout: str) -> None:
+def test_blocks_round_trip_byte_exact_between_caches(dtype: torch.dtype, layout: str, gather_on_device: bool) -> None:
     def cache() -> dict[str, torch.Tensor]:
         shape = (10, 2, BLOCK, 16) if layout == "blocks first" else (2, 10, BLOCK, 2, 8)
         return {f"layers.{n}.attn": torch.randn(shape).to(dtype) for n in range(3)}
@@ -176,7 +177,10 @@ def test_blocks_round_trip_byte_exact_between_caches(dtype: torch.dtype, layout:
     source, target = cache(), cache()
     reader, writer = PagedBlocks(source, 10), PagedBlocks(target, 10)
     assert reader.format == writer.format and reader.format.shape[0] == 3
-    payloads = [bytes(view) for view in reader.read([2, 7])]
+    reader.gather_on_device = gather_on_device  # the GPU path (one gather, one transfer) runs on a CPU too
+    frames = reader.read([2, 7])
+    assert all(len(frame) == HEADER_BYTES + reader.block_bytes for frame in frames)
+    payloads = [bytes(frame[HEADER_BYTES:]) for frame in frames]
     assert all(len(payload) == reader.block_bytes for payload in payloads)
     writer.write([5, 1], payloads)
     dim = 0 if layout == "blocks first" else 1

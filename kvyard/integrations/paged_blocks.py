@@ -2,8 +2,9 @@
 
 vLLM hands the connector one tensor per layer with the block index at dimension 0 (its standardized layouts; CPU:
 `[num_blocks, kv_heads, block_size, 2 * head_size]`) or, in older GPU layouts, at dimension 1 behind K/V. A step's
-blocks to save are gathered on the device and copied to the host in one transfer; a request's loaded blocks go back
-the same way.
+blocks to save are copied into one host buffer of frames (each block's payload behind room for its header, which the
+tier's writer fills in place): on a CPU one copy per layer straight out of the cache, on a GPU a gather on the device
+and one transfer. A request's loaded blocks go back in one transfer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvyard.kvcache.codec import BlockFormat
+from kvyard.kvcache.codec import HEADER_BYTES, BlockFormat
 
 
 class PagedBlocks:
@@ -36,14 +37,23 @@ class PagedBlocks:
         block_shape = tuple(first.shape[: self.block_dim]) + tuple(first.shape[self.block_dim + 1 :])
         self.format = BlockFormat(str(self.dtype).removeprefix("torch."), (len(self.layers), *block_shape))
         self.block_bytes = first.element_size() * self.format.num_elements
+        # On a CPU each layer's blocks are copied straight into the frames; elsewhere one gather and one transfer.
+        self.gather_on_device = self.device.type != "cpu"
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Each block's payload, copied out of the cache (the cache may reuse the block at once)."""
+        """Each block's payload in a frame, copied out of the cache now (the cache may reuse the block at once)."""
+        if not block_ids:
+            return []
+        frames = torch.empty((len(block_ids), HEADER_BYTES + self.block_bytes), dtype=torch.uint8)
+        payloads = frames[:, HEADER_BYTES:].view(self.dtype).view(len(block_ids), *self.format.shape)
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        gathered = [layer.index_select(self.block_dim, index).movedim(self.block_dim, 0) for layer in self.layers]
-        stacked = torch.stack(gathered, dim=1).contiguous().cpu()  # [blocks, layers, ...]
-        rows = stacked.view(torch.uint8).reshape(len(block_ids), -1).numpy()
-        return [memoryview(row) for row in rows]
+        if self.gather_on_device:
+            gathered = [layer.index_select(self.block_dim, index).movedim(self.block_dim, 0) for layer in self.layers]
+            payloads.copy_(torch.stack(gathered, dim=1))
+        else:
+            for number, layer in enumerate(self.layers):
+                torch.index_select(layer, self.block_dim, index, out=payloads[:, number].movedim(0, self.block_dim))
+        return [memoryview(frame) for frame in frames.numpy()]
 
     def write(self, block_ids: Sequence[int], payloads: Sequence[memoryview | bytes]) -> None:
         """Put each payload into its block of every layer."""

@@ -376,11 +376,9 @@ class KvyardConnector(KVConnectorBase_V1):
         if plan is None or not plan.saves or self._store is None or self._blocks is None:
             return
         block_ids = [block_id for save in plan.saves for block_id in save.block_ids]
-        payloads = iter(self._blocks.read(block_ids))
+        frames = iter(self._blocks.read(block_ids))
         fmt = self._blocks.format
-        writes = [
-            BlockWrite(save.root_key, key, fmt, payload=next(payloads)) for save in plan.saves for key in save.keys
-        ]
+        writes = [BlockWrite(save.root_key, key, fmt, frame=next(frames)) for save in plan.saves for key in save.keys]
         self._store.submit(writes)
         if len(self._unwritten) > MAX_UNWRITTEN:
             self._unwritten.clear()  # only a wait before some load is lost: that load finds fewer blocks

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvyard.kvcache.codec import Blob
 from kvyard.kvcache.stats import TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult
 
@@ -79,7 +80,7 @@ class DiskTier:
             self._bytes += size
         self._evict_over_budget()
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> Sequence[Blob]:
         start = time.perf_counter()
         found: list[bytes] = []
         deadline = LoadDeadline.of(deadline)
@@ -120,7 +121,7 @@ class DiskTier:
         with self._lock:
             return key in self._index
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> PutResult:
         result = PutResult()
         if time.monotonic() < self._writes_paused_until:
             return result
@@ -145,7 +146,7 @@ class DiskTier:
             result.stored = [key for key in result.stored if key not in gone]
         return result
 
-    def _write(self, key: bytes, blob: bytes) -> bool:
+    def _write(self, key: bytes, blob: Blob) -> bool:
         path = self.path_of(key)
         temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
         try:

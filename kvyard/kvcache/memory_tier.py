@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvyard.kvcache.codec import Blob
 from kvyard.kvcache.stats import TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult
 
@@ -22,7 +23,7 @@ class MemoryTier:
             raise ValueError(f"memory tier capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
-        self._blobs: OrderedDict[bytes, bytes] = OrderedDict()
+        self._blobs: OrderedDict[bytes, Blob] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -33,9 +34,9 @@ class MemoryTier:
     def __len__(self) -> int:
         return len(self._blobs)
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> Sequence[Blob]:
         start = time.perf_counter()
-        found: list[bytes] = []
+        found: list[Blob] = []
         with self._lock:
             for key in keys:
                 blob = self._blobs.get(key)
@@ -56,7 +57,7 @@ class MemoryTier:
         with self._lock:
             return key in self._blobs
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> PutResult:
         start = time.perf_counter()
         result = PutResult()
         written = 0
@@ -67,7 +68,9 @@ class MemoryTier:
                 old = self._blobs.pop(key, None)
                 if old is not None:
                     self._bytes -= len(old)
-                self._blobs[key] = blob
+                # A view (a frame) may be one row of a buffer holding a whole step's blocks: keeping the view would
+                # keep all of them, whatever this tier's budget says.
+                self._blobs[key] = bytes(blob) if isinstance(blob, memoryview) else blob
                 self._bytes += len(blob)
                 written += len(blob)
                 result.stored.append(key)

@@ -32,6 +32,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from kvyard.kvcache.codec import Blob
 from kvyard.kvcache.stats import TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult
 
@@ -87,7 +88,7 @@ class RedisTier:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> Sequence[Blob]:
         if not self.available:
             return []
         start = time.perf_counter()
@@ -131,7 +132,7 @@ class RedisTier:
     def contains(self, key: bytes) -> bool:
         return False
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> PutResult:
         result = PutResult()
         if not items or not self.available:
             return result
@@ -145,7 +146,7 @@ class RedisTier:
         self.stats.add(stores=1, store_seconds=time.perf_counter() - start)
         return result
 
-    def _set_command(self, pipe: Any, item: tuple[bytes, bytes]) -> None:
+    def _set_command(self, pipe: Any, item: tuple[bytes, Blob]) -> None:
         pipe.set(self.redis_key(item[0]), item[1], ex=self.ttl_s)
 
     def probe(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvyard.kvcache.codec import Blob
 from kvyard.kvcache.stats import TierStats
 
 
@@ -51,7 +52,7 @@ class Tier(Protocol):
         restarted (None: unknown yet, or not a shared tier)."""
         ...
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> Sequence[Blob]:
         """Blobs of the leading `keys` this tier holds, stopping at the first miss or once `deadline` has passed
         (a bare float: time.monotonic()); each block read counts toward the deadline's extension. Never raises
         for an unavailable backend: that is a miss."""
@@ -65,7 +66,7 @@ class Tier(Protocol):
         """Cheap local check used to skip redundant writes; False when unknown."""
         ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> PutResult:
         """Store encoded blocks; failures are counted and logged, never raised."""
         ...
 

@@ -21,12 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvyard.kvcache.codec import (
+    Blob,
     BlockCorruptError,
     BlockFormat,
     BlockRejectedError,
     DecodedBlock,
     decode_block,
     encode_block,
+    frame_block,
 )
 from kvyard.kvcache.events import KVEventLog
 from kvyard.kvcache.stats import StoreSnapshot
@@ -40,13 +42,15 @@ PROBE_INTERVAL_S = 1.0  # an idle writer looks at the shared stores this often
 
 @dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """One block to store: raw payload (encoded by the writer) or an already-encoded blob."""
+    """One block to store: raw payload (encoded by the writer), a frame holding the payload behind HEADER_BYTES of
+    room for the header (the writer fills it in place, `codec.frame_block`), or an already-encoded blob."""
 
     root_key: bytes
     key: bytes
     fmt: BlockFormat
     payload: memoryview | None = None
     blob: bytes | None = None
+    frame: memoryview | None = None
     first_tier: int = 0  # write to tiers[first_tier:]; promotions stop above the tier they came from
     last_tier: int | None = None
 
@@ -54,6 +58,8 @@ class BlockWrite:
     def nbytes(self) -> int:
         if self.blob is not None:
             return len(self.blob)
+        if self.frame is not None:
+            return self.frame.nbytes
         return self.payload.nbytes if self.payload is not None else 0
 
 
@@ -165,7 +171,7 @@ class TieredStore:
         return blocks
 
     def _verified(
-        self, tier: Tier, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, blobs: list[bytes]
+        self, tier: Tier, root_key: bytes, keys: Sequence[bytes], fmt: BlockFormat, blobs: Sequence[Blob]
     ) -> list[DecodedBlock]:
         blocks: list[DecodedBlock] = []
         for key, blob in zip(keys, blobs):
@@ -324,8 +330,10 @@ class TieredStore:
             )
 
 
-def _encoded(write: BlockWrite) -> bytes:
+def _encoded(write: BlockWrite) -> Blob:
     if write.blob is not None:
         return write.blob
+    if write.frame is not None:
+        return frame_block(write.frame, write.root_key, write.key, write.fmt)
     assert write.payload is not None
     return encode_block(write.root_key, write.key, write.fmt, write.payload)

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvyard.engine.kv_links.tier_link import KVTierLink
-from kvyard.kvcache.codec import HEADER_BYTES, DecodedBlock
+from kvyard.kvcache.codec import HEADER_BYTES, Blob, DecodedBlock
 from kvyard.kvcache.memory_tier import MemoryTier
 from kvyard.kvcache.stats import StoreSnapshot, TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult, Tier
@@ -74,7 +74,7 @@ class SharedStoreView:
     def keys(self) -> list[bytes]:
         return []
 
-    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], deadline: LoadDeadline | float) -> Sequence[Blob]:
         start = time.perf_counter()
         found = self.store.get_prefix(keys, deadline)
         self.stats.add(loads=1, load_seconds=time.perf_counter() - start, bytes_read=sum(map(len, found)))
@@ -83,7 +83,7 @@ class SharedStoreView:
     def contains(self, key: bytes) -> bool:
         return self.store.contains(key)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> PutResult:
         """What this replica's write stored and evicted: the replica publishes both (contract 7)."""
         start = time.perf_counter()
         result = self.store.put_many(items)
