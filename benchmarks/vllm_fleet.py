@@ -18,7 +18,9 @@ Redis as its only tier (flushed before each router's run, with the prefix caches
 another replica computed, and kvyard route, reading the connector's announcements and metrics, knows it; the
 peers see the same replicas. With `--repeats N` the routers take turns N times (round by round, so a slow
 spell of a shared VM falls on every router), and each router's figures are the mean over its N runs, with their
-range. Writes JSON (conditions beside the numbers, every run) and a PNG next to it.
+range. With `--floor` the same requests then go through kvyard route one at a time (each conversation's history
+cached, nothing else running): what each request costs alone on this fleet, below which no router's TTFT can go.
+Writes JSON (conditions beside the numbers, every run) and a PNG next to it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,37 @@ def routers(replicas: list[VllmReplica], variants: list[str], log_level: str) ->
         "vllm-router cache_aware": [*peer, "--policy", "cache_aware"],
         "vllm-router round_robin": [*peer, "--policy", "round_robin"],
     }
+
+
+ARRIVAL_OPTIONS = ("--request-rate", "--think-time", "--concurrency")
+
+
+def one_at_a_time(workload: list[str]) -> list[str]:
+    """The workload's requests, sent one after another: its arrival options replaced by a concurrency of 1."""
+    kept: list[str] = []
+    skip = False
+    for part in workload:
+        if skip:
+            skip = False
+        elif part in ARRIVAL_OPTIONS:
+            skip = True
+        elif not part.startswith(tuple(option + "=" for option in ARRIVAL_OPTIONS)):
+            kept.append(part)
+    return [*kept, "--concurrency", "1"]
+
+
+def floor(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one-at-a-time run's TTFT against the best peer's: the lowest ratio any router could reach here."""
+    peers = [row for row in rows if not row["router"].startswith("kvyard")]
+    out: dict[str, Any] = {"ttft_p50_s": run["ttft_s"]["p50"], "ttft_p99_s": run["ttft_s"]["p99"]}
+    out["cached_share"] = run["hit_ratio_usage"]
+    out["ideal_hit_ratio"] = run["ideal_hit_ratio"]
+    if peers:
+        best_p50 = min(row["ttft_p50_s"] for row in peers)
+        best_p99 = min(row["ttft_p99_s"] for row in peers)
+        out["p50_over_best_peer"] = run["ttft_s"]["p50"] / best_p50
+        out["p99_over_best_peer"] = run["ttft_s"]["p99"] / best_p99
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -366,9 +399,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     bars(ttft, -0.2, "ttft_p50_s", 1000, "p50")
     bars(ttft, 0.2, "ttft_p99_s", 1000, "p99")
+    if "floor" in result:
+        floor_p50 = result["floor"]["ttft_p50_s"] * 1000
+        ttft.axhline(floor_p50, color="gray", linestyle="--", label=f"p50 one request at a time ({floor_p50:.0f} ms)")
     ttft.set_xticks(list(positions), names, fontsize=8)
     ttft.set_ylabel("TTFT (ms), mean and range of the runs")
-    ttft.legend()
+    ttft.legend(fontsize=8)
     bars(hits, 0.0, "hit_ratio_replicas", 1, None)
     hits.axhline(rows[0]["ideal_hit_ratio"], color="gray", linestyle="--", label="ideal (one unlimited cache)")
     hits.set_xticks(list(positions), names, fontsize=8)
@@ -411,6 +447,11 @@ def main() -> None:
         default=[],
         metavar="NAME=OPTIONS",
         help="also a kvyard router with these extra `kvyard route` options, named 'kvyard NAME'",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="then send the same requests one at a time through kvyard route: the TTFT each has alone",
     )
     parser.add_argument(
         "--log-dir",
@@ -496,6 +537,19 @@ def run_fleet(args: argparse.Namespace, scratch: Path, store: str | None) -> Non
                 flush=True,
             )
             runs.append(run)
+        floor_run = None
+        if args.floor:
+            print("kvyard, one request at a time (the floor) ...", file=sys.stderr, flush=True)
+            log = scratch / "floor.log"
+            command = routers(replicas, [], log_level)["kvyard cache_aware"]
+            floor_run = run_one(
+                "one at a time", command, replicas, one_at_a_time(workload), args.seed, scratch, log, store
+            )
+            print(
+                f"  TTFT p50 {floor_run['ttft_s']['p50'] * 1000:.0f} ms p99 {floor_run['ttft_s']['p99'] * 1000:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for replica in replicas:
             replica.stop()
@@ -523,6 +577,8 @@ def run_fleet(args: argparse.Namespace, scratch: Path, store: str | None) -> Non
         "runs": runs,
     }
     result["kvyard_vs_best_peer"] = ratios(result["routers"])
+    if floor_run is not None:
+        result["floor"] = {**floor(floor_run, result["routers"]), "run": floor_run}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))
