@@ -48,6 +48,7 @@ class DiskTier:
         self._bytes = 0
         self._lock = threading.Lock()
         self._writes_paused_until = 0.0
+        self._folders: set[str] = set()  # the key-prefix directories made so far
         self.directory.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
 
@@ -147,18 +148,27 @@ class DiskTier:
         return result
 
     def _write(self, key: bytes, blob: Blob) -> bool:
-        path = self.path_of(key)
-        temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+        # os calls on strings, not pathlib: the writer thread holds the interpreter lock for its Python work, which
+        # the engine's thread waits for (a few hundred files a second).
+        name = key.hex()
+        folder = os.path.join(self.directory, name[:2])
+        path = os.path.join(folder, name + SUFFIX)
+        temp = f"{path}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
         try:
-            path.parent.mkdir(exist_ok=True)
-            with temp.open("wb") as file:
-                file.write(blob)
+            if folder not in self._folders:
+                os.makedirs(folder, exist_ok=True)
+                self._folders.add(folder)
+            descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(descriptor, blob)
                 if self.fsync:
-                    file.flush()
-                    os.fsync(file.fileno())
+                    os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
             os.replace(temp, path)
         except OSError as error:
-            _remove(temp)
+            self._folders.discard(folder)  # the directory may have gone
+            _remove(Path(temp))
             self._writes_paused_until = time.monotonic() + WRITE_RETRY_S
             self.stats.add(errors=1)
             log.warning("kv disk tier: write failed (%s); pausing writes for %.0f s, reads go on", error, WRITE_RETRY_S)
@@ -203,6 +213,12 @@ def block_path(directory: Path, key: bytes) -> Path:
     """Where a disk tier under `directory` keeps the block `key` (another process may look without the index)."""
     name = key.hex()
     return directory / name[:2] / (name + SUFFIX)
+
+
+def _write_all(descriptor: int, blob: Blob) -> None:
+    view = memoryview(blob)
+    while view:
+        view = view[os.write(descriptor, view) :]
 
 
 def _remove(path: Path) -> None:

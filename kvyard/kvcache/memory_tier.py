@@ -7,6 +7,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvyard.kvcache.codec import Blob
 from kvyard.kvcache.stats import TierStats
 from kvyard.kvcache.tier import LoadDeadline, PutResult
@@ -61,16 +63,16 @@ class MemoryTier:
         start = time.perf_counter()
         result = PutResult()
         written = 0
+        # A view (a frame) may be one row of a buffer holding a whole step's blocks: keeping the view would keep all
+        # of them, whatever this tier's budget says. numpy copies without the interpreter lock, which the engine's
+        # thread needs between its operators.
+        owned = [(key, _owned(blob)) for key, blob in items if len(blob) <= self.capacity_bytes]
         with self._lock:
-            for key, blob in items:
-                if len(blob) > self.capacity_bytes:
-                    continue
+            for key, blob in owned:
                 old = self._blobs.pop(key, None)
                 if old is not None:
                     self._bytes -= len(old)
-                # A view (a frame) may be one row of a buffer holding a whole step's blocks: keeping the view would
-                # keep all of them, whatever this tier's budget says.
-                self._blobs[key] = bytes(blob) if isinstance(blob, memoryview) else blob
+                self._blobs[key] = blob
                 self._bytes += len(blob)
                 written += len(blob)
                 result.stored.append(key)
@@ -103,3 +105,7 @@ class MemoryTier:
         with self._lock:
             self._blobs.clear()
             self._bytes = 0
+
+
+def _owned(blob: Blob) -> Blob:
+    return np.frombuffer(blob, dtype=np.uint8).copy().data if isinstance(blob, memoryview) else blob
