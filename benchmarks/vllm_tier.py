@@ -21,8 +21,8 @@ the prompt tokens vLLM reports cached, each ÷ without the connector.
 Overhead: the same no-reuse workload (distinct random prompts of 2,000 tokens, 64 output tokens, 4 at a time)
 against a server without the connector, with the memory tier, with memory, disk and Redis tiers, and with those
 three and the tier's writer on core 0 (`writer_cpus`; the server is bound to core 1), one server at a time, in
-turns; output tokens per second of each. Writes JSON and a PNG beside it.
-Writes JSON with medians and ratios, conditions beside the numbers.
+turns; output tokens per second of each, and the CPU seconds a request cost the server's processes and redis-server.
+Writes JSON with medians and ratios, conditions beside the numbers, and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from kvyard.bench import provenance
 from kvyard.testing.model_presets import DEMO_MODEL_DIR
@@ -252,7 +253,7 @@ def main() -> None:
     parser.add_argument(
         "--device-blocks", type=int, default=512, help="multi-turn: vLLM's own KV cache, in blocks of 32 tokens"
     )
-    parser.add_argument("--no-reuse-requests", type=int, default=24)
+    parser.add_argument("--no-reuse-requests", type=int, default=48)
     parser.add_argument("--no-reuse-rounds", type=int, default=2, help="0: skip the overhead runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_tier.json")
@@ -348,15 +349,16 @@ def multiturn_runs(scratch: Path, redis_url: str, args: argparse.Namespace) -> d
 
 
 def flush_redis(url: str) -> None:
-    import redis
-
     redis.Redis.from_url(url).flushall()
 
 
 def overhead(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     """Output tokens/s without the connector and with it, one server at a time (bound to core 1), in turns, each
-    warmed up by 4 requests first."""
+    warmed up by 4 requests first; beside each rate, the CPU seconds the server's processes and redis-server spent
+    per request while it was measured (less noisy than a rate on a shared VM)."""
     rates: dict[str, list[float]] = {variant: [] for variant in OVERHEAD_VARIANTS}
+    cpu: dict[str, list[float]] = {variant: [] for variant in OVERHEAD_VARIANTS}
+    redis_pid = int(redis.Redis.from_url(redis_url).info("server")["process_id"])
     for round_number in range(args.no_reuse_rounds):
         for number, (variant, (tiers, options)) in enumerate(OVERHEAD_VARIANTS.items()):
             place = scratch / f"overhead-{round_number}-{number}"
@@ -366,11 +368,18 @@ def overhead(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[st
                 # wrote there would be loaded, not computed.
                 seed = args.seed + 1000 * round_number + 10 * number
                 asyncio.run(no_reuse_rate(replica.url, 4, 2000, seed + 1))
+                before = tree_cpu_seconds(replica.process.pid) + tree_cpu_seconds(redis_pid)
                 rates[variant].append(asyncio.run(no_reuse_rate(replica.url, args.no_reuse_requests, 2000, seed)))
+                spent = tree_cpu_seconds(replica.process.pid) + tree_cpu_seconds(redis_pid) - before
+                cpu[variant].append(spent / args.no_reuse_requests)
             finally:
                 replica.stop()
-            print(f"  no reuse, {variant}: {rates[variant][-1]:.1f} output tok/s", file=sys.stderr)
-    off = statistics.median(rates["off"])
+            print(
+                f"  no reuse, {variant}: {rates[variant][-1]:.1f} output tok/s, {cpu[variant][-1] * 1000:.0f} ms CPU"
+                " a request",
+                file=sys.stderr,
+            )
+    off, off_cpu = statistics.median(rates["off"]), statistics.median(cpu["off"])
     return {
         "prompt_tokens": 2000,
         "output_tokens": 64,
@@ -379,7 +388,32 @@ def overhead(scratch: Path, redis_url: str, args: argparse.Namespace) -> dict[st
         "output_tok_s": {variant: statistics.median(runs) for variant, runs in rates.items()},
         "over_off": {variant: statistics.median(runs) / off for variant, runs in rates.items()},
         "runs": rates,
+        "cpu_s_per_request": {variant: statistics.median(runs) for variant, runs in cpu.items()},
+        "cpu_over_off": {variant: statistics.median(runs) / off_cpu for variant, runs in cpu.items()},
+        "cpu_runs": cpu,
+        "cpu_counted": "utime + stime of the vLLM server's processes (API server, engine core, worker, every thread) "
+        "and of redis-server, over the timed requests",
     }
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """utime + stime of process `root` and every process below it, threads included (/proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    below, total = [root], 0.0
+    while below:
+        pid = below.pop()
+        total += times.get(pid, 0.0)
+        below.extend(child for child, parent in parents.items() if parent == pid)
+    return total
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
