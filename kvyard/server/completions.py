@@ -32,6 +32,7 @@ class ChoiceState:
     sent_tokens: int = 0  # token ids already reported in progress lines
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    sent_logprobs: int = 0  # entries of `logprobs` already streamed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -263,7 +264,13 @@ class CompletionRunner:
         # sees text that a later stop match removes.
         holdback = prepared.stop_holdback
         limit = len(choice.text) if output.finished else max(choice.sent_chars, len(choice.text) - holdback)
-        new_logprobs = choice.logprobs[-len(output.new_token_ids) :] if prepared.logprobs is not None else []
+        new_logprobs: list[TokenLogprobs] = []
+        if prepared.logprobs is not None:
+            # By position: the engine keeps appending to the list an output carries, so by the time a queued output
+            # is read its tail may already hold later tokens' entries.
+            start = choice.sent_logprobs
+            new_logprobs = choice.logprobs[start : start + len(output.new_token_ids)]
+            choice.sent_logprobs = start + len(new_logprobs)
         if prepared.kind != "chat":
             return self._completion_delta_chunk(prepared, choice, limit, output.finished, new_logprobs)
         logprobs = self._logprobs(prepared, new_logprobs) if prepared.logprobs is not None else None
