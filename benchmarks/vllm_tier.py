@@ -2,7 +2,7 @@
 when nothing is reused.
 
     .venv/bin/python benchmarks/vllm_tier.py [--prompts 2000 4000 8000] [--trials 4] [--tiers memory disk redis]
-        [--no-reuse-requests 24] [--out benchmarks/results/vllm_tier.json]
+        [--no-reuse-requests 48] [--out benchmarks/results/vllm_tier.json]
 
 Time to first token: one vLLM server per tier (`tiers` set to that tier alone; Redis is a local redis-server), the
 demo model in fp32, block size 32, bound to one core. For each prompt length and trial: a fresh random prompt is
@@ -253,7 +253,9 @@ def main() -> None:
     parser.add_argument(
         "--device-blocks", type=int, default=512, help="multi-turn: vLLM's own KV cache, in blocks of 32 tokens"
     )
-    parser.add_argument("--no-reuse-requests", type=int, default=48)
+    parser.add_argument(
+        "--no-reuse-requests", type=int, default=48, help="no-reuse: distinct prompts timed per run (default: 48)"
+    )
     parser.add_argument("--no-reuse-rounds", type=int, default=2, help="0: skip the overhead runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_tier.json")
