@@ -18,11 +18,12 @@ A publisher without a replay socket gets the same rules with nothing to replay: 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, cast
 
 import zmq
 import zmq.asyncio
@@ -47,6 +48,8 @@ UNREACHABLE_WARNING_S = 10.0
 # each request reuses (their keys are learned back from the requests that hit them).
 REPORT_REUSE_S = 60.0
 MAX_REPLAY_TRIES = 3
+_EVENTS: Final = int(zmq.EVENTS)  # plain ints: flag arithmetic on pyzmq's enums costs microseconds
+_POLLIN: Final = int(zmq.POLLIN)
 _ANY = -1  # `expected` while a rebuild had nothing to replay: the next batch starts the stream
 
 
@@ -63,36 +66,50 @@ class EngineEventSync:
     live: bool = False  # connected, and the index follows the stream
 
     async def run(self) -> None:
-        sub = self.context.socket(zmq.SUB)
+        # Plain (not zmq.asyncio) sockets on the same context, read from the event loop's own reader callbacks: a
+        # zmq.asyncio poll or receive makes futures and timers for every batch, which cost the router more CPU than
+        # the batches' contents (one or a few batches a request).
+        plain: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self.context.underlying)
+        sub = plain.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoints.publisher)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        warn_at: float | None = time.monotonic() + UNREACHABLE_WARNING_S
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        descriptors = [cast(int, socket.getsockopt(zmq.FD)) for socket in (sub, monitor)]
+        for socket, descriptor in zip((sub, monitor), descriptors):
+            loop.add_reader(descriptor, _poke, socket, wake)
+        warning = loop.call_later(UNREACHABLE_WARNING_S, self._warn_unreachable)
         try:
             while True:
-                ready = dict(await poller.poll(timeout=1000))
-                if monitor in ready:
-                    await self._on_connection(await recv_monitor_message(monitor))
-                if sub in ready:
-                    await self._drain(sub)
-                if warn_at is not None and (self.live or time.monotonic() > warn_at):
-                    if not self.live:
-                        _LOG.warning(
-                            "KV events of %s: nothing answers at %s yet; it is routed by its load and the "
-                            "prompts sent to it until it does",
-                            self.replica.url,
-                            self.endpoints,
-                        )
-                    warn_at = None
+                # A ZMQ socket's descriptor only says that its state changed: what is readable is in its EVENTS,
+                # which are read again after every receive and before every wait.
+                if not (_readable(monitor) or _readable(sub)):
+                    wake.clear()
+                    await wake.wait()
+                while _readable(monitor):
+                    await self._on_connection(recv_monitor_message(monitor, zmq.NOBLOCK))
+                await self._drain(sub)
+                if self.live:
+                    warning.cancel()
         finally:
+            warning.cancel()
+            for descriptor in descriptors:
+                loop.remove_reader(descriptor)
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
             self._drop()
+
+    def _warn_unreachable(self) -> None:
+        if not self.live:
+            _LOG.warning(
+                "KV events of %s: nothing answers at %s yet; it is routed by its load and the prompts sent to it "
+                "until it does",
+                self.replica.url,
+                self.endpoints,
+            )
 
     async def _on_connection(self, message: Any) -> None:
         if message["event"] == zmq.EVENT_CONNECTED:
@@ -106,13 +123,10 @@ class EngineEventSync:
             )
             self._drop()
 
-    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
-        """Every batch waiting on the socket (a burst is read at once, without a poll per batch)."""
-        while True:
-            try:
-                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
+    async def _drain(self, sub: zmq.Socket[bytes]) -> None:
+        """Every batch waiting on the socket (a burst is read at once, without a wait per batch)."""
+        while _readable(sub):
+            frames = sub.recv_multipart(zmq.NOBLOCK)
             try:
                 batch = self.decoder.decode(frames)
             except EventFormatError as error:
@@ -214,3 +228,14 @@ class EngineEventSync:
             return None
         finally:
             dealer.close(linger=0)
+
+
+def _readable(socket: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def _poke(socket: zmq.Socket[bytes], wake: asyncio.Event) -> None:
+    """The socket's descriptor signalled: reading its EVENTS clears the signal (else the loop would call this again
+    and again while the task is busy elsewhere, as in a replay), and the task looks at what is readable."""
+    socket.getsockopt(_EVENTS)
+    wake.set()
