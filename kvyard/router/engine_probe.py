@@ -9,9 +9,9 @@ Anything else is an OpenAI-compatible server the router knows only by its health
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 KVYARD = "kvyard"
 VLLM = "vllm"
@@ -30,6 +30,10 @@ _CACHE_INFO = {VLLM: "vllm:cache_config_info", SGLANG: "sglang:cache_config_info
 _STORE_INFO = "vllm:kvyard_shared_store_info"
 _LOAD_SECONDS = "vllm:kvyard_tier_load_seconds_total"
 _LOADED_BLOCKS = "vllm:kvyard_tier_loaded_blocks_total"
+# A sample line of Prometheus' text format: name, optional {labels}, value (and an optional timestamp, ignored).
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
 
 
 def kind_from_owner(owned_by: str | None) -> str | None:
@@ -69,7 +73,6 @@ class EngineMetrics:
         running_name, waiting_name, usage_name = _LOAD_METRICS[kind]
         info_name = _CACHE_INFO[kind]
         wanted = (running_name, waiting_name, usage_name, info_name, "process_start_time_seconds", "vllm:kvyard_")
-        lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
         running = waiting = 0.0
         has_load = False
         usages: list[float] = []
@@ -77,26 +80,23 @@ class EngineMetrics:
         started_at = None
         store: dict[str, str] = {}
         loads: dict[str, list[float]] = {}
-        for family in text_string_to_metric_families(lines):
-            for sample in family.samples:
-                if not math.isfinite(sample.value):
-                    continue
-                if sample.name == running_name:
-                    running += sample.value
-                    has_load = True
-                elif sample.name == waiting_name:
-                    waiting += sample.value
-                elif sample.name == usage_name:
-                    usages.append(sample.value)
-                elif sample.name == info_name:
-                    info = dict(sample.labels)
-                elif sample.name == "process_start_time_seconds":
-                    started_at = sample.value
-                elif sample.name == _STORE_INFO and sample.value > 0:
-                    store = dict(sample.labels)
-                elif sample.name in (_LOAD_SECONDS, _LOADED_BLOCKS) and "medium" in sample.labels:
-                    totals = loads.setdefault(sample.labels["medium"], [0.0, 0.0])
-                    totals[sample.name == _LOADED_BLOCKS] += sample.value
+        for name, labels, value in _samples(text, wanted):
+            if name == running_name:
+                running += value
+                has_load = True
+            elif name == waiting_name:
+                waiting += value
+            elif name == usage_name:
+                usages.append(value)
+            elif name == info_name:
+                info = labels
+            elif name == "process_start_time_seconds":
+                started_at = value
+            elif name == _STORE_INFO and value > 0:
+                store = labels
+            elif name in (_LOAD_SECONDS, _LOADED_BLOCKS) and "medium" in labels:
+                totals = loads.setdefault(labels["medium"], [0.0, 0.0])
+                totals[name == _LOADED_BLOCKS] += value
         return cls(
             int(running),
             int(waiting),
@@ -110,6 +110,30 @@ class EngineMetrics:
             _float_label(store, "ttl_s"),
             tuple((medium, seconds, blocks) for medium, (seconds, blocks) in sorted(loads.items())),
         )
+
+
+def _samples(text: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each finite sample whose name starts with one of `wanted`. Read here rather than by
+    prometheus_client's parser, which took 0.3 ms a scrape on vLLM's cache_config_info line alone."""
+    for line in text.splitlines():
+        if not line.startswith(wanted):
+            continue
+        sample = _SAMPLE.match(line)
+        if sample is None:
+            continue
+        name, labels, value = sample.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if math.isfinite(number):
+            yield name, {key: _unescape(raw) for key, raw in _LABEL.findall(labels or "")}, number
+
+
+def _unescape(raw: str) -> str:
+    return (
+        _ESCAPE.sub(lambda escaped: "\n" if escaped.group(1) == "n" else escaped.group(1), raw) if "\\" in raw else raw
+    )
 
 
 def _float_label(labels: dict[str, str], name: str) -> float | None:
