@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
+import time
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvyard.api.load import LoadReport
 from kvyard.router.cache_index import CacheIndex
@@ -16,7 +19,7 @@ from kvyard.router.keys import PromptKeys
 from kvyard.router.metrics import RouterMetrics
 from kvyard.router.policies import DEEPEST_HOLDERS, FIRST_BLOCK_HOLDERS, RANDOM_SAMPLE, CacheAware, RouteRequest
 from kvyard.router.registry import Registry
-from kvyard.router.replica import Replica
+from kvyard.router.replica import Replica, State
 
 
 def indexes_sharing(holders: KeyHolders, count: int) -> list[CacheIndex]:
@@ -138,6 +141,46 @@ def test_health_checks_of_a_large_fleet_are_spread_out() -> None:
     assert len(set(intervals)) > 50
     registry.replicas = dict(list(registry.replicas.items())[:100])
     assert registry._health_interval_s() == RouterConfig().health_interval_s
+
+
+def test_a_replica_answering_requests_is_not_also_asked_for_its_health() -> None:
+    """While traffic flows the requests are the health checks; an idle or ejected replica is asked (a real server on
+    loopback counts the /health calls)."""
+    asked: list[str] = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def scenario() -> None:
+        registry = Registry(RouterConfig(), RouterMetrics())
+        replica = Replica(f"http://127.0.0.1:{server.server_address[1]}")
+        await registry._health_only(replica, 2.0)
+        assert asked == ["/health"]
+        replica.answered_at = time.monotonic()
+        await registry._health_only(replica, 2.0)
+        assert asked == ["/health"]  # it answered a request since the last check
+        replica.state = State.EJECTED
+        await registry._health_only(replica, 2.0)
+        replica.state, replica.answered_at = State.HEALTHY, time.monotonic() - RouterConfig().health_interval_s
+        await registry._health_only(replica, 2.0)
+        assert asked == ["/health"] * 3
+        replica.http.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_replica_being_removed_leaves_the_routable_list_at_once() -> None:

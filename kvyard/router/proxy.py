@@ -76,7 +76,8 @@ class _Relay:
         self.content_type = response.headers.get("content-type", self.content_type)
         self.ignored_fields = response.headers.get(IGNORED_FIELDS_HEADER.lower())
 
-    def on_body(self, data: bytes, _arrived: float) -> None:
+    def on_body(self, data: bytes, arrived: float) -> None:
+        self.replica.answered_at = arrived
         if self.follower is not None:
             data = self.follower.feed(data)
             if not data:
@@ -201,6 +202,7 @@ class Forwarder:
             end_broken_stream(responder, _replica_refusal(body))
             return None
         if relay is None and response.status == 200:
+            replica.answered_at = time.monotonic()
             self._account_usage(decision, body)
         stored = _stored(response, body, replica)
         responder.send(stored.status, stored.body, stored.headers, stored.content_type)

@@ -355,6 +355,10 @@ class Registry:
         )
 
     async def _health_only(self, replica: Replica, timeout: float) -> LoadReport:
+        """/health, unless the replica is healthy and answered a request since the last check (while traffic flows,
+        the requests are the checks: a busy fleet's routers would otherwise ask every replica twice a second)."""
+        if replica.routable and time.monotonic() - replica.answered_at < self.config.health_interval_s:
+            return LoadReport()
         await _get(replica, "/health", timeout)
         return LoadReport()
 

@@ -86,6 +86,7 @@ class Replica:
     ttft: TtftFit = field(default_factory=TtftFit)  # its engine's speed from first-token times (ttft_fit), shared
     started_at: float | None = None  # its server's start time, where its metrics say (a change is a restart)
     metrics_at: float = -1e9  # time.monotonic() of its last metrics scrape (vLLM, SGLang)
+    answered_at: float = -1e9  # time.monotonic() when a proxied request last got bytes from it: it is up
     # Recent load seconds per block by tier medium, from the totals its metrics give (vLLM with kvyard's connector).
     tier_costs: dict[str, RecentCost] = field(default_factory=dict)
     report_reuse_until: float = 0.0  # time.monotonic() until which it is asked to announce reused blocks (vLLM)
