@@ -150,9 +150,7 @@ class DiskTier:
     def _write(self, key: bytes, blob: Blob) -> bool:
         # os calls on strings, not pathlib: the writer thread holds the interpreter lock for its Python work, which
         # the engine's thread waits for (a few hundred files a second).
-        name = key.hex()
-        folder = os.path.join(self.directory, name[:2])
-        path = os.path.join(folder, name + SUFFIX)
+        folder, path = block_location(self.directory, key)
         temp = f"{path}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
         try:
             if folder not in self._folders:
@@ -211,8 +209,14 @@ class DiskTier:
 
 def block_path(directory: Path, key: bytes) -> Path:
     """Where a disk tier under `directory` keeps the block `key` (another process may look without the index)."""
+    return Path(block_location(directory, key)[1])
+
+
+def block_location(directory: str | os.PathLike[str], key: bytes) -> tuple[str, str]:
+    """(its key-prefix folder, its file) of block `key` under `directory`, as strings for os calls."""
     name = key.hex()
-    return directory / name[:2] / (name + SUFFIX)
+    folder = os.path.join(directory, name[:2])
+    return folder, os.path.join(folder, name + SUFFIX)
 
 
 def _write_all(descriptor: int, blob: Blob) -> None:
