@@ -175,8 +175,8 @@ class TokenFollower:
 
     def _token_chunk(self, event: bytes) -> bytes | None:
         """A chunk in the middle of the stream (one token's text, nothing ending), read and stripped as bytes: most
-        of a stream, and parsing and writing each as JSON was most of the router's CPU per streamed token. None when
-        the chunk is not that plain; `_original_chunk` reads it then. A key's quotes cannot occur unescaped inside a
+        chunks of a stream are these, and parsing and writing each as JSON cost more than relaying it. None when the
+        chunk is not that plain; `_original_chunk` reads it then. A key's quotes cannot occur unescaped inside a
         JSON string, so the byte patterns below only match keys."""
         if _PLAIN_MIDDLE not in event or b'"usage"' in event or b'"error"' in event or _PROMPT_IDS in event:
             return None
