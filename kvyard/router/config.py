@@ -18,7 +18,9 @@ class RouterConfig:
     """Router: policy, health checks and limits."""
 
     policy: str = setting("cache_aware", choices=POLICIES, help="how a replica is chosen")
-    health_interval_s: float = setting(0.5, help="seconds between health checks of each replica")
+    health_interval_s: float = setting(
+        0.5, help="seconds between health checks of each replica (none while it answers requests)"
+    )
     max_health_checks_per_s: float = setting(
         200.0,
         help="health checks of all replicas together per second at "
