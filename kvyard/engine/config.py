@@ -13,6 +13,14 @@ from kvyard.models import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MATMUL_DTYPES, QU
 from kvyard.settings import from_flat, setting
 
 
+def positive_gb(text: str) -> float:
+    """A positive number of GB, read from an option's text."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be a positive number of GB, not {text}")
+    return value
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine: the model, its KV cache and its kernels."""
@@ -83,6 +91,13 @@ class EngineConfig:
         choices=SELECTIONS,
         help="blend: which reused tokens are recomputed: leading (the first ones of each moved stretch of text) or "
         "deviation (those whose keys and values change most at the second layer; computes the first layer for all)",
+    )
+    weights_memory_gb: float | None = setting(
+        None,
+        parse=positive_gb,
+        help="keep at most this many GB of weights in memory: the routed experts of a mixture-of-experts weight "
+        "package (kvyard convert) that does not fit stay in its file on disk, the most used ones cached within "
+        "what the rest of the model leaves, read as tokens pick them (none: load every weight)",
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -35,6 +35,7 @@ from kvyard.kvcache.stats import StoreSnapshot
 from kvyard.models.checkpoint import has_lm_head
 from kvyard.models.config import ModelConfig, load_model_config
 from kvyard.models.decoder import CausalLM
+from kvyard.models.expert_residency import ResidencySnapshot
 from kvyard.models.kv_format import KVFormat
 from kvyard.models.loader import load_model, model_digest, resolve_dtype
 from kvyard.models.package import is_package, load_package, read_info
@@ -65,6 +66,7 @@ class LLMEngine(EngineCore):
         max_model_len = max_model_len_of(config, self.model_config)
         tokenizer = load_tokenizer(config.model)
         model, digest, scheme = self._load_weights(config, max_model_len)
+        self.expert_residency = model.expert_residency
         self.generates = is_package(config.model) or has_lm_head(config.model)
         # Only the fp32 CPU fast paths have bf16 matmuls (quantization.matmul_in_bf16 checks the option's value).
         fast_paths_possible = self.dtype == torch.float32 and self.device.type == "cpu"
@@ -143,8 +145,13 @@ class LLMEngine(EngineCore):
                     f"{config.model} is a package of {info.weights} weights; quantization "
                     f"{config.quantization!r} cannot apply to it"
                 )
-            model = load_package(config.model, self.dtype, self.device, max_model_len)
+            model = load_package(config.model, self.dtype, self.device, max_model_len, config.weights_memory_gb)
             return model, info.weights_digest, info.weights
+        if config.weights_memory_gb is not None:
+            raise ValueError(
+                f"--weights-memory-gb pages weights from a weight package; {config.model} is a checkpoint: "
+                f"convert it first (kvyard convert {config.model} --weights int8 --out PACKAGE)"
+            )
         model = load_model(config.model, self.dtype, self.device, max_model_len, self.model_config)
         quantize_model(model, config.quantization)
         return model, weights_digest(config.model, config.quantization), config.quantization
@@ -200,6 +207,12 @@ class LLMEngine(EngineCore):
         """Finish queued KV-tier writes and release the tier; the engine must not step afterwards."""
         close_links(self, self.kv_tier, self.kv_puller)
         self.kv_tier = self.kv_puller = None
+        if self.expert_residency is not None:
+            self.expert_residency.close()
+
+    def expert_residency_snapshot(self) -> ResidencySnapshot | None:
+        """The paged experts' cache and counters (readable from any thread); None when no weight is paged."""
+        return self.expert_residency.snapshot() if self.expert_residency is not None else None
 
 
 def weights_digest(model_dir: str, quantization: str) -> str:

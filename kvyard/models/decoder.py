@@ -14,6 +14,7 @@ from torch import nn
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
+from kvyard.models.expert_residency import ExpertResidency
 from kvyard.models.experts import SparseMoE
 from kvyard.models.fused_decode import FusedDecode
 from kvyard.models.latent_attention import LatentAttention
@@ -128,6 +129,7 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config, self.rotary)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode: FusedDecode | None = None  # set by use_cpu_fast_paths
+        self.expert_residency: ExpertResidency | None = None  # routed experts kept out of memory (paged_experts)
 
     def forward(
         self,
@@ -164,25 +166,30 @@ class CausalLM(nn.Module):
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
+        # Paged experts' layers keep no copies (packed, widened): their weights come and go.
+        paged = self.expert_residency.holders() if self.expert_residency is not None else frozenset()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         onednn = torch.backends.mkldnn.is_available()
-        pack = onednn and fits_in_memory(linears)
+        pack = onednn and fits_in_memory([m for m in linears if id(m) not in paged])
         for linear in linears:
-            linear.use_cpu_fast_paths(kernels.small_linear if kernels is not None else None, onednn, pack, bf16_matmul)
+            resident = id(linear) not in paged
+            small = kernels.small_linear if kernels is not None else None
+            linear.use_cpu_fast_paths(small, onednn, pack and resident, bf16_matmul and resident)
         int8_layers = [module for module in self.modules() if isinstance(module, Int8Linear)]
         # As packing fp32 weights: int8 weights keep a widened bf16 copy for bf16 matmuls where it fits.
-        keep_bf16 = bf16_matmul and fits_in_half_of_memory(sum(2 * m.qweight.numel() for m in int8_layers))
+        kept = sum(2 * m.qweight.numel() for m in int8_layers if id(m) not in paged)
+        keep_bf16 = bf16_matmul and fits_in_half_of_memory(kept)
         to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
         for int8_layer in int8_layers:
-            int8_layer.use_native_kernel(
-                kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16, keep_bf16
-            )
+            small_int8 = kernels.small_linear_int8 if kernels is not None else None
+            int8_layer.use_native_kernel(small_int8, onednn, to_bf16, keep_bf16 and id(int8_layer) not in paged)
         half_layers = [module for module in self.modules() if isinstance(module, HalfLinear)]
-        pack_half = fits_in_half_of_memory(sum(m.weight16.numel() * m.weight16.element_size() for m in half_layers))
+        half_bytes = sum(m.weight16.numel() * m.weight16.element_size() for m in half_layers if id(m) not in paged)
+        pack_half = fits_in_half_of_memory(half_bytes)
         for half_layer in half_layers:
             in_bf16 = bf16_matmul and half_layer.weight16.dtype == torch.bfloat16
             small_kernel = kernels.small_linear_half if kernels is not None else None
-            half_layer.use_native_kernel(small_kernel, onednn, in_bf16, pack_half)
+            half_layer.use_native_kernel(small_kernel, onednn, in_bf16, pack_half and id(half_layer) not in paged)
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)

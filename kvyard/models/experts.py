@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvyard.models.config import MoeConfig
+from kvyard.models.expert_residency import ExpertResidency
 from kvyard.models.layers import GatedMLP, Linear
 
 
@@ -37,6 +38,16 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
             if moe.shared_expert_gated:
                 self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        # Experts kept out of memory (expert_residency): this layer's number there, and the next expert layer,
+        # whose router guesses from this layer's input which of its experts to read ahead.
+        self.residency: ExpertResidency | None = None
+        self.layer_index = -1
+        self.following: tuple[SparseMoE, ...] = ()  # a tuple: a module attribute would register it as a child
+
+    def page_experts(self, residency: ExpertResidency, layer_index: int, following: SparseMoE | None) -> None:
+        """Take the routed experts' weights from `residency`, which holds them as `layer_index`."""
+        self.residency, self.layer_index = residency, layer_index
+        self.following = (following,) if following is not None else ()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts): each token's chosen experts and the weights of their outputs."""
@@ -67,6 +78,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if self.residency is not None:
+            self._read_ahead(x, experts)
         # One token (a single stream's decode step) has no grouping to do.
         out = self._one_token(x, weights[0], experts[0]) if x.shape[0] == 1 else self._grouped(x, weights, experts)
         if self.shared_expert is not None:
@@ -80,6 +93,8 @@ class SparseMoE(nn.Module):
         adds them."""
         out = None
         for expert, weight in sorted(zip(experts.tolist(), weights.tolist())):
+            if self.residency is not None:
+                self.residency.use(self.layer_index, expert)
             term = self.experts[expert](x) * weight
             out = term if out is None else out + term
         assert out is not None
@@ -92,11 +107,22 @@ class SparseMoE(nn.Module):
         pick_weights = weights.flatten()
         out = torch.zeros_like(x)
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for number, (expert, count) in enumerate(zip(self.experts, counts)):
             if not count:
                 continue
             chosen = order[start : start + count]
             start += count
             tokens = chosen // self.top_k
+            if self.residency is not None:
+                self.residency.use(self.layer_index, number)
             out.index_add_(0, tokens, expert(x[tokens]) * pick_weights[chosen, None])
         return out
+
+    def _read_ahead(self, x: torch.Tensor, experts: torch.Tensor) -> None:
+        """Tell the residency which experts this layer runs (in its order), and which the next expert layer's
+        router would pick for this layer's input: its likely picks, read while this layer computes."""
+        assert self.residency is not None
+        self.residency.want(self.layer_index, torch.unique(experts).tolist())
+        for following in self.following:
+            guessed = following.route(x)[1]
+            self.residency.prefetch(following.layer_index, torch.unique(guessed).tolist())

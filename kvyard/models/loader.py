@@ -55,12 +55,19 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
+def materialize(
+    model: nn.Module, device: torch.device, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+) -> None:
     """Give every parameter and buffer of a model built on the meta device uninitialised storage on `device`
-    (floating-point ones in `dtype`, if given), as `nn.Module.to_empty` does, shared tensors staying shared.
+    (floating-point ones in `dtype`, if given), as `nn.Module.to_empty` does, shared tensors staying shared;
+    those named in `skip` (state-dict names: weights kept out of memory) get none.
     `to_empty` goes through `empty_like` on meta tensors, whose reference implementation imports sympy: about
     0.7 s of start-up."""
     made: dict[int, torch.Tensor] = {}
+    for tensor_name in skip:
+        module_name, _, attribute = tensor_name.rpartition(".")
+        tensor = getattr(model.get_submodule(module_name), attribute)
+        made[id(tensor)] = torch.empty(0, dtype=tensor.dtype, device=device)
     for module in model.modules():
         stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for store in stores:

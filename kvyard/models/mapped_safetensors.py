@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,48 @@ def map_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+@dataclass(frozen=True, slots=True)
+class TensorExtent:
+    """Where a tensor's bytes lie in its file: `offset` from the file's start, `nbytes` long."""
+
+    dtype: str  # the file's name for it: F32, BF16, I8...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def tensor_extents(path: Path) -> dict[str, TensorExtent]:
+    """Every tensor of the file by name, as where its bytes lie (for reading them later, not mapping them)."""
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with mapped:
+        buffer = memoryview(mapped)
+        try:
+            header_len, header = _header(buffer, path)
+            extents = {
+                name: _extent(8 + header_len, name, entry, len(buffer), path)
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
+        finally:
+            buffer.release()
+    return extents
+
+
+def _extent(data_start: int, name: str, entry: object, file_size: int, path: Path) -> TensorExtent:
+    try:
+        assert isinstance(entry, dict)
+        dtype = np.dtype(_DTYPES[str(entry["dtype"])])
+        shape = tuple(int(size) for size in entry["shape"])
+        begin, end = (int(offset) for offset in entry["data_offsets"])
+    except (AssertionError, KeyError, TypeError, ValueError):
+        raise MappedTensorsError(f"{path}: tensor {name!r} has an entry this reader does not know: {entry}") from None
+    count = int(np.prod(shape, dtype=np.int64))
+    if end - begin != count * dtype.itemsize or data_start + end > file_size or begin < 0:
+        raise MappedTensorsError(f"{path}: tensor {name!r} ({dtype}, {shape}) does not fit bytes {begin}..{end}")
+    return TensorExtent(str(entry["dtype"]), shape, data_start + begin, end - begin)
+
+
 def _header(buffer: memoryview, path: Path) -> tuple[int, dict[str, dict[str, object]]]:
     if len(buffer) < 8:
         raise MappedTensorsError(f"{path} is too short to be a safetensors file")
@@ -62,14 +105,8 @@ def _header(buffer: memoryview, path: Path) -> tuple[int, dict[str, dict[str, ob
 
 
 def _tensor(buffer: memoryview, data_start: int, name: str, entry: object, path: Path) -> np.ndarray:
-    try:
-        assert isinstance(entry, dict)
-        dtype = np.dtype(_DTYPES[str(entry["dtype"])])
-        shape = tuple(int(size) for size in entry["shape"])
-        begin, end = (int(offset) for offset in entry["data_offsets"])
-    except (AssertionError, KeyError, TypeError, ValueError):
-        raise MappedTensorsError(f"{path}: tensor {name!r} has an entry this reader does not know: {entry}") from None
-    count = int(np.prod(shape, dtype=np.int64))
-    if end - begin != count * dtype.itemsize or data_start + end > len(buffer) or begin < 0:
-        raise MappedTensorsError(f"{path}: tensor {name!r} ({dtype}, {shape}) does not fit bytes {begin}..{end}")
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin).reshape(shape)
+    extent = _extent(data_start, name, entry, len(buffer), path)
+    dtype = np.dtype(_DTYPES[extent.dtype])
+    return np.frombuffer(buffer, dtype=dtype, count=extent.nbytes // dtype.itemsize, offset=extent.offset).reshape(
+        extent.shape
+    )

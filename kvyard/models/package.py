@@ -23,6 +23,7 @@ from torch import nn
 
 from kvyard.models.config import load_model_config
 from kvyard.models.decoder import CausalLM
+from kvyard.models.expert_residency import ExpertResidency
 from kvyard.models.loader import load_model, materialize, model_digest
 from kvyard.models.package_info import (
     FORMAT_VERSION,
@@ -37,6 +38,7 @@ from kvyard.models.package_info import (
     read_info,
     sha256_of,
 )
+from kvyard.models.paged_experts import attach_residency, plan_paging
 from kvyard.models.quantization import quantize_model
 
 __all__ = ["PackageError", "PackageInfo", "convert", "is_package", "load_package", "read_info"]
@@ -87,26 +89,47 @@ def _own_tensors(model: CausalLM, tied: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_package(package_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
-    """The packaged model, its tensors checked against the description before any is used."""
+def load_package(
+    package_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    weights_memory_gb: float | None = None,
+) -> CausalLM:
+    """The packaged model, its tensors checked against the description before any is used. With
+    `weights_memory_gb`, the routed experts of a mixture-of-experts model that does not fit in it stay in the
+    package's file, read as tokens pick them (kvyard.models.paged_experts): `model.expert_residency`."""
     info = read_info(package_dir)
     tensors_path = checked_tensors_file(package_dir, info)
     config = load_model_config(package_dir)
     with torch.device("meta"):
         model = CausalLM(config, max_positions).to(dtype)
         quantize_model(model, info.weights, empty=True)  # after the dtype: converted tensors keep theirs
-    materialize(model, device)
-    _load_tensors(model, tensors_path, config.tie_word_embeddings)
+    plan = None
+    if weights_memory_gb is not None:
+        if device.type != "cpu":
+            raise PackageError(f"a weights memory budget pages experts on CPU only, not on {device}")
+        plan = plan_paging(model, weights_memory_gb, config.tie_word_embeddings)
+    paged = plan.names if plan is not None else frozenset()
+    materialize(model, device, skip=paged)
+    _load_tensors(model, tensors_path, config.tie_word_embeddings, paged)
+    residency: ExpertResidency | None = None
+    if plan is not None:
+        residency = attach_residency(model, plan, tensors_path)
+    model.expert_residency = residency
     model.rotary.build(device)
     return model.eval().requires_grad_(False)
 
 
-def _load_tensors(model: CausalLM, path: Path, tied: bool) -> None:
+def _load_tensors(model: CausalLM, path: Path, tied: bool, paged: frozenset[str]) -> None:
+    """Every tensor but the `paged` ones (which attach_residency checks and reads later) into the model."""
     targets = model.state_dict(keep_vars=True)
-    loaded: set[str] = set()
+    loaded: set[str] = set(paged)
     try:
         with safe_open(str(path), framework="pt") as reader:
             for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in paged:
+                    continue
                 if name not in targets:
                     raise PackageError(f"{path}: tensor {name!r} has no place in this model")
                 tensor = reader.get_tensor(name)

@@ -26,6 +26,7 @@ from kvyard.engine.pooling.params import PoolingParams
 from kvyard.engine.sampling.params import SamplingParams
 from kvyard.engine.scheduling.request import KVTransferParams
 from kvyard.kvcache.events import KVEventLog
+from kvyard.server.expert_metrics import ExpertCacheCollector
 from kvyard.server.kv_tier_metrics import KVTierCollector, KVTransferCollector
 from kvyard.server.vocabulary import HFVocabulary
 
@@ -227,9 +228,14 @@ class AsyncEngine:
         def puller_counters() -> Any:
             return self.engine.kv_puller.counters() if self.engine.kv_puller else None
 
+        def residency() -> Any:  # a fast-start engine pages nothing (fast_start_blocker)
+            engine = self.engine
+            return None if isinstance(engine, NativeStartEngine) else engine.expert_residency_snapshot()
+
         return [
             KVTierCollector(lambda: self.engine.kv_tier_snapshot(), self.model_name),
             KVTransferCollector(lambda: self.engine.kv_exports, puller_counters, self.model_name),
+            ExpertCacheCollector(residency, self.model_name),
         ]
 
     def server_info(self) -> dict[str, Any]:

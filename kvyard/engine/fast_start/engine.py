@@ -62,6 +62,7 @@ def fast_start_blocker(config: EngineConfig) -> str | None:
         f"matmul dtype {config.matmul_dtype}": config.matmul_dtype != "float32",
         "an embedding checkpoint (no LM head), which only PyTorch pools": not package and not has_lm_head(config.model),
         "a mixture-of-experts model, which only PyTorch runs": model_config.moe is not None,
+        "a weights memory budget, which only PyTorch keeps": config.weights_memory_gb is not None,
         f"quantization {config.quantization} of a package": package
         and config.quantization not in ("none", read_info(config.model).weights),
     }
