@@ -3,6 +3,7 @@ package's file and are read as tokens pick them; the output is the unlimited run
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from kvyard import LLM, SamplingParams
 from kvyard.api.metrics import sample_sum
+from kvyard.models import expert_residency
 from kvyard.models.expert_residency import ExpertResidency, PagedTensor
 from kvyard.models.mapped_safetensors import tensor_extents
 from kvyard.models.package import convert
@@ -198,3 +200,19 @@ def test_a_served_model_reports_its_expert_cache(int8_package: Path, tmp_path: P
         assert sample_sum(metrics, "kvyard_expert_cache_experts") == 64
     finally:
         server.stop()
+
+
+def test_the_serve_log_gets_the_caches_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(expert_residency, "LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(expert_residency, "LOG_CHECK_USES", 4)
+    residency, _, _ = _residency(tmp_path, count=5, fits=3)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvyard.models.expert_residency"):
+            for number in (0, 1, 0, 2):
+                residency.use(0, number)
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("experts: 3 of 5 resident" in line and "4 uses, hit ratio 0.250" in line for line in lines)
+    finally:
+        residency.close()

@@ -34,6 +34,8 @@ from torch import nn
 from kvyard.models.mapped_safetensors import TensorExtent
 
 _LOG = logging.getLogger(__name__)
+LOG_INTERVAL_S = 60.0  # the serve log's line on the cache, at most this often while experts are used
+LOG_CHECK_USES = 1024  # uses between looks at the clock
 
 FILE_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -139,6 +141,8 @@ class ExpertResidency:
         self._wanted: set[tuple[int, int]] = set()  # the running layer's experts
         self._soon: set[tuple[int, int]] = set()  # read ahead for the next layer
         self._counters = _Counters()
+        self._logged_at = time.monotonic()
+        self._logged = self.snapshot()
         for tensors in experts.values():
             for tensor in tensors:
                 _bind(tensor, _placeholder(tensor))
@@ -185,9 +189,34 @@ class ExpertResidency:
                 self._finish(expert)
         expert.read_ahead = False
         self._order.used(expert)  # once resident: a heap entry of an expert not resident is dropped as stale
+        if self._order.uses % LOG_CHECK_USES == 0:
+            self._log_progress()
         assert expert.buffers is not None
         for tensor, buffer in zip(expert.tensors, expert.buffers):
             _bind(tensor, buffer)
+
+    def _log_progress(self) -> None:
+        """At most once a LOG_INTERVAL_S: the cache's state and its hit ratio since the last line (the serve log)."""
+        now = time.monotonic()
+        if now - self._logged_at < LOG_INTERVAL_S:
+            return
+        snap, last = self.snapshot(), self._logged
+        uses = snap.hits + snap.misses - last.hits - last.misses
+        _LOG.info(
+            "experts: %d of %d resident (%.2f of %.2f GB); last %.0f s: %d uses, hit ratio %.3f, %.2f GB read in "
+            "%.1f s, the forward pass waited %.1f s",
+            snap.resident_experts,
+            snap.experts,
+            snap.resident_bytes / 1024**3,
+            snap.budget_bytes / 1024**3,
+            now - self._logged_at,
+            uses,
+            (snap.hits - last.hits) / uses if uses else 0.0,
+            (snap.read_bytes - last.read_bytes) / 1024**3,
+            snap.read_seconds - last.read_seconds,
+            snap.wait_seconds - last.wait_seconds,
+        )
+        self._logged_at, self._logged = now, snap
 
     def holders(self) -> frozenset[int]:
         """The ids of the modules whose weights this residency swaps in and out."""
