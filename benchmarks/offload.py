@@ -268,6 +268,8 @@ def _run(
     run |= json.loads(lines[-1])
     steps = run["step_s"][1:]
     run["decode_tok_s"] = len(steps) / sum(steps) if steps else None
+    later = steps[len(steps) // 2 :]
+    run["second_half_tok_s"] = len(later) / sum(later) if later else None
     print(f"[offload]   {run['decode_tok_s']:.2f} tok/s over {len(steps)} steps", file=sys.stderr, flush=True)
     return run
 
@@ -338,10 +340,12 @@ def _fitted_alpha(picks: dict[str, list[int]]) -> float:
 
 
 def _hit_ratio(cache: dict[str, Any] | None) -> float | None:
+    """The share of expert uses that found the expert in memory, read and ready (a read ahead still under way is
+    not a hit here)."""
     if not cache:
         return None
     uses = cache["hits"] + cache["misses"]
-    return cache["hits"] / uses if uses else None
+    return (cache["hits"] - cache["late_prefetches"]) / uses if uses else None
 
 
 def _print_table(summary: dict[str, Any]) -> None:

@@ -82,6 +82,7 @@ class ResidencySnapshot:
     hits: int  # uses that found the expert resident (read ahead or kept)
     misses: int  # uses that had to read it then
     prefetch_hits: int  # hits on experts read ahead (being read counts: the wait is shorter)
+    late_prefetches: int  # hits that waited for their read ahead to finish
     prefetches: int  # experts read ahead
     evictions: int
     read_bytes: int
@@ -94,6 +95,7 @@ class _Counters:
     hits: int = 0
     misses: int = 0
     prefetch_hits: int = 0
+    late_prefetches: int = 0
     prefetches: int = 0
     evictions: int = 0
     read_bytes: int = 0
@@ -197,6 +199,7 @@ class ExpertResidency:
             self._counters.hits += 1
             self._counters.prefetch_hits += expert.read_ahead
             if expert.loading is not None:
+                self._counters.late_prefetches += not expert.loading.done()
                 self._finish(expert)
         expert.read_ahead = False
         self._order.used(expert)  # once resident: a heap entry of an expert not resident is dropped as stale
@@ -244,6 +247,7 @@ class ExpertResidency:
             c.hits,
             c.misses,
             c.prefetch_hits,
+            c.late_prefetches,
             c.prefetches,
             c.evictions,
             c.read_bytes,

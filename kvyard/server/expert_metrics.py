@@ -24,6 +24,7 @@ _COUNTERS = (
     ("misses", "kvyard_expert_cache_misses", "Expert uses that read it from disk then"),
     ("prefetches", "kvyard_expert_cache_prefetches", "Experts read ahead of their use"),
     ("prefetch_hits", "kvyard_expert_cache_prefetch_hits", "Expert uses served by a read ahead"),
+    ("late_prefetches", "kvyard_expert_cache_late_prefetches", "Expert uses that waited for their read ahead"),
     ("evictions", "kvyard_expert_cache_evictions", "Experts dropped from memory to stay within the budget"),
     ("read_bytes", "kvyard_expert_cache_read_bytes", "Bytes of expert weights read from disk"),
     ("read_seconds", "kvyard_expert_cache_read_seconds", "Time spent reading expert weights, on any thread"),
