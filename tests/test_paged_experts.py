@@ -216,3 +216,17 @@ def test_the_serve_log_gets_the_caches_state(
         assert any("experts: 3 of 5 resident" in line and "4 uses, hit ratio 0.250" in line for line in lines)
     finally:
         residency.close()
+
+
+def test_the_cache_starts_warm_and_drops_the_unused_first(tmp_path: Path) -> None:
+    residency, holders, values = _residency(tmp_path, count=5, fits=3)
+    try:
+        assert residency.fill() == 3  # the file's first three experts
+        residency.use(0, 0)
+        residency.use(0, 4)  # drops 1, read at start and never used, not the used 0
+        assert holders[1].weight.numel() == 0
+        assert torch.equal(holders[0].weight, values[0]) and torch.equal(holders[4].weight, values[4])
+        snap = residency.snapshot()
+        assert (snap.hits, snap.misses, snap.evictions, snap.read_bytes) == (1, 1, 1, 4 * 8 * 16 * 4)
+    finally:
+        residency.close()

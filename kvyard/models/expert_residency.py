@@ -162,6 +162,21 @@ class ExpertResidency:
 
     # ------------------------------------------------------------------ forward thread
 
+    def fill(self) -> int:
+        """Read experts into every free slot, in the file's order (long sequential reads), so that the cache is warm
+        from the first token, as a memory-mapped engine's pages are once populated at load; returns how many. They
+        count as never used: the first to be dropped."""
+        filled = 0
+        for expert in sorted(self._experts.values(), key=lambda e: e.tensors[0].extent.offset):
+            if not self._free_slots:
+                break
+            self._make_room(expert, for_prefetch=True)
+            expert.buffers, seconds = self._timed_read(expert)
+            self._counted_read(expert, seconds)
+            self._order.push(expert, -math.inf)
+            filled += 1
+        return filled
+
     def want(self, layer: int, experts: list[int]) -> None:
         """The running layer's experts, in the order it will use them: the second and later are read ahead now."""
         self._wanted = {(layer, expert) for expert in experts}

@@ -8,6 +8,7 @@ that cannot hold the resident part and two experts is refused with the sizes."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def plan_paging(model: CausalLM, budget_gb: float, tied_head: bool) -> PagingPla
     expert_bytes = {key: sum(_nbytes(state[name]) for name in names) for key, names in experts.items()}
     budget = int(budget_gb * GB)
     if resident + sum(expert_bytes.values()) <= budget:
+        _LOG.info("the whole model fits in the weights memory budget of %g GB: nothing is paged", budget_gb)
         return None
     least = 2 * max(expert_bytes.values())
     if budget - resident < least:
@@ -83,12 +85,17 @@ def attach_residency(model: CausalLM, plan: PagingPlan, tensors_path: Path) -> E
         following = layers[position + 1][1] if position + 1 < len(layers) else None
         moe.page_experts(residency, index, following)
     all_bytes = sum(extent.nbytes for names in plan.experts.values() for extent in (extents[n] for n in names))
+    start = time.perf_counter()
+    filled = residency.fill()
     _LOG.info(
-        "experts paged from %s: %d experts (%.3f GB) share %.3f GB; the rest of the model stays resident",
+        "experts paged from %s: %d experts (%.3f GB) share %.3f GB, %d of them read in %.1f s to start warm; the rest "
+        "of the model stays resident",
         tensors_path,
         len(paged),
         all_bytes / GB,
         plan.expert_budget_bytes / GB,
+        filled,
+        time.perf_counter() - start,
     )
     return residency
 
