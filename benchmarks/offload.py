@@ -12,10 +12,13 @@ q8_0 GGUF (both int8 with one scale per 32 weights). Two routers, each its own c
   then samples about as p says). alpha is a parameter of this benchmark (default 1.0, the classic Zipf law), not a
   measurement of any trained model; the picks each run actually made are recorded and a fitted alpha reported.
 
-Each run: one process, load, prefill a 16-token prompt, decode --tokens greedy tokens one step each (or as many as
---max-seconds allows); decode tok/s is over every step after the first. kvyard's budget is the cgroup's limit less
---allowance-gb for what is not weights (interpreter, PyTorch, KV, activations). Outputs are checked: each engine's
-tokens under every limit equal its own unlimited run's (the two engines round differently, so not each other's).
+Each run: one process, load, prefill a 16-token prompt, decode --tokens tokens one step each (or as many as
+--max-seconds allows); decode tok/s is over every step after the first, and over the second half alone (once a page
+cache has learnt what is popular). kvyard samples at temperature 1 with seed 0: a random model's greedy tokens soon
+repeat a few tokens, whose experts any cache then holds. llama.cpp is fed kvyard's unlimited run's tokens, so both
+decode the same text. kvyard's budget is the cgroup's limit less --allowance-gb for what is not weights
+(interpreter, PyTorch, KV, activations). Outputs are checked: each engine's tokens under every limit equal its own
+unlimited run's (kvyard's sampled tokens, llama.cpp's argmax at each fed position).
 
     .venv/bin/python benchmarks/offload.py --out benchmarks/results/offload.json
 """
@@ -56,6 +59,13 @@ class Shape:
 
 def main() -> None:
     args = _parse_args()
+    if args.resummarize:
+        summary = _summarize(json.loads(Path(args.resummarize).read_text()))
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+        _print_table(summary)
+        if args.png:
+            _plot(summary, Path(args.out).with_suffix(".png"))
+        return
     work = Path(args.work_dir).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     shape = Shape(args.hidden, args.layers, args.experts, args.top_k, args.expert_size)
@@ -71,13 +81,15 @@ def main() -> None:
             "kvyard_package": weights_bytes,
             "gguf": gguf.stat().st_size if gguf else None,
         }
+        feed: list[int] = []  # kvyard's unlimited run's tokens, fed to llama.cpp: both engines decode one text
         for fraction in args.fractions:
             limit = None if fraction >= 1.0 else int(fraction * weights_bytes)
             budget = None if limit is None else (limit - args.allowance_gb * GB) / GB
             run = _run("kvyard", router, fraction, limit, _kvyard_command(package, prompt, args, budget), args)
             results["runs"].append(run)
+            feed = feed or run.get("tokens", [])
             if gguf is not None:
-                llama = _llama_command(gguf, prompt, args)
+                llama = _llama_command(gguf, prompt, feed, args)
                 results["runs"].append(_run("llama.cpp", router, fraction, limit, llama, args))
             Path(args.out).write_text(json.dumps(_summarize(results), indent=2) + "\n")
     summary = _summarize(results)
@@ -228,8 +240,9 @@ def _kvyard_command(package: Path, prompt: str, args: argparse.Namespace, budget
     return command + ([] if budget_gb is None else ["--weights-memory-gb", f"{budget_gb:.4f}"])
 
 
-def _llama_command(gguf: Path, prompt: str, args: argparse.Namespace) -> list[str]:
+def _llama_command(gguf: Path, prompt: str, feed: list[int], args: argparse.Namespace) -> list[str]:
     command = [str(LLAMA_PYTHON), str(HERE / "runners" / "offload_llamacpp.py"), str(gguf), "--prompt", prompt]
+    command += ["--feed", ",".join(map(str, feed))] if feed else []
     return [*command, "--tokens", str(args.tokens), "--max-seconds", str(args.max_seconds)]
 
 
@@ -298,6 +311,7 @@ def _summarize(results: dict[str, Any]) -> dict[str, Any]:
             run["tokens_equal_unlimited"] = tokens[:common] == reference[:common]
         if "picks" in run:
             run["zipf_alpha_fitted"] = _fitted_alpha(run["picks"])
+            run["top_decile_share"] = _top_decile_share(run["picks"])
     table = []
     for run in runs:
         if run["engine"] != "kvyard":
@@ -311,6 +325,7 @@ def _summarize(results: dict[str, Any]) -> dict[str, Any]:
             None,
         )
         mine, theirs = run.get("decode_tok_s"), peer.get("decode_tok_s") if peer else None
+        mine_late, theirs_late = run.get("second_half_tok_s"), peer.get("second_half_tok_s") if peer else None
         table.append(
             {
                 "router": run["router"],
@@ -318,7 +333,9 @@ def _summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "kvyard_tok_s": mine,
                 "llamacpp_tok_s": theirs,
                 "kvyard_over_llamacpp": mine / theirs if mine and theirs else None,
+                "second_half_kvyard_over_llamacpp": mine_late / theirs_late if mine_late and theirs_late else None,
                 "expert_hit_ratio": _hit_ratio(run.get("expert_cache")),
+                "top_decile_share": run.get("top_decile_share"),
             }
         )
     return {**results, "table": table}
@@ -339,6 +356,17 @@ def _fitted_alpha(picks: dict[str, list[int]]) -> float:
     return -slope
 
 
+def _top_decile_share(picks: dict[str, list[int]]) -> float:
+    """The share of picks that went to each layer's most picked tenth of experts, over all layers (0.1 for a
+    router picking evenly; sampling noise in a short run adds a little)."""
+    top, total = 0, 0
+    for counts in picks.values():
+        ranked = sorted(counts, reverse=True)
+        top += sum(ranked[: max(1, len(ranked) // 10)])
+        total += sum(ranked)
+    return top / total if total else float("nan")
+
+
 def _hit_ratio(cache: dict[str, Any] | None) -> float | None:
     """The share of expert uses that found the expert in memory, read and ready (a read ahead still under way is
     not a hit here)."""
@@ -349,11 +377,12 @@ def _hit_ratio(cache: dict[str, Any] | None) -> float | None:
 
 
 def _print_table(summary: dict[str, Any]) -> None:
-    print(f"{'router':8} {'budget':>7} {'kvyard':>9} {'llama.cpp':>9} {'ratio':>6} {'hit':>5}")
+    print(f"{'router':8} {'budget':>7} {'kvyard':>9} {'llama.cpp':>9} {'ratio':>6} {'late':>6} {'hit':>5}")
     for row in summary["table"]:
-        cells = [row["kvyard_tok_s"], row["llamacpp_tok_s"], row["kvyard_over_llamacpp"], row["expert_hit_ratio"]]
-        text = ["-" if v is None else f"{v:.2f}" for v in cells]
-        print(f"{row['router']:8} {row['fraction']:>6g}x {text[0]:>9} {text[1]:>9} {text[2]:>6} {text[3]:>5}")
+        keys = ("kvyard_tok_s", "llamacpp_tok_s", "kvyard_over_llamacpp", "second_half_kvyard_over_llamacpp")
+        cells = [row[key] for key in keys] + [row["expert_hit_ratio"]]
+        t = ["-" if v is None else f"{v:.2f}" for v in cells]
+        print(f"{row['router']:8} {row['fraction']:>6g}x {t[0]:>9} {t[1]:>9} {t[2]:>6} {t[3]:>6} {t[4]:>5}")
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
@@ -403,7 +432,8 @@ def _conditions(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         "prompt_tokens": 16,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "kvyard": "int8 package (one fp32 scale per 32 weights), --weights-memory-gb = limit - allowance",
-        "llama.cpp": "q8_0 GGUF, memory-mapped, weight repacking off, 2 threads",
+        "llama.cpp": "q8_0 GGUF, memory-mapped, weight repacking off, 2 threads, fed kvyard's tokens",
+        "sampling": "kvyard: temperature 1, seed 0",
     }
 
 
@@ -450,6 +480,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--png", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=str(HERE / "results" / "offload.json"))
+    parser.add_argument("--resummarize", metavar="JSON", help="summarize an earlier run's file again into --out")
     args = parser.parse_args()
     if args.routers and any(r not in ("uniform", "zipf") for r in args.routers):
         parser.error(f"--routers takes uniform and zipf, got {args.routers}")

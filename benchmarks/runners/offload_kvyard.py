@@ -1,6 +1,7 @@
 """One single-stream decode of kvyard's engine for benchmarks/offload.py, run in its memory cgroup: load a package
-(with --weights-memory-gb when given), prefill a prompt, decode, print one JSON line with per-step times, the
-tokens, how often each expert was picked, and the expert cache's counters.
+(with --weights-memory-gb when given), prefill a prompt, decode (sampled with seed 0: the same tokens under any
+budget, since paged experts compute the same bits), print one JSON line with per-step times, the tokens, how often
+each expert was picked, and the expert cache's counters.
 
     .venv/bin/python benchmarks/runners/offload_kvyard.py PACKAGE --prompt 1,2,3 --tokens 64 [--weights-memory-gb G]
 """
@@ -23,6 +24,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--weights-memory-gb", type=float, default=None)
     parser.add_argument("--max-seconds", type=float, default=600, help="stop decoding after this long")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="sampled (seed 0): a random model's greedy tokens soon loop"
+    )
     args = parser.parse_args()
 
     from kvyard import LLM, SamplingParams
@@ -45,7 +49,8 @@ def main() -> None:
             picks[index] = torch.zeros(moe.num_experts, dtype=torch.int64)
             moe.gate.register_forward_hook(_counter(picks[index], moe.top_k))
     prompt = [int(token) for token in args.prompt.split(",")]
-    engine.add_request("0", prompt, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+    sampling = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0, ignore_eos=True)
+    engine.add_request("0", prompt, sampling)
     step_s: list[float] = []
     tokens: list[int] = []
     while engine.has_unfinished_requests():

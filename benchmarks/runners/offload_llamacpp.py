@@ -1,7 +1,7 @@
 """One single-stream decode of llama.cpp for benchmarks/offload.py, run in its memory cgroup in the llamacpp peer
 venv: the GGUF memory-mapped (llama.cpp's default; weight repacking off, since a repacked copy would not be the
-mapped file), a prompt prefilled, greedy tokens decoded one llama_decode each; prints one JSON line with per-step
-times and the tokens.
+mapped file), a prompt prefilled, then one llama_decode a token: the tokens given with --feed (kvyard's, so both
+engines route the same text) or its own argmax; prints one JSON line with per-step times and its argmax tokens.
 
     /opt/kvyard-peers/llamacpp/bin/python benchmarks/runners/offload_llamacpp.py MODEL.gguf --prompt 1,2,3 --tokens 64
 """
@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-seconds", type=float, default=600, help="stop decoding after this long")
+    parser.add_argument("--feed", help="tokens to feed after the prompt, comma-separated (default: its own argmax)")
     args = parser.parse_args()
 
     import llama_cpp as lc
@@ -53,6 +54,7 @@ def main() -> None:
             np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax()
         )
 
+    given = [int(token) for token in args.feed.split(",")] if args.feed else []
     feed = [int(token) for token in args.prompt.split(",")]
     step_s: list[float] = []
     tokens: list[int] = []
@@ -61,7 +63,7 @@ def main() -> None:
         token = decode(feed)
         step_s.append(time.perf_counter() - begin)
         tokens.append(token)
-        feed = [token]
+        feed = [given[len(tokens) - 1] if len(tokens) <= len(given) else token]
     print(json.dumps({"load_s": load_s, "step_s": step_s, "tokens": tokens}), flush=True)
 
 
