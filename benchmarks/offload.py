@@ -5,7 +5,8 @@ as root) limited to a fraction of the weights' size, the page cache dropped befo
 The model: a Qwen3-MoE of random weights in bf16 (--layers x --experts experts of --expert-size, --top-k a token,
 hidden --hidden), written once as a Hugging Face checkpoint, converted to a kvyard int8 package and to a llama.cpp
 q8_0 GGUF (both int8 with one scale per 32 weights). Two routers, each its own checkpoint:
-- `uniform`: the random router as created; random routers pick experts about uniformly, which no trained one does.
+- `uniform`: the random router as created, over a token embedding large enough (EMBED_STD) that each router sees
+  mostly the token: sampled text spreads its picks about evenly, which no trained router does.
 - `zipf`: the same weights but every token's hidden state carries a constant component (embedding column 0) that
   each layer's router reads with weight ln(p_e) for a Zipf law p_e ~ rank^-alpha over a random order of that
   layer's experts, scaled so the component's logit gaps match the router's other inputs (a Gumbel-like noise: top-k
@@ -43,6 +44,11 @@ LLAMA_PYTHON = PEERS / "llamacpp" / "bin" / "python"
 CGROUP = Path("/sys/fs/cgroup/memory/kvyard-offload")
 GB = 1024**3
 GUMBEL_STD = math.pi / math.sqrt(6)
+# The token embedding's std. At the presets' ~1.2/sqrt(hidden) a random model's residual stream is the sum of its
+# sublayers' outputs, much alike from token to token, and its router sent 68 % of picks to a tenth of the experts
+# even for sampled text (measured in this benchmark's first runs); this large, every layer's router sees mostly the
+# token itself, so sampled text spreads its picks.
+EMBED_STD = 16.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +110,7 @@ def main() -> None:
 
 def _checkpoint(work: Path, shape: Shape, router: str, alpha: float) -> Path:
     """The bf16 Hugging Face checkpoint of `router` (made once; the same random weights for both routers)."""
-    name = f"qwen3moe-h{shape.hidden}-l{shape.layers}-e{shape.experts}x{shape.expert_size}-k{shape.top_k}-{router}"
+    name = f"qwen3moe-h{shape.hidden}-l{shape.layers}-e{shape.experts}x{shape.expert_size}-k{shape.top_k}-v2-{router}"
     if router == "zipf":
         name += f"{alpha:g}"
     out = work / name
@@ -157,7 +163,7 @@ def _random_tensors(shape: Shape, vocab: int) -> dict[str, Any]:
 
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": normal(vocab, h),
+        "model.embed_tokens.weight": (torch.randn(vocab, h, generator=generator) * EMBED_STD).to(torch.bfloat16),
         "model.norm.weight": torch.ones(h),
         "lm_head.weight": normal(vocab, h),
     }
@@ -191,7 +197,7 @@ def _skew_routers(tensors: dict[str, Any], shape: Shape, alpha: float) -> None:
     h = shape.hidden
     std = 1.2 / math.sqrt(h)
     embed = tensors["model.embed_tokens.weight"].float()
-    embed[:, 0] = std * math.sqrt(h)
+    embed[:, 0] = EMBED_STD * math.sqrt(h)
     tensors["model.embed_tokens.weight"] = embed.to(torch.bfloat16)
     x0 = math.sqrt(h / 2)
     noise = std * math.sqrt(h / 2)
