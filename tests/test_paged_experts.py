@@ -198,6 +198,7 @@ def test_a_served_model_reports_its_expert_cache(int8_package: Path, tmp_path: P
         resident = sample_sum(metrics, "kvyard_expert_cache_resident_bytes")
         assert 0 < resident <= sample_sum(metrics, "kvyard_expert_cache_budget_bytes")
         assert sample_sum(metrics, "kvyard_expert_cache_experts") == 64
+        assert "experts paged from disk:" in server.log() and "of 64 in memory" in server.log()
     finally:
         server.stop()
 

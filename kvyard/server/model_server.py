@@ -99,6 +99,13 @@ async def _load(app: ReplicaApp, config: EngineConfig, engine_box: list[AsyncEng
         f"model {engine.model_name} loaded in {time.monotonic() - started:.1f} s: "
         f"{engine.num_kv_blocks} KV blocks of {config.block_size} tokens; ready"
     )
+    paged = engine.expert_residency_snapshot()
+    if paged is not None:
+        say(
+            f"experts paged from disk: {paged.resident_experts} of {paged.experts} in memory "
+            f"({paged.resident_bytes / 1024**3:.2f} GB of experts); the cache: kvyard_expert_cache_* in /metrics, "
+            "and a log line a minute at --log-level info"
+        )
 
 
 def _serve_with(
