@@ -77,7 +77,7 @@ def test_a_quarter_of_the_model_in_memory_gives_the_unlimited_greedy_tokens(int8
         # Under a quarter of the experts fit beside the resident layers: experts were read, dropped and read again
         assert snap.resident_experts < 16 and snap.evictions > 0 and snap.misses > 0
         assert snap.read_bytes > snap.budget_bytes and snap.resident_bytes <= snap.budget_bytes
-        assert snap.hits + snap.misses > 0 and snap.late_prefetches <= snap.prefetch_hits <= snap.prefetches
+        assert 0 < snap.prefetch_hits <= snap.prefetches and snap.late_prefetches <= snap.prefetch_hits
 
 
 def test_half_precision_and_deepseek_packages_page_their_experts(
@@ -114,6 +114,10 @@ def test_budgets_that_cannot_work_are_refused_with_the_reason(
         LLM(str(dense), weights_memory_gb=0.0001)
     with pytest.raises(ValueError, match="convert it first"):
         LLM(str(expert_heavy_dir), weights_memory_gb=0.001)
+    with pytest.raises(WeightsBudgetError, match="positive number"):
+        LLM(str(int8_package), weights_memory_gb=float("inf"))
+    with pytest.raises(ValueError, match="float32 only"):
+        LLM(str(int8_package), weights_memory_gb=_weights_gb(int8_package) / 4, matmul_dtype="bfloat16")
     # A budget the whole model fits in pages nothing
     llm = LLM(str(int8_package), weights_memory_gb=1.0)
     assert llm.engine.expert_residency_snapshot() is None
@@ -229,5 +233,40 @@ def test_the_cache_starts_warm_and_drops_the_unused_first(tmp_path: Path) -> Non
         assert torch.equal(holders[0].weight, values[0]) and torch.equal(holders[4].weight, values[4])
         snap = residency.snapshot()
         assert (snap.hits, snap.misses, snap.evictions, snap.read_bytes) == (1, 1, 1, 4 * 8 * 16 * 4)
+    finally:
+        residency.close()
+
+
+def test_a_failed_read_is_raised_by_its_use_and_frees_its_slot(tmp_path: Path) -> None:
+    residency, holders, values = _residency(tmp_path, count=4, fits=2)
+    path = tmp_path / "experts.safetensors"
+    whole = path.read_bytes()
+    try:
+        path.write_bytes(whole[:64])  # truncated: every expert's bytes are gone
+        with pytest.raises(OSError, match="ended"):
+            residency.use(0, 0)  # read then
+        residency.prefetch(0, [1])  # read ahead, on the reader thread
+        with pytest.raises(OSError, match="ended"):
+            residency.use(0, 1)
+        assert residency.snapshot().resident_bytes == 0  # both slots given back
+        path.write_bytes(whole)
+        for number in (0, 1, 2):
+            residency.use(0, number)
+        assert torch.equal(holders[2].weight, values[2]) and residency.snapshot().resident_experts == 2
+    finally:
+        residency.close()
+        residency.close()  # a second close does nothing
+
+
+def test_the_eviction_order_stays_bounded_when_nothing_is_evicted(tmp_path: Path) -> None:
+    residency, _, _ = _residency(tmp_path, count=4, fits=4)
+    try:
+        for _ in range(5000):
+            residency.use(0, 0)
+            residency.use(0, 1)
+        assert len(residency._order.heap) <= 2 * 4 + 64
+        residency.use(0, 2)
+        residency.use(0, 3)
+        assert residency.snapshot().evictions == 0
     finally:
         residency.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from kvyard.settings import from_flat, setting
 def positive_gb(text: str) -> float:
     """A positive number of GB, read from an option's text."""
     value = float(text)
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise ValueError(f"must be a positive number of GB, not {text}")
     return value
 

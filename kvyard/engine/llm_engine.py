@@ -77,6 +77,12 @@ class LLMEngine(EngineCore):
                 "here (by oneDNN, or by PyTorch where oneDNN has no bf16 path), likely slower than "
                 "float32"
             )
+        if bf16_matmul and model.expert_residency is not None:
+            model.expert_residency.close()
+            raise ValueError(
+                "--weights-memory-gb pages experts that multiply in float32 only for now: serve it with "
+                "--matmul-dtype float32"
+            )
         digest += BF16_MATMUL_SUFFIX if bf16_matmul else ""
         self.kv_format = KVFormat.resolve(config.kv_cache_dtype, self.dtype)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_format)

@@ -26,6 +26,8 @@ import logging
 import math
 import os
 import time
+import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,12 @@ class _Order:
         count = 2.0 ** (expert.priority - now) if expert.priority > -math.inf else 0.0
         self.push(expert, math.log2(count + 1.0) + now)
 
+    def compact(self, resident: Iterable[_Expert]) -> None:
+        """Only the live entry of each resident expert: a use pushes an entry and leaves the old one to go stale,
+        which only evictions would otherwise clear."""
+        self.heap = [(e.priority, e.version, e.key) for e in resident]
+        heapq.heapify(self.heap)
+
     def push(self, expert: _Expert, priority: float) -> None:
         expert.priority = priority
         expert.version += 1
@@ -148,6 +156,8 @@ class ExpertResidency:
         self._free_slots = list(range(slots - 1, -1, -1))
         self.budget_bytes = budget_bytes
         self._fd = os.open(path, os.O_RDONLY)
+        # Closed by close(), or when the residency is collected (a load that fails after it was made).
+        self._close_file = weakref.finalize(self, os.close, self._fd)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvyard-expert-reader")
         self._order = _Order(half_life_uses)
         self._resident_bytes = 0  # resident and being read
@@ -206,7 +216,11 @@ class ExpertResidency:
         if expert.buffers is None and expert.loading is None:
             self._counters.misses += 1
             self._make_room(expert, for_prefetch=False)
-            buffers, seconds = self._timed_read(expert)
+            try:
+                buffers, seconds = self._timed_read(expert)
+            except BaseException:
+                self._release(expert)
+                raise
             expert.buffers = buffers
             self._counted_read(expert, seconds)
             self._counters.wait_seconds += seconds
@@ -215,9 +229,13 @@ class ExpertResidency:
             self._counters.prefetch_hits += expert.read_ahead
             if expert.loading is not None:
                 self._counters.late_prefetches += not expert.loading.done()
-                self._finish(expert)
+                error = self._settle(expert)
+                if error is not None:
+                    raise error
         expert.read_ahead = False
         self._order.used(expert)  # once resident: a heap entry of an expert not resident is dropped as stale
+        if len(self._order.heap) > 2 * len(self._experts) + 64:
+            self._order.compact(e for e in self._experts.values() if e.buffers is not None or e.loading is not None)
         if self._order.uses % LOG_CHECK_USES == 0:
             self._log_progress()
         assert expert.buffers is not None
@@ -271,17 +289,33 @@ class ExpertResidency:
         )
 
     def close(self) -> None:
+        """Stop the reader and close the file (once; a residency never closed closes it when collected)."""
         self._reader.shutdown(wait=True, cancel_futures=True)
-        os.close(self._fd)
+        self._close_file()
 
-    def _finish(self, expert: _Expert) -> None:
-        """Wait for the expert's read ahead; it is then resident."""
+    def _settle(self, expert: _Expert) -> BaseException | None:
+        """Wait for the expert's read ahead: it is then resident, or, if the read failed, not (its slot freed) and
+        the error returned, so that a use of this expert raises it and no other caller does."""
         assert expert.loading is not None
         start = time.perf_counter()
-        expert.buffers, seconds = expert.loading.result()
+        error = expert.loading.exception()
         self._counters.wait_seconds += time.perf_counter() - start
+        if error is not None:
+            self._release(expert)
+            return error
+        expert.buffers, seconds = expert.loading.result()
         self._counted_read(expert, seconds)
         expert.loading = None
+        return None
+
+    def _release(self, expert: _Expert) -> None:
+        """Give back the slot of a read that failed: the expert is not resident."""
+        expert.loading = None
+        expert.read_ahead = False
+        expert.version += 1
+        self._free_slots.append(expert.slot)
+        expert.slot = -1
+        self._resident_bytes -= expert.nbytes
 
     def _counted_read(self, expert: _Expert, seconds: float) -> None:
         self._counters.read_seconds += seconds
@@ -313,7 +347,7 @@ class ExpertResidency:
             entry = heapq.heappop(heap)
             candidate = self._experts[entry[2]]
             if candidate.loading is not None and candidate.loading.done():
-                self._finish(candidate)  # read ahead and never used yet: droppable like any resident expert
+                self._settle(candidate)  # read ahead and never used yet: droppable like any resident expert
             if entry[1] != candidate.version or (candidate.buffers is None and candidate.loading is None):
                 continue  # stale, or not resident: no entry needed
             if candidate is expert or candidate.loading is not None or candidate.key in kept:
@@ -329,7 +363,7 @@ class ExpertResidency:
         """Finish one read ahead (it becomes droppable); False when none is under way."""
         for other in self._experts.values():
             if other.loading is not None and other is not expert:
-                self._finish(other)
+                self._settle(other)  # a failed read frees its slot too
                 return True
         return False
 

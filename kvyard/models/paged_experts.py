@@ -8,6 +8,7 @@ that cannot hold the resident part and two experts is refused with the sizes."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +47,8 @@ class PagingPlan:
 
 def plan_paging(model: CausalLM, budget_gb: float, tied_head: bool) -> PagingPlan | None:
     """What to page for `model` (still on the meta device) within `budget_gb`; None when the whole model fits."""
-    if budget_gb <= 0:
-        raise WeightsBudgetError(f"the weights memory budget must be positive, not {budget_gb} GB")
+    if not 0 < budget_gb < math.inf:
+        raise WeightsBudgetError(f"the weights memory budget must be a positive number of GB, not {budget_gb}")
     state = model.state_dict(keep_vars=True)
     if tied_head:
         state.pop("lm_head.weight", None)
