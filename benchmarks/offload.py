@@ -22,6 +22,9 @@ decode the same text. kvyard's budget is the cgroup's limit less --allowance-gb 
 unlimited run's (kvyard's sampled tokens, llama.cpp's argmax at each fed position).
 
     .venv/bin/python benchmarks/offload.py --out benchmarks/results/offload.json
+
+Disk: each router's model is written three times (bf16 checkpoint 4.9 GB, int8 package 2.9 GB, GGUF 2.7 GB at the
+default shape): about 21 GB under --work-dir for both routers, kept for the next run; delete the directory after.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main() -> None:
         return
     work = Path(args.work_dir).expanduser()
     work.mkdir(parents=True, exist_ok=True)
+    print(f"[offload] model files under {work} (about 10 GB a router at the default shape)", file=sys.stderr)
     shape = Shape(args.hidden, args.layers, args.experts, args.top_k, args.expert_size)
     _check_machine(args)
     results: dict[str, Any] = {"conditions": _conditions(args, shape), "runs": []}
@@ -463,7 +467,11 @@ def _fractions(text: str) -> list[float]:
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-dir", default="~/.cache/kvyard/offload", help="where the model files are kept")
+    parser.add_argument(
+        "--work-dir",
+        default="~/.cache/kvyard/offload",
+        help="where the model files are kept (about 21 GB for both routers at the default shape)",
+    )
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--experts", type=int, default=96)
