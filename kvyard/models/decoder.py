@@ -166,30 +166,29 @@ class CausalLM(nn.Module):
         params = list(self.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
             return False
-        # Paged experts' layers keep no copies (packed, widened): their weights come and go.
+        # A paged expert's fp32 layers keep no packed copy: their weights come and go. (Its layers' bf16 copies
+        # never arise: LLMEngine refuses bf16 matmuls with paged experts.)
         paged = self.expert_residency.holders() if self.expert_residency is not None else frozenset()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         onednn = torch.backends.mkldnn.is_available()
         pack = onednn and fits_in_memory([m for m in linears if id(m) not in paged])
         for linear in linears:
-            resident = id(linear) not in paged
             small = kernels.small_linear if kernels is not None else None
-            linear.use_cpu_fast_paths(small, onednn, pack and resident, bf16_matmul and resident)
+            linear.use_cpu_fast_paths(small, onednn, pack and id(linear) not in paged, bf16_matmul)
         int8_layers = [module for module in self.modules() if isinstance(module, Int8Linear)]
         # As packing fp32 weights: int8 weights keep a widened bf16 copy for bf16 matmuls where it fits.
-        kept = sum(2 * m.qweight.numel() for m in int8_layers if id(m) not in paged)
-        keep_bf16 = bf16_matmul and fits_in_half_of_memory(kept)
+        keep_bf16 = bf16_matmul and fits_in_half_of_memory(sum(2 * m.qweight.numel() for m in int8_layers))
         to_bf16 = kernels.int8_to_bf16 if kernels is not None and bf16_matmul else None
         for int8_layer in int8_layers:
-            small_int8 = kernels.small_linear_int8 if kernels is not None else None
-            int8_layer.use_native_kernel(small_int8, onednn, to_bf16, keep_bf16 and id(int8_layer) not in paged)
+            int8_layer.use_native_kernel(
+                kernels.small_linear_int8 if kernels is not None else None, onednn, to_bf16, keep_bf16
+            )
         half_layers = [module for module in self.modules() if isinstance(module, HalfLinear)]
-        half_bytes = sum(m.weight16.numel() * m.weight16.element_size() for m in half_layers if id(m) not in paged)
-        pack_half = fits_in_half_of_memory(half_bytes)
+        pack_half = fits_in_half_of_memory(sum(m.weight16.numel() * m.weight16.element_size() for m in half_layers))
         for half_layer in half_layers:
             in_bf16 = bf16_matmul and half_layer.weight16.dtype == torch.bfloat16
             small_kernel = kernels.small_linear_half if kernels is not None else None
-            half_layer.use_native_kernel(small_kernel, onednn, in_bf16, pack_half and id(half_layer) not in paged)
+            half_layer.use_native_kernel(small_kernel, onednn, in_bf16, pack_half)
         for module in self.modules():
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)

@@ -85,7 +85,7 @@ def attach_residency(model: CausalLM, plan: PagingPlan, tensors_path: Path) -> E
     for position, (index, moe) in enumerate(layers):
         following = layers[position + 1][1] if position + 1 < len(layers) else None
         moe.page_experts(residency, index, following)
-    all_bytes = sum(extent.nbytes for names in plan.experts.values() for extent in (extents[n] for n in names))
+    all_bytes = sum(tensor.extent.nbytes for tensors in paged.values() for tensor in tensors)
     start = time.perf_counter()
     filled = residency.fill()
     _LOG.info(
