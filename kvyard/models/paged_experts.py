@@ -67,8 +67,8 @@ def plan_paging(model: CausalLM, budget_gb: float, tied_head: bool) -> PagingPla
     least = 2 * max(expert_bytes.values())
     if budget - resident < least:
         raise WeightsBudgetError(
-            f"a weights memory budget of {budget_gb} GB is too small: {resident / GB:.3f} GB of weights stay "
-            f"resident (all but the routed experts) and two experts need {least / GB:.3f} GB more"
+            f"a weights memory budget of {budget_gb} GB is too small: {_size(resident)} of weights stay "
+            f"resident (all but the routed experts) and two experts need {_size(least)} more"
         )
     kinds = {name: (state[name].dtype, tuple(state[name].shape)) for name in paged}
     return PagingPlan(experts, budget - resident, kinds)
@@ -122,6 +122,10 @@ def _paged_tensor(model: CausalLM, plan: PagingPlan, name: str, extent: TensorEx
         )
     module_name, _, attribute = name.rpartition(".")
     return PagedTensor(model.get_submodule(module_name), attribute, extent)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= GB // 10 else f"{nbytes / 1024**2:.2f} MB"
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
