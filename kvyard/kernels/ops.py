@@ -302,7 +302,8 @@ class Int8ToBf16Kernel:
 
 @dataclass(frozen=True, slots=True)
 class ElementwiseKernels:
-    """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32."""
+    """Fused residual-add + RMSNorm, in-place rotary embedding, SiLU-and-multiply, row-wise argmax; fp32, and the
+    first three with bf16 activations (a bf16-matmul prefill step: kvyard.models.bf16_prefill)."""
 
     PROTOTYPES: ClassVar[str] = """
         void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
@@ -311,12 +312,20 @@ class ElementwiseKernels:
             const float *cos_table, const float *sin_table, const int64_t *positions);
         void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim);
         void kvyard_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+        void kvyard_add_rms_norm_bf16(const void *x, int x_is_bf16, float *residual, const float *weight,
+            uint16_t *out, int64_t rows, int64_t dim, float eps);
+        void kvyard_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
+            int64_t head_dim, const float *cos_table, const float *sin_table, const int64_t *positions);
+        void kvyard_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t dim);
     """
 
     add_rms_norm_function: Callable[..., Any]
     rotary_function: Callable[..., Any]
     silu_mul_function: Callable[..., Any]
     argmax_function: Callable[..., Any]
+    add_rms_norm_bf16_function: Callable[..., Any]
+    rotary_bf16_function: Callable[..., Any]
+    silu_mul_bf16_function: Callable[..., Any]
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -345,6 +354,43 @@ class ElementwiseKernels:
         rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, dim)
         self.silu_mul_function(_ptr(gate_up), _ptr(out), rows, dim)
+        return out
+
+    def add_rms_norm_bf16(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """As add_rms_norm, for x in fp32 or bf16 (or None), returning the normalised rows in bf16; `residual` and
+        `weight` are fp32."""
+        rows, dim = residual.shape
+        out = torch.empty(rows, dim, dtype=torch.bfloat16)
+        x = None if x is None else x.contiguous()
+        if x is not None and (x.shape != residual.shape or x.dtype not in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the residual {tuple(residual.shape)}")
+        x_bf16 = x is not None and x.dtype == torch.bfloat16
+        self.add_rms_norm_bf16_function(
+            None if x is None else _ptr(x), int(x_bf16), _ptr(residual), _ptr(weight), _ptr(out), rows, dim, eps
+        )
+        return out
+
+    def rotary_bf16(
+        self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """As rotary, for bf16 x [T, H, D] (contiguous heads, rows may be strided), rotated in place."""
+        if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError(f"rotary_bf16 takes bf16 [T, H, D] with contiguous heads, got {x.dtype} {x.stride()}")
+        num_tokens, num_heads, head_dim = x.shape
+        self.rotary_bf16_function(
+            _ptr(x), x.stride(0), num_tokens, num_heads, head_dim, _ptr(cos_table), _ptr(sin_table), _ptr(positions)
+        )
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As silu_mul, for bf16 gate_up; bf16 [rows, dim] back."""
+        gate_up = gate_up.contiguous()
+        if gate_up.dtype != torch.bfloat16:
+            raise ValueError(f"silu_mul_bf16 takes bf16, got {gate_up.dtype}")
+        rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, dim)
+        self.silu_mul_bf16_function(_ptr(gate_up), _ptr(out), rows, dim)
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -646,6 +692,9 @@ def bind_kernels(library: ctypes.CDLL, threads: int, header_text: str | None = N
             functions["kvyard_rotary"],
             functions["kvyard_silu_mul"],
             functions["kvyard_argmax_rows"],
+            functions["kvyard_add_rms_norm_bf16"],
+            functions["kvyard_rotary_bf16"],
+            functions["kvyard_silu_mul_bf16"],
         ),
         SmallLinearInt8Kernel(functions["kvyard_small_linear_int8"], threads),
         SmallLinearHalfKernel(functions["kvyard_small_linear_half"], threads),

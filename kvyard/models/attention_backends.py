@@ -138,12 +138,26 @@ def bf16_prefill(
     """A prefill chunk's attention in bf16 through SDPA's fused CPU kernel, which multiplies with AMX where the
     CPU has it (2-core Xeon, bench preset's heads: 2.8x the native fp32 kernel on a whole 2,048-token context,
     1.4-2.9x where the chunk follows a cached prefix and needs a mask). fp32 [Tq, Hq, D] back."""
-    if span.block_table is None:
+    return bf16_prefill_attention(q, k, v, kv_cache, span, block_size, scale).float()
+
+
+def bf16_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """bf16_prefill's attention, left in bf16 ([Tq, Hq, D], a transposed view); q, k, v in fp32 or bf16."""
+    whole = span.context_len == span.query_len
+    # A whole context's keys read back from a bf16 cache are this chunk's keys rounded to bf16: no gather.
+    if span.block_table is None or (whole and kv_cache.dtype == torch.bfloat16):
         keys, values = k.to(torch.bfloat16), v.to(torch.bfloat16)
     else:
         keys = _gather(kv_cache[0], span.block_table, block_size, torch.bfloat16)[: span.context_len]
         values = _gather(kv_cache[1], span.block_table, block_size, torch.bfloat16)[: span.context_len]
-    whole = span.context_len == span.query_len
     # SDPA takes its fused CPU kernel only for 4-D inputs, hence the leading batch dim of 1.
     out = F.scaled_dot_product_attention(
         q.to(torch.bfloat16).transpose(0, 1)[None],
@@ -154,7 +168,7 @@ def bf16_prefill(
         scale=scale,
         enable_gqa=True,
     )
-    return out[0].transpose(0, 1).float()
+    return out[0].transpose(0, 1)
 
 
 def _bottom_right_causal(query_len: int, context_len: int) -> torch.Tensor:

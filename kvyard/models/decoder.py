@@ -13,6 +13,7 @@ from torch import nn
 
 from kvyard.kernels.ops import NativeKernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
+from kvyard.models.bf16_prefill import Bf16Prefill
 from kvyard.models.config import ModelConfig
 from kvyard.models.expert_residency import ExpertResidency
 from kvyard.models.experts import SparseMoE
@@ -129,6 +130,7 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config, self.rotary)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode: FusedDecode | None = None  # set by use_cpu_fast_paths
+        self.bf16_prefill: Bf16Prefill | None = None  # likewise
         self.expert_residency: ExpertResidency | None = None  # routed experts kept out of memory (paged_experts)
 
     def forward(
@@ -141,9 +143,11 @@ class CausalLM(nn.Module):
         """Returns the final hidden states [num_tokens, hidden_size]."""
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        fused = self.fused_decode
+        fused, bf16 = self.fused_decode, self.bf16_prefill
         if fused is not None and fused.applies(meta, hidden):
             hidden, residual = fused(positions, hidden, kv_caches, meta)
+        elif bf16 is not None and bf16.applies(meta, hidden):
+            hidden, residual = bf16(positions, hidden, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -193,4 +197,6 @@ class CausalLM(nn.Module):
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
         self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
+        with_bf16 = kernels is not None and bf16_matmul
+        self.bf16_prefill = Bf16Prefill.build(self, kernels.elementwise) if with_bf16 and kernels else None
         return True

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "half_float.h"
 #include "kvyard_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -87,6 +88,98 @@ void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim
         }
 #endif
         for (; i < dim; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/*
+ * bf16 activations between a prefill step's bf16 matmuls (the "_bf16" kernels): each computes in fp32 what its
+ * fp32 kernel computes and rounds the result to bf16 once, to nearest even, as PyTorch's cast does.
+ */
+
+/*
+ * As kvyard_add_rms_norm, with x given as fp32 or bf16 (x_is_bf16) and the normalised rows written in bf16; the
+ * residual stays fp32.
+ */
+NO_CONTRACT void kvyard_add_rms_norm_bf16(const void *x, int x_is_bf16, float *residual, const float *weight,
+                                          uint16_t *out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = residual + r * dim;
+        if (x != NULL && x_is_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) h[i] = bits_to_float((uint32_t)xr[i] << 16) + h[i];
+        } else if (x != NULL) {
+            const float *xr = (const float *)x + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + h[i];
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < dim; i++) squares += h[i] * h[i];
+        const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+        uint16_t *o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = float_to_bf16(weight[i] * (h[i] * inv_rms));
+    }
+}
+
+/* As kvyard_rotary, on bf16 rows (row_stride in elements). */
+NO_CONTRACT void kvyard_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
+                                    int64_t head_dim, const float *cos_table, const float *sin_table,
+                                    const int64_t *positions) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (num_tokens * num_heads * head_dim >= 65536)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos_table + positions[t] * half;
+        const float *s = sin_table + positions[t] * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            uint16_t *first = x + t * row_stride + h * head_dim;
+            uint16_t *second = first + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bits_to_float((uint32_t)first[i] << 16), b = bits_to_float((uint32_t)second[i] << 16);
+                first[i] = float_to_bf16(a * c[i] - b * s[i]);
+                second[i] = float_to_bf16(b * c[i] + a * s[i]);
+            }
+        }
+    }
+}
+
+/*
+ * As kvyard_silu_mul on bf16 rows, rounding where a bf16 model rounds: silu(gate) to bf16, then its product
+ * with up to bf16.
+ */
+void kvyard_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t dim) {
+#pragma omp parallel for if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * dim, *up = gate + dim;
+        uint16_t *o = out + r * dim;
+        float silu[64];
+        for (int64_t start = 0; start < dim; start += 64) {
+            const int64_t count = dim - start < 64 ? dim - start : 64;
+            int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            const __m256 one = _mm256_set1_ps(1.0f), minus_log2e = _mm256_set1_ps(-1.4426950408889634f);
+            const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+            for (; i + 8 <= count; i += 8) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(gate + start + i));
+                const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+                const __m256 e = exp2_nonpositive(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, x), minus_log2e));
+                const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, x), _mm256_add_ps(one, e));
+                _mm256_storeu_ps(silu + i, _mm256_mul_ps(x, sigmoid));
+            }
+#endif
+            for (; i < count; i++) {
+                const float x = bits_to_float((uint32_t)gate[start + i] << 16);
+                silu[i] = x / (1.0f + expf(-x));
+            }
+#pragma omp simd
+            for (i = 0; i < count; i++) {
+                const float rounded = bits_to_float((uint32_t)float_to_bf16(silu[i]) << 16);
+                o[start + i] = float_to_bf16(rounded * bits_to_float((uint32_t)up[start + i] << 16));
+            }
+        }
     }
 }
 

@@ -62,6 +62,11 @@ void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num
                    const float *cos_table, const float *sin_table, const int64_t *positions);
 void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim);
 void kvyard_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+void kvyard_add_rms_norm_bf16(const void *x, int x_is_bf16, float *residual, const float *weight, uint16_t *out,
+                              int64_t rows, int64_t dim, float eps);
+void kvyard_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                        const float *cos_table, const float *sin_table, const int64_t *positions);
+void kvyard_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t dim);
 
 /* decode_layer.c: one decoder layer of a step of m rows (decodes first, then short chunks) in one call,
  * computing exactly what the layer's kernels compute called one by one; weight kinds 0 fp32, 1 int8, 2 fp16,
