@@ -220,6 +220,21 @@ def test_paged_decode_matches_dense_attention(
     torch.testing.assert_close(out, _decode_reference(q, cache, tables, lens, block_size), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 128), (6, 2, 40)])
+def test_a_16_bit_cache_attends_exactly_as_an_fp32_cache_of_the_same_values(
+    native_kernels: NativeKernels, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """16-bit rows are widened in registers where head_dim allows (multiples of 64), into a buffer elsewhere
+    (40): either way, the same operations as on fp32 rows holding those values."""
+    q, cache, tables, lens, max_blocks = _decode_case(9, num_heads, num_kv_heads, head_dim, 16, 13)
+    half = cache.to(dtype)
+    out = native_kernels.paged_decode(q, half[0], half[1], tables, lens, max_blocks * 16, 16, head_dim**-0.5)
+    wide = half.float()
+    expected = native_kernels.paged_decode(q, wide[0], wide[1], tables, lens, max_blocks * 16, 16, head_dim**-0.5)
+    assert torch.equal(out, expected)
+
+
 def test_portable_decode_path_matches_too(portable: NativeKernels) -> None:
     q, cache, tables, lens, max_blocks = _decode_case(6, 8, 4, 64, 16, 12)
     out = portable.paged_decode(q, cache[0], cache[1], tables, lens, max_blocks * 16, 16, 64**-0.5)
