@@ -75,6 +75,7 @@ VLLM_OPTIONS = {
 # vLLM-CPU's default binding (VLLM_CPU_OMP_THREADS_BIND=auto) keeps a core for its scheduler and API server: on a
 # small machine that halves its compute, so each dtype also runs with its OpenMP threads bound to every core.
 VLLM_ALL_CORES = {"vllm fp32 all cores", "vllm bf16 all cores"}
+BASELINE_SUFFIX = " @baseline"  # a kvyard configuration run from the --baseline checkout
 # kvyard's configuration against vLLM's; where several vLLM configurations ran, the faster one on each shape.
 PAIRS = {
     "fp32": ("kvyard fp32", ("vllm fp32", "vllm fp32 all cores")),
@@ -83,12 +84,16 @@ PAIRS = {
 }
 
 
-def start_kvyard(model: Path, options: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_kvyard(
+    model: Path, options: list[str], log: Path, checkout: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvyard serve` of this checkout, or of another one's `kvyard` package (`--baseline`)."""
     port = free_port()
     command = [sys.executable, "-m", "kvyard", "serve", str(model), "--port", str(port), "--served-model-name", SERVED]
     command += ["--kv-cache-memory-gb", str(KV_CACHE_GB), *options]
+    env = {**os.environ, "PYTHONPATH": str(checkout)} if checkout is not None else None
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while not _healthy(url):
@@ -133,7 +138,10 @@ def run_shape(url: str, name: str, shape: Shape, seed: int, scratch: Path) -> di
     }
 
 
-def run_config(name: str, model: Path, shapes: dict[str, Shape], seed: int, scratch: Path) -> dict[str, Any]:
+def run_config(
+    name: str, model: Path, shapes: dict[str, Shape], seed: int, scratch: Path, baseline: Path | None = None
+) -> dict[str, Any]:
+    """Every shape against one server of configuration `name` (BASELINE_SUFFIX: kvyard from `baseline`)."""
     log = scratch / f"{name.replace(' ', '_')}.log"
     print(f"{name}: starting ...", file=sys.stderr, flush=True)
     stop: Callable[[], object]
@@ -145,6 +153,9 @@ def run_config(name: str, model: Path, shapes: dict[str, Shape], seed: int, scra
         )  # fmt: skip
         wait_ready([replica], timeout=600)
         url, stop = replica.url, replica.stop
+    elif name.endswith(BASELINE_SUFFIX):
+        process, url = start_kvyard(model, KVYARD_OPTIONS[name.removesuffix(BASELINE_SUFFIX)], log, baseline)
+        stop = partial(_stop, process)
     else:
         process, url = start_kvyard(model, KVYARD_OPTIONS[name], log)
         stop = partial(_stop, process)
@@ -184,6 +195,26 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if row["tpot_s"] and peer["tpot_s"]:
                 entry["tpot_p50"] = row["tpot_s"]["p50"] / peer["tpot_s"]["p50"]
             table.setdefault(pair, {})[shape] = entry
+    return table
+
+
+def over_baseline(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each kvyard configuration over the same configuration of the baseline checkout, per shape."""
+    table: dict[str, Any] = {}
+    for name, shapes in configs.items():
+        base = configs.get(name + BASELINE_SUFFIX)
+        if base is None:
+            continue
+        for shape, row in shapes.items():
+            entry = {
+                "vllm": "baseline",
+                "output_throughput": row["output_tokens_per_s"] / base[shape]["output_tokens_per_s"],
+            }
+            entry["prompt_throughput"] = row["prompt_tokens_per_s"] / base[shape]["prompt_tokens_per_s"]
+            entry |= {f"ttft_{q}": row["ttft_s"][q] / base[shape]["ttft_s"][q] for q in ("p50", "p99")}
+            if row["tpot_s"] and base[shape]["tpot_s"]:
+                entry["tpot_p50"] = row["tpot_s"]["p50"] / base[shape]["tpot_s"]["p50"]
+            table.setdefault(name, {})[shape] = entry
     return table
 
 
@@ -265,21 +296,31 @@ def main() -> int:
         help="rounds of every configuration, the order reversed every other round (a shared VM drifts: ratios "
         "are taken within a round, then their median)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of kvyard (a git worktree): each kvyard configuration also runs from it, in the "
+        "same rounds, and the JSON gets this checkout over that one",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.baseline is not None and not (args.baseline / "kvyard" / "__init__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no kvyard package there")
     model = cached_model(args.work_dir)
     shapes = {name: SHAPES[name] for name in args.shape or SHAPES}
     if args.requests is not None:
         shapes = {name: replace(shape, requests=args.requests) for name, shape in shapes.items()}
     chosen = args.config or [*KVYARD_OPTIONS, *VLLM_OPTIONS]
+    if args.baseline is not None:
+        chosen = [*chosen, *(name + BASELINE_SUFFIX for name in chosen if name in KVYARD_OPTIONS)]
     scratch = Path(tempfile.mkdtemp(prefix="online-serving-"))
     rounds = []
     for number in range(args.repeats):
         order = chosen if number % 2 == 0 else chosen[::-1]
         if args.repeats > 1:
             print(f"round {number + 1} of {args.repeats}", file=sys.stderr, flush=True)
-        ran = {name: run_config(name, model, shapes, args.seed, scratch) for name in order}
+        ran = {name: run_config(name, model, shapes, args.seed, scratch, args.baseline) for name in order}
         rounds.append({name: ran[name] for name in chosen})
     configs = rounds[0] if len(rounds) == 1 else median_configs(rounds)
     result: dict[str, Any] = {
@@ -297,15 +338,18 @@ def main() -> int:
             "order": "one server at a time, configurations in the order listed (reversed every other round), "
             "shapes in order on each",
             "repeats": args.repeats,
-            "kvyard_commit": _commit(),
+            "kvyard_commit": _commit(REPO),
+            "baseline_commit": _commit(args.baseline) if args.baseline is not None else None,
         },
         "configs": configs,
     }
     if len(rounds) > 1:
         result["rounds"] = rounds
         result["kvyard_over_vllm"] = median_ratios([ratios(configs) for configs in rounds])
+        result["kvyard_over_baseline"] = median_ratios([over_baseline(configs) for configs in rounds])
     else:
         result["kvyard_over_vllm"] = ratios(configs)
+        result["kvyard_over_baseline"] = over_baseline(configs)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     if result["kvyard_over_vllm"]:
         plot(result, args.out.with_suffix(".png"))
@@ -328,9 +372,9 @@ def _cpu_flags() -> list[str]:
     return []
 
 
-def _commit() -> str:
+def _commit(checkout: Path) -> str:
     try:
-        return subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
