@@ -207,7 +207,7 @@ def over_baseline(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             continue
         for shape, row in shapes.items():
             entry = {
-                "vllm": "baseline",
+                "against": "baseline",
                 "output_throughput": row["output_tokens_per_s"] / base[shape]["output_tokens_per_s"],
             }
             entry["prompt_throughput"] = row["prompt_tokens_per_s"] / base[shape]["prompt_tokens_per_s"]
@@ -224,8 +224,8 @@ def median_ratios(tables: list[dict[str, Any]]) -> dict[str, Any]:
     for pair, shapes in tables[0].items():
         for shape, first in shapes.items():
             rounds = [table[pair][shape] for table in tables if shape in table.get(pair, {})]
-            measures = [key for key in first if key != "vllm"]
-            entry: dict[str, Any] = {"vllm": first["vllm"]}
+            measures = [key for key, value in first.items() if isinstance(value, float)]
+            entry: dict[str, Any] = {key: value for key, value in first.items() if key not in measures}
             entry |= {key: statistics.median(r[key] for r in rounds if key in r) for key in measures}
             entry["rounds"] = [{key: r[key] for key in measures if key in r} for r in rounds]
             merged.setdefault(pair, {})[shape] = entry
