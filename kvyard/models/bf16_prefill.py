@@ -1,13 +1,13 @@
 """The decoder layers of a many-row step in bf16 activations, for a model that multiplies in bf16.
 
 With `--matmul-dtype bfloat16`, each projection rounds its input to bf16 and returns an fp32 copy of its bf16
-product, so a layer of a prefill step converts its activations between fp32 and bf16 eight times (a fifth of a
-2,048-token prefill on the bench preset). Here the activations stay in bf16 from the norm to the attention and
-from the attention to the next norm: the norms read the residual stream in fp32 and write bf16, rotary rotates
-bf16 queries, and SiLU-and-multiply runs on bf16. Each value is rounded where the modules round it, so the
-hidden states are bit-identical to theirs (tests/test_bf16_prefill.py). The keys, the values and any decode
-rows' queries take their fp32 route as in the modules: the cache stores what it stores from fp32 keys, in any
-KV format.
+product, so a layer of a prefill step converts its activations between fp32 and bf16 eight times (an eighth of a
+2,048-token prefill's operator time on the bench preset, and PyTorch's bf16 SiLU and product another tenth).
+Here the activations stay in bf16 from the norm to the attention and from the attention to the next norm: the
+norms read the residual stream in fp32 and write bf16, rotary rotates bf16 queries, and SiLU-and-multiply runs on
+bf16. Each value is rounded where the modules round it, so the hidden states are bit-identical to theirs
+(tests/test_bf16_prefill.py). The keys, the values and any decode rows' queries take their fp32 route as in the
+modules: the cache stores what it stores from fp32 keys, in any KV format.
 """
 
 from __future__ import annotations
