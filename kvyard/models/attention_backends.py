@@ -117,28 +117,13 @@ class CPUNativeBackend:
     ) -> torch.Tensor:
         _require_fp32_cpu(q, k, v)
         if self.bf16_prefill:
-            return bf16_prefill(q, k, v, kv_cache, span, meta.block_size, scale)
+            return bf16_prefill_attention(q, k, v, kv_cache, span, meta.block_size, scale).float()
         kernel = self.kernels.paged_prefill
         # The kernel also beats SDPA's causal path on whole-context chunks (measured on the bench
         # preset's shapes, 16 to 2,500 tokens: 1.2-2x), so it takes those too.
         if span.block_table is None:
             return kernel.causal(q, k, v, scale)
         return kernel(q, kv_cache[0], kv_cache[1], span.block_table, span.context_len, meta.block_size, scale)
-
-
-def bf16_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    span: PrefillSpan,
-    block_size: int,
-    scale: float,
-) -> torch.Tensor:
-    """A prefill chunk's attention in bf16 through SDPA's fused CPU kernel, which multiplies with AMX where the
-    CPU has it (2-core Xeon, bench preset's heads: 2.8x the native fp32 kernel on a whole 2,048-token context,
-    1.4-2.9x where the chunk follows a cached prefix and needs a mask). fp32 [Tq, Hq, D] back."""
-    return bf16_prefill_attention(q, k, v, kv_cache, span, block_size, scale).float()
 
 
 def bf16_prefill_attention(
@@ -150,7 +135,10 @@ def bf16_prefill_attention(
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """bf16_prefill's attention, left in bf16 ([Tq, Hq, D], a transposed view); q, k, v in fp32 or bf16."""
+    """A prefill chunk's attention in bf16 through SDPA's fused CPU kernel, which multiplies with AMX where the
+    CPU has it (2-core Xeon, bench preset's heads: 2.8x the native fp32 kernel on a whole 2,048-token context,
+    1.4-2.9x where the chunk follows a cached prefix and needs a mask). q, k, v in fp32 or bf16; bf16
+    [Tq, Hq, D] back (a transposed view)."""
     whole = span.context_len == span.query_len
     # A whole context's keys read back from a bf16 cache are this chunk's keys rounded to bf16: no gather.
     if span.block_table is None or (whole and kv_cache.dtype == torch.bfloat16):

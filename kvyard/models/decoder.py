@@ -197,6 +197,7 @@ class CausalLM(nn.Module):
             if isinstance(module, NativeElementwise):
                 module.use_native_kernels(kernels.elementwise if kernels is not None else None)
         self.fused_decode = FusedDecode.build(self, kernels.decode_layer) if kernels is not None else None
-        with_bf16 = kernels is not None and bf16_matmul
-        self.bf16_prefill = Bf16Prefill.build(self, kernels.elementwise) if with_bf16 and kernels else None
+        self.bf16_prefill = (
+            Bf16Prefill.build(self, kernels.elementwise) if kernels is not None and bf16_matmul else None
+        )
         return True

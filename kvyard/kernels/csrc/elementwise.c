@@ -18,15 +18,20 @@
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
 /*
- * residual[r] += x[r] (skipped when x is NULL); out[r] = weight * (residual[r] * rsqrt(mean(residual[r]^2) + eps)).
+ * residual[r] += x[r] (skipped when x is NULL, x fp32 or bf16); out[r] = weight * (residual[r] * rsqrt(mean(
+ * residual[r]^2) + eps)), written in fp32 or rounded to bf16.
  */
-NO_CONTRACT void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                                     int64_t dim, float eps) {
+NO_CONTRACT static void add_rms_norm_rows(const void *x, int x_is_bf16, float *residual, const float *weight,
+                                          void *out, int out_is_bf16, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows * dim >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *h = residual + r * dim;
-        if (x != NULL) {
-            const float *xr = x + r * dim;
+        if (x != NULL && x_is_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) h[i] = bits_to_float((uint32_t)xr[i] << 16) + h[i];
+        } else if (x != NULL) {
+            const float *xr = (const float *)x + r * dim;
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + h[i];
         }
@@ -34,34 +39,63 @@ NO_CONTRACT void kvyard_add_rms_norm(const float *x, float *residual, const floa
 #pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < dim; i++) squares += h[i] * h[i];
         const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
-        float *o = out + r * dim;
+        if (out_is_bf16) {
+            uint16_t *o = (uint16_t *)out + r * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (h[i] * inv_rms);
+            for (int64_t i = 0; i < dim; i++) o[i] = float_to_bf16(weight[i] * (h[i] * inv_rms));
+        } else {
+            float *o = (float *)out + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (h[i] * inv_rms);
+        }
     }
 }
 
+void kvyard_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                         int64_t dim, float eps) {
+    add_rms_norm_rows(x, 0, residual, weight, out, 0, rows, dim, eps);
+}
+
 /*
- * Rotate-half rotary embedding in place. Row t holds num_heads heads of head_dim at x + t * row_stride;
- * cos/sin tables are [max_positions, head_dim / 2].
+ * Rotate-half rotary embedding in place, of fp32 or bf16 rows (each value computed in fp32, rounded back to bf16).
+ * Row t holds num_heads heads of head_dim at x + t * row_stride (elements); cos/sin tables are
+ * [max_positions, head_dim / 2].
  */
-NO_CONTRACT void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                               const float *cos_table, const float *sin_table, const int64_t *positions) {
+NO_CONTRACT static void rotate_rows(void *x, int is_bf16, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
+                                    int64_t head_dim, const float *cos_table, const float *sin_table,
+                                    const int64_t *positions) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for if (num_tokens * num_heads * head_dim >= 65536)
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *c = cos_table + positions[t] * half;
         const float *s = sin_table + positions[t] * half;
         for (int64_t h = 0; h < num_heads; h++) {
-            float *first = x + t * row_stride + h * head_dim;
-            float *second = first + half;
+            const int64_t offset = t * row_stride + h * head_dim;
+            if (is_bf16) {
+                uint16_t *first = (uint16_t *)x + offset, *second = first + half;
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = first[i], b = second[i];
-                first[i] = a * c[i] - b * s[i];
-                second[i] = b * c[i] + a * s[i];
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = bits_to_float((uint32_t)first[i] << 16);
+                    const float b = bits_to_float((uint32_t)second[i] << 16);
+                    first[i] = float_to_bf16(a * c[i] - b * s[i]);
+                    second[i] = float_to_bf16(b * c[i] + a * s[i]);
+                }
+            } else {
+                float *first = (float *)x + offset, *second = first + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = first[i], b = second[i];
+                    first[i] = a * c[i] - b * s[i];
+                    second[i] = b * c[i] + a * s[i];
+                }
             }
         }
     }
+}
+
+void kvyard_rotary(float *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                   const float *cos_table, const float *sin_table, const int64_t *positions) {
+    rotate_rows(x, 0, row_stride, num_tokens, num_heads, head_dim, cos_table, sin_table, positions);
 }
 
 /*
@@ -100,50 +134,15 @@ void kvyard_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t dim
  * As kvyard_add_rms_norm, with x given as fp32 or bf16 (x_is_bf16) and the normalised rows written in bf16; the
  * residual stays fp32.
  */
-NO_CONTRACT void kvyard_add_rms_norm_bf16(const void *x, int x_is_bf16, float *residual, const float *weight,
-                                          uint16_t *out, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for if (rows * dim >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        float *h = residual + r * dim;
-        if (x != NULL && x_is_bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) h[i] = bits_to_float((uint32_t)xr[i] << 16) + h[i];
-        } else if (x != NULL) {
-            const float *xr = (const float *)x + r * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + h[i];
-        }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < dim; i++) squares += h[i] * h[i];
-        const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
-        uint16_t *o = out + r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = float_to_bf16(weight[i] * (h[i] * inv_rms));
-    }
+void kvyard_add_rms_norm_bf16(const void *x, int x_is_bf16, float *residual, const float *weight, uint16_t *out,
+                              int64_t rows, int64_t dim, float eps) {
+    add_rms_norm_rows(x, x_is_bf16, residual, weight, out, 1, rows, dim, eps);
 }
 
 /* As kvyard_rotary, on bf16 rows (row_stride in elements). */
-NO_CONTRACT void kvyard_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
-                                    int64_t head_dim, const float *cos_table, const float *sin_table,
-                                    const int64_t *positions) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for if (num_tokens * num_heads * head_dim >= 65536)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos_table + positions[t] * half;
-        const float *s = sin_table + positions[t] * half;
-        for (int64_t h = 0; h < num_heads; h++) {
-            uint16_t *first = x + t * row_stride + h * head_dim;
-            uint16_t *second = first + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = bits_to_float((uint32_t)first[i] << 16), b = bits_to_float((uint32_t)second[i] << 16);
-                first[i] = float_to_bf16(a * c[i] - b * s[i]);
-                second[i] = float_to_bf16(b * c[i] + a * s[i]);
-            }
-        }
-    }
+void kvyard_rotary_bf16(uint16_t *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                        const float *cos_table, const float *sin_table, const int64_t *positions) {
+    rotate_rows(x, 1, row_stride, num_tokens, num_heads, head_dim, cos_table, sin_table, positions);
 }
 
 /*

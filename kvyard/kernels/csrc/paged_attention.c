@@ -61,15 +61,36 @@ static inline __m128 sum_each(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
+
+#ifdef __F16C__
+#define HALF_ROWS_SIMD 1 /* bf16 and fp16 rows are read in place, widened in registers */
 #endif
 
-/* score_row for `rows` (at most SCORE_ROWS) key rows k[0..rows): scores[g * scores_stride + r]. With AVX2 eight dot
- * products share each load of q, and every four of them one reduction. */
-static inline void score_rows(const float *q, const float *const *k, int rows, int group, int head_dim, float scale,
-                              float *scores, int64_t scores_stride) {
+/* Eight values of a row as fp32: an fp32 row (kind KV_FP32), or with HALF_ROWS_SIMD a bf16 or fp16 one. Widened in
+ * registers, a 16-bit row goes through the same FMAs in the same order as the fp32 row of its values, so a bf16 or
+ * fp16 cache attends exactly as an fp32 cache holding the same values. */
+static inline __m256 load_row8(const void *row, int d, int kind) {
+#ifdef HALF_ROWS_SIMD
+    if (kind != KV_FP32) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+        return kind == KV_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                               : _mm256_cvtph_ps(raw);
+    }
+#else
+    (void)kind;
+#endif
+    return _mm256_loadu_ps((const float *)row + d);
+}
+#endif
+
+/* score_row for `rows` (at most SCORE_ROWS) key rows k[0..rows) of `kind` (load_row8; KV_FP32 only where the
+ * vector path does not apply): scores[g * scores_stride + r]. With AVX2 eight dot products share each load of q,
+ * and every four of them one reduction. */
+static inline void score_rows(const float *q, const void *const *k, int rows, int group, int head_dim, float scale,
+                              float *scores, int64_t scores_stride, int kind) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (head_dim % 8 == 0) {
-        const float *kr[SCORE_ROWS];
+        const void *kr[SCORE_ROWS];
         for (int r = 0; r < SCORE_ROWS; r++) kr[r] = k[r < rows ? r : 0];
         for (int g = 0; g < group; g++) {
             const float *qg = q + (int64_t)g * head_dim;
@@ -77,7 +98,7 @@ static inline void score_rows(const float *q, const float *const *k, int rows, i
             for (int r = 0; r < SCORE_ROWS; r++) a[r] = _mm256_setzero_ps();
             for (int d = 0; d < head_dim; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int r = 0; r < SCORE_ROWS; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[r] + d), qv, a[r]);
+                for (int r = 0; r < SCORE_ROWS; r++) a[r] = _mm256_fmadd_ps(load_row8(kr[r], d, kind), qv, a[r]);
             }
             float dots[SCORE_ROWS];
             _mm_storeu_ps(dots, _mm_mul_ps(sum_each(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
@@ -86,13 +107,15 @@ static inline void score_rows(const float *q, const float *const *k, int rows, i
         }
         return;
     }
+#else
+    (void)kind;
 #endif
     for (int r = 0; r < rows; r++) score_row(q, k[r], group, head_dim, scale, scores + r, scores_stride);
 }
 
 /* accumulate_row for `rows` (at most ROW_STEP) value rows v[0..rows), probs[g * probs_stride + r]. With AVX2 each
  * output vector is loaded and stored once for all of them. */
-static inline void accumulate_rows(const float *const *v, int rows, const float *probs, int64_t probs_stride,
+static inline void accumulate_rows(const void *const *v, int rows, const float *probs, int64_t probs_stride,
                                    int group, int head_dim, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (head_dim % 8 == 0) {
@@ -117,10 +140,11 @@ static inline void accumulate_rows(const float *const *v, int rows, const float 
     for (int r = 0; r < rows; r++) accumulate_row(v[r], probs + r, probs_stride, group, head_dim, out);
 }
 
-/* accumulate_rows for `rows` (at most ACC_ROWS) value rows. With AVX2 and head_dim a multiple of 64, each 64 outputs
- * of a query head sit in eight registers for all the rows. Each output is its rows' FMAs in row order either way. */
-static inline void accumulate_many_rows(const float *const *v, int rows, const float *probs, int64_t probs_stride,
-                                        int group, int head_dim, float *out) {
+/* accumulate_rows for `rows` (at most ACC_ROWS) value rows of `kind` (as score_rows). With AVX2 and head_dim a
+ * multiple of 64, each 64 outputs of a query head sit in eight registers for all the rows. Each output is its rows'
+ * FMAs in row order either way. */
+static inline void accumulate_many_rows(const void *const *v, int rows, const float *probs, int64_t probs_stride,
+                                        int group, int head_dim, float *out, int kind) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (head_dim % 64 == 0) {
         for (int g = 0; g < group; g++) {
@@ -131,70 +155,21 @@ static inline void accumulate_many_rows(const float *const *v, int rows, const f
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + d0 + 8 * j);
                 for (int r = 0; r < rows; r++) {
                     const __m256 pr = _mm256_set1_ps(p[r]);
-                    const float *vr = v[r] + d0;
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_fmadd_ps(pr, load_row8(v[r], d0 + 8 * j, kind), acc[j]);
                 }
                 for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
             }
         }
         return;
     }
+#else
+    (void)kind;
 #endif
     for (int r = 0; r < rows; r += ROW_STEP)
         accumulate_rows(v + r, rows - r < ROW_STEP ? rows - r : ROW_STEP, probs + r, probs_stride, group, head_dim,
                         out);
 }
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define HALF_ROWS_SIMD 1
-/* Eight values of a bf16 or fp16 row as fp32, widened in registers. */
-static inline __m256 load_half8(const uint16_t *p, int is_bf16) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    return is_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
-}
-
-/* score_rows over 16-bit key rows read in place, widened in registers rather than into a buffer that is loaded
- * back. The same FMAs and sums in the same order as score_rows: a bf16 or fp16 cache scores exactly as an fp32
- * cache holding the same values. head_dim a multiple of 8. */
-static inline void score_half_rows(const float *q, const uint16_t *const *k, int rows, int group, int head_dim,
-                                   float scale, float *scores, int64_t scores_stride, int is_bf16) {
-    const uint16_t *kr[SCORE_ROWS];
-    for (int r = 0; r < SCORE_ROWS; r++) kr[r] = k[r < rows ? r : 0];
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + (int64_t)g * head_dim;
-        __m256 a[SCORE_ROWS];
-        for (int r = 0; r < SCORE_ROWS; r++) a[r] = _mm256_setzero_ps();
-        for (int d = 0; d < head_dim; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qg + d);
-            for (int r = 0; r < SCORE_ROWS; r++) a[r] = _mm256_fmadd_ps(load_half8(kr[r] + d, is_bf16), qv, a[r]);
-        }
-        float dots[SCORE_ROWS];
-        _mm_storeu_ps(dots, _mm_mul_ps(sum_each(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
-        _mm_storeu_ps(dots + 4, _mm_mul_ps(sum_each(a[4], a[5], a[6], a[7]), _mm_set1_ps(scale)));
-        for (int r = 0; r < rows; r++) scores[g * scores_stride + r] = dots[r];
-    }
-}
-
-
-/* accumulate_many_rows over 16-bit value rows read in place, as score_half_rows; head_dim a multiple of 64. */
-static inline void accumulate_many_half_rows(const uint16_t *const *v, int rows, const float *probs,
-                                             int64_t probs_stride, int group, int head_dim, float *out, int is_bf16) {
-    for (int g = 0; g < group; g++) {
-        const float *p = probs + g * probs_stride;
-        float *o = out + (int64_t)g * head_dim;
-        for (int d0 = 0; d0 < head_dim; d0 += 64) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + d0 + 8 * j);
-            for (int r = 0; r < rows; r++) {
-                const __m256 pr = _mm256_set1_ps(p[r]);
-                const uint16_t *vr = v[r] + d0;
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(pr, load_half8(vr + 8 * j, is_bf16), acc[j]);
-            }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
-        }
-    }
-}
-#endif
 
 /* Blocks sit at random places in the cache, which defeats the hardware prefetcher at every block
  * boundary; so while one block is read, the same row of the next block is requested. */
@@ -248,19 +223,27 @@ typedef struct {
     float scale;
 } Cache;
 
-/* Pointers to `rows` consecutive rows of one KV head, as fp32: in place for an fp32 cache, else widened into
- * `buffer` (`rows` rows of head_dim floats). */
-static inline void rows_as_float(const Cache *c, const uint8_t *first, int rows, float *buffer, const float **out) {
-    for (int r = 0; r < rows; r++)
-        out[r] = kv_row_as_float(first + r * c->slot_bytes, c->kv_dtype, c->head_dim, buffer + r * c->head_dim);
+/* score_rows and accumulate_many_rows with the row kind a constant at each call, so that each kind gets loops of its
+ * own rather than a test of the kind at every load. */
+static inline void score_rows_of(int kind, const float *q, const void *const *k, int rows, int group, int head_dim,
+                                 float scale, float *scores, int64_t scores_stride) {
+    switch (kind) {
+    case KV_BF16: score_rows(q, k, rows, group, head_dim, scale, scores, scores_stride, KV_BF16); break;
+    case KV_FP16: score_rows(q, k, rows, group, head_dim, scale, scores, scores_stride, KV_FP16); break;
+    default: score_rows(q, k, rows, group, head_dim, scale, scores, scores_stride, KV_FP32);
+    }
 }
 
-/* Pointers to `rows` consecutive 16-bit rows of one KV head, in place. */
-static inline void half_rows(const Cache *c, const uint8_t *first, int rows, const uint16_t **out) {
-    for (int r = 0; r < rows; r++) out[r] = (const uint16_t *)(first + r * c->slot_bytes);
+static inline void accumulate_many_rows_of(int kind, const void *const *v, int rows, const float *probs,
+                                           int64_t probs_stride, int group, int head_dim, float *out) {
+    switch (kind) {
+    case KV_BF16: accumulate_many_rows(v, rows, probs, probs_stride, group, head_dim, out, KV_BF16); break;
+    case KV_FP16: accumulate_many_rows(v, rows, probs, probs_stride, group, head_dim, out, KV_FP16); break;
+    default: accumulate_many_rows(v, rows, probs, probs_stride, group, head_dim, out, KV_FP32);
+    }
 }
 
-/* Whether the rows are bf16 or fp16 of a head_dim the in-place paths take. */
+/* Whether the rows are bf16 or fp16 of a head_dim the vector paths read in place (load_row8). */
 static inline int reads_half_rows(const Cache *c) {
 #ifdef HALF_ROWS_SIMD
     return (c->kv_dtype == KV_BF16 || c->kv_dtype == KV_FP16) && c->head_dim % 64 == 0;
@@ -268,6 +251,17 @@ static inline int reads_half_rows(const Cache *c) {
     (void)c;
     return 0;
 #endif
+}
+
+/* Pointers to `rows` consecutive rows of one KV head: in place `in_place` (16-bit rows read by load_row8) or for an
+ * fp32 cache, else widened to fp32 into `buffer` (`rows` rows of head_dim floats). */
+static inline void row_pointers(const Cache *c, const uint8_t *first, int rows, int in_place, float *buffer,
+                                const void **out) {
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *row = first + r * c->slot_bytes;
+        out[r] = in_place ? (const void *)row
+                          : (const void *)kv_row_as_float(row, c->kv_dtype, c->head_dim, buffer + r * c->head_dim);
+    }
 }
 
 /*
@@ -284,10 +278,8 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
     const int64_t span = (int64_t)(last_kv_head - first_kv_head) * c->row_bytes;
     const int64_t first_row = first_kv_head * c->row_bytes;
     float buffer[ACC_ROWS * head_dim];
-    const float *rows_f[ACC_ROWS];
-    const uint16_t *rows_h[ACC_ROWS];
-    const int in_place = reads_half_rows(c), is_bf16 = c->kv_dtype == KV_BF16;
-    (void)rows_h, (void)is_bf16, (void)in_place;
+    const void *row_ptrs[ACC_ROWS];
+    const int in_place = reads_half_rows(c), kind = in_place ? c->kv_dtype : KV_FP32;
     q += first_kv_head * group_size;
     out += first_kv_head * group_size;
     for (int64_t t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
@@ -300,18 +292,9 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
             if (next_k != NULL)
                 for (int i = 0; i < step; i++) prefetch_row(next_k + (r + i) * c->slot_bytes, span);
             for (int h = 0; h < last_kv_head - first_kv_head; h++) {
-                const uint8_t *first = k + r * c->slot_bytes + h * c->row_bytes;
-                float *row_scores = scores + h * group * context_len + t0 + r;
-#ifdef HALF_ROWS_SIMD
-                if (in_place) {
-                    half_rows(c, first, step, rows_h);
-                    score_half_rows(q + h * group_size, rows_h, step, group, head_dim, c->scale, row_scores,
-                                    context_len, is_bf16);
-                    continue;
-                }
-#endif
-                rows_as_float(c, first, step, buffer, rows_f);
-                score_rows(q + h * group_size, rows_f, step, group, head_dim, c->scale, row_scores, context_len);
+                row_pointers(c, k + r * c->slot_bytes + h * c->row_bytes, step, in_place, buffer, row_ptrs);
+                score_rows_of(kind, q + h * group_size, row_ptrs, step, group, head_dim, c->scale,
+                              scores + h * group * context_len + t0 + r, context_len);
             }
         }
     }
@@ -327,18 +310,9 @@ static void attend(const Cache *c, const float *q, const int64_t *table, int64_t
             if (next_v != NULL)
                 for (int i = 0; i < step; i++) prefetch_row(next_v + (r + i) * c->slot_bytes, span);
             for (int h = 0; h < last_kv_head - first_kv_head; h++) {
-                const uint8_t *first = v + r * c->slot_bytes + h * c->row_bytes;
-                const float *probs = scores + h * group * context_len + t0 + r;
-#ifdef HALF_ROWS_SIMD
-                if (in_place) {
-                    half_rows(c, first, step, rows_h);
-                    accumulate_many_half_rows(rows_h, step, probs, context_len, group, head_dim, out + h * group_size,
-                                              is_bf16);
-                    continue;
-                }
-#endif
-                rows_as_float(c, first, step, buffer, rows_f);
-                accumulate_many_rows(rows_f, step, probs, context_len, group, head_dim, out + h * group_size);
+                row_pointers(c, v + r * c->slot_bytes + h * c->row_bytes, step, in_place, buffer, row_ptrs);
+                accumulate_many_rows_of(kind, row_ptrs, step, scores + h * group * context_len + t0 + r, context_len,
+                                        group, head_dim, out + h * group_size);
             }
         }
     }
